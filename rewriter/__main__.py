@@ -1,0 +1,5 @@
+import sys
+
+from rewriter.cli import main
+
+sys.exit(main())

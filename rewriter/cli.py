@@ -1,0 +1,87 @@
+"""Command line: ``python -m rewriter inspect`` (also the ``k3-rewriter`` console script).
+
+Bad input (unknown model, layer out of range, a TP size that does not divide the
+model, a bad batch) ends with one line naming the problem and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from rewriter.config import PRESETS, ConfigError, KimiK3Config
+from rewriter.cost import H200_COPY_TBPS
+from rewriter.shape import ARCHES, DecodeShape, ShapeError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rewriter", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    ins = sub.add_parser("inspect", help="trace one decoder layer at a decode shape and report it (no GPU needed)")
+    ins.add_argument("--model", default="kimi-k3",
+                     help=f"a preset ({', '.join(PRESETS)}) or a path to a config.json (default kimi-k3)")
+    ins.add_argument("--layer", type=int, default=1, help="0-based layer index (default 1, a KDA+MoE layer)")
+    ins.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
+    ins.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
+    ins.add_argument("--batch", type=_positive_int, default=1, help="decode requests in the step (default 1)")
+    ins.add_argument("--q", type=_positive_int, default=1, help="tokens per request (default 1; >1: speculative)")
+    ins.add_argument("--context", type=int, default=4096, help="tokens already cached per request (default 4096)")
+    ins.add_argument("--block-size", type=_positive_int, default=64, help="MLA cache page size (default 64)")
+    ins.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
+    ins.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
+    ins.add_argument("--hbm-tbps", type=float, default=H200_COPY_TBPS,
+                     help=f"HBM bandwidth for the floor, TB/s (default {H200_COPY_TBPS}, measured H200 copy)")
+    ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ins.add_argument("--nodes", action="store_true", help="list every graph node in the table")
+    ins.add_argument("--dot", type=Path, metavar="PATH", help="also write the graph as Graphviz source to PATH")
+    return p
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from rewriter.layers import build_layer
+    from rewriter.report import build_report, render_table, to_dot
+    from rewriter.trace import trace
+
+    if args.hbm_tbps <= 0:
+        raise ShapeError(f"--hbm-tbps must be positive, got {args.hbm_tbps}")
+    cfg = KimiK3Config.load(args.model)
+    dtype = DTYPES[args.dtype]
+    shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
+                        context=args.context, block_size=args.block_size)
+    layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype)
+    lg = trace(layer, shape)
+    report = build_report(lg, model=args.model, hbm_tbps=args.hbm_tbps)
+    if args.dot:
+        args.dot.write_text(to_dot(lg))
+    print(json.dumps(report, indent=1) if args.json else render_table(report, show_nodes=args.nodes))
+    if args.dot and not args.json:
+        print(f"\ngraph written to {args.dot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run_inspect(args)
+    except (ConfigError, ShapeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""KDA (Kimi Delta Attention) for decode, Kimi K3's full-rank-gate variant.
+
+Follows vLLM 0.33.0 ``models/kimi_k3/nvidia/kda.py`` (``KimiK3DeltaAttention``):
+one packed projection ``in_proj_qkvgfab`` (q, k, v, output gate g, the gate's low-rank
+input f_a, beta), ``f_b_proj`` lifting f_a to a full-rank decay gate, a width-4 short
+convolution with SiLU on q, k, v (bf16 state), an L2-normalized delta-rule update of
+an fp32 [V, K] state per head with a per-channel decay bounded below by
+``gate_lower_bound``, a sigmoid-gated RMSNorm and ``o_proj`` with its all-reduce.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from rewriter.config import KimiK3Config
+from rewriter.layers.common import Weight, l2_normalize
+from rewriter.layers.sharding import COLUMN, REPLICATED, ROW, Piece, Sharding
+from rewriter.regions import region
+
+k3 = torch.ops.k3
+
+
+class KimiDeltaAttention(nn.Module):
+    STATE_NAMES = ("conv_state", "recurrent_state", "state_indices")
+
+    def __init__(self, cfg: KimiK3Config, tp: int, dtype: torch.dtype, tp_group: str):
+        super().__init__()
+        s = cfg.shard(tp)
+        self.tp, self.tp_group = tp, tp_group
+        self.heads, self.head_dim, self.proj = s.kda_heads, cfg.kda_head_dim, s.kda_projection
+        self.conv_size = cfg.short_conv_kernel_size
+        self.lower_bound = cfg.gate_lower_bound
+        self.norm_eps = 1e-5  # FusedRMSNormGated's default, as vLLM constructs o_norm
+        full_proj = cfg.kda_num_heads * cfg.kda_head_dim
+        self.split_sizes = [3 * self.proj, self.proj, self.head_dim, self.heads, s.in_proj_padding]
+        self.in_proj_qkvgfab = Weight(
+            (s.in_proj_qkvgfab, cfg.hidden_size), dtype,
+            Sharding(0, (Piece(full_proj),) * 4 + (Piece(cfg.kda_head_dim, split=False), Piece(cfg.kda_num_heads)),
+                     align=16),
+        )
+        self.f_b_proj = Weight((self.proj, self.head_dim), dtype, COLUMN)
+        self.dt_bias = nn.Parameter(torch.empty(self.proj, dtype=torch.float32), requires_grad=False)
+        self.conv1d = Weight((3 * self.proj, 1, self.conv_size), torch.float32, Sharding(0, (Piece(full_proj),) * 3))
+        self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
+        self.o_norm = Weight((self.head_dim,), dtype, REPLICATED)
+        self.o_proj = Weight((cfg.hidden_size, self.proj), dtype, ROW)
+        self.shardings = {"dt_bias": COLUMN, "A_log": COLUMN}
+
+    def decay(self, g1: Tensor) -> Tensor:
+        """Log decay per channel from the raw gate: lb*sigmoid(e^A (g + dt_bias)), else -e^A softplus(.)."""
+        g = g1.float().view(-1, self.heads, self.head_dim) + self.dt_bias.view(self.heads, self.head_dim)
+        a = torch.exp(self.A_log).view(1, self.heads, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(a * g)
+        return -a * torch.nn.functional.softplus(g)
+
+    def forward(self, x: Tensor, conv_state: Tensor, recurrent_state: Tensor, state_indices: Tensor) -> Tensor:
+        heads, head_dim = self.heads, self.head_dim
+        with region("kda.in_proj"):
+            projected = torch.nn.functional.linear(x, self.in_proj_qkvgfab.weight)
+            mixed_qkv, g_out, f_a, beta, _ = projected.split(self.split_sizes, dim=-1)
+        with region("kda.f_b_proj"):
+            g1 = torch.nn.functional.linear(f_a, self.f_b_proj.weight)
+        with region("kda.core"):
+            conv_w = self.conv1d.weight.view(3 * self.proj, self.conv_size)
+            qkv = k3.kda_conv_update(mixed_qkv, conv_state, conv_w, state_indices)
+            q, k, v = qkv.view(-1, 3, heads, head_dim).unbind(1)
+            q = l2_normalize(q) * head_dim**-0.5
+            k = l2_normalize(k)
+            decay = self.decay(g1)
+            strength = torch.sigmoid(beta.float())
+            o = k3.kda_recurrent_step(q, k, v, decay, strength, recurrent_state, state_indices)
+            # sigmoid-gated RMSNorm per head (FusedRMSNormGated, activation="sigmoid")
+            of = o.float()
+            of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm.weight.float()
+            gate = torch.sigmoid(g_out.float().view(-1, heads, head_dim))
+            o = (of * gate).type_as(x).view(-1, heads * head_dim)
+        with region("attn.o_proj"):
+            out = torch.nn.functional.linear(o, self.o_proj.weight)
+        with region("attn.o_proj_all_reduce"):
+            return k3.all_reduce(out, self.tp_group, self.tp)
+
+    def state_shapes(self, slots: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes of the decode state vLLM keeps per slot (conv state dim-first, bf16; fp32 recurrent)."""
+        return {
+            "conv_state": ((slots, 3 * self.proj, self.conv_size - 1), dtype),
+            "recurrent_state": ((slots, self.heads, self.head_dim, self.head_dim), torch.float32),
+        }

@@ -1,0 +1,203 @@
+"""Leaf ops of the reference layers, as ``torch.library`` custom ops (namespace ``k3``).
+
+These are the ops that touch decode state or other GPUs: the all-reduce, the KDA
+short-conv and recurrent decode steps, the MLA latent-cache insert and decode
+attention. Keeping them opaque makes the traced graph show exactly where state is
+read and written, and lets kernels register as their CUDA implementation later.
+Each has a CPU reference implementation (plain, loop-based where that makes the math
+obvious) and a fake implementation, so graphs trace on meta tensors with no memory.
+
+Conventions shared with vLLM 0.33.0:
+- decode tokens are laid out request-major: token ``t`` belongs to request
+  ``t // q_len``; ``q_len`` (tokens per request, 1 for plain decode) is
+  ``num_tokens // num_requests``;
+- a negative state index or slot is a padding row: no state is read or written and
+  its output is zero.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_GROUPS: dict[str, "dist.ProcessGroup"] = {}
+
+
+def register_group(name: str, group: "dist.ProcessGroup") -> None:
+    """Make ``group`` reachable from graphs as ``k3::all_reduce(x, name, world_size)``."""
+    _GROUPS[name] = group
+
+
+def _tokens_per_request(num_tokens: int, num_requests: int, op: str) -> int:
+    if num_requests <= 0 or num_tokens % num_requests:
+        raise ValueError(f"{op}: {num_tokens} tokens do not split evenly over {num_requests} requests")
+    return num_tokens // num_requests
+
+
+# ---- all-reduce --------------------------------------------------------------------
+@torch.library.custom_op("k3::all_reduce", mutates_args=())
+def all_reduce(x: Tensor, group: str, world_size: int) -> Tensor:
+    """Sum over the ranks of ``group``; the identity at world size 1.
+
+    The sum is taken in fp32 and rounded once, the numerics of a one-shot
+    all-reduce that accumulates in registers.
+    """
+    if world_size == 1:
+        return x.clone()
+    if group not in _GROUPS:
+        raise RuntimeError(
+            f"k3::all_reduce: no process group registered as {group!r} "
+            f"(call rewriter.ops.register_group before running a TP {world_size} layer)"
+        )
+    pg = _GROUPS[group]
+    if dist.get_world_size(pg) != world_size:
+        raise RuntimeError(
+            f"k3::all_reduce: group {group!r} has {dist.get_world_size(pg)} ranks, the graph expects {world_size}"
+        )
+    acc = x.float()
+    dist.all_reduce(acc, group=pg)
+    return acc.to(x.dtype)
+
+
+@all_reduce.register_fake
+def _(x: Tensor, group: str, world_size: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+# ---- KDA: short convolution decode step ----------------------------------------------
+@torch.library.custom_op("k3::kda_conv_update", mutates_args=("conv_state",))
+def kda_conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> Tensor:
+    """Causal depthwise conv + SiLU over one new token per step, updating the state in place.
+
+    x: [T, C]; conv_state: [slots, C, K-1] (oldest first); weight: [C, K];
+    state_indices: [B]. Returns [T, C] in x's dtype.
+    """
+    num_tokens, channels = x.shape
+    q_len = _tokens_per_request(num_tokens, state_indices.shape[0], "k3::kda_conv_update")
+    out = torch.zeros_like(x)
+    w = weight.float()
+    for b, slot in enumerate(state_indices.tolist()):
+        if slot < 0:
+            continue
+        window = conv_state[slot].float()  # [C, K-1]
+        for j in range(q_len):
+            t = b * q_len + j
+            full = torch.cat([window, x[t].float().unsqueeze(-1)], dim=-1)  # [C, K]
+            out[t] = torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype)
+            # the state holds the stored (rounded) inputs, as a bf16 conv state does
+            window = full[:, 1:].to(conv_state.dtype).float()
+        conv_state[slot] = window.to(conv_state.dtype)
+    return out
+
+
+@kda_conv_update.register_fake
+def _(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+# ---- KDA: gated delta-rule recurrent decode step -----------------------------------
+@torch.library.custom_op("k3::kda_recurrent_step", mutates_args=("state",))
+def kda_recurrent_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor
+) -> Tensor:
+    """One delta-rule update per token with a per-channel decay, state updated in place.
+
+    q, k: [T, H, K] fp32 (q already normalized and scaled, k normalized);
+    v: [T, H, V]; g: [T, H, K] log decay (<= 0); beta: [T, H] write strength;
+    state: [slots, H, V, K] fp32; state_indices: [B]. For each token:
+    S = S * exp(g); S += beta * (v - S k) k^T; o = S q. Returns [T, H, V] in v's dtype.
+    """
+    num_tokens = q.shape[0]
+    q_len = _tokens_per_request(num_tokens, state_indices.shape[0], "k3::kda_recurrent_step")
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    for b, slot in enumerate(state_indices.tolist()):
+        if slot < 0:
+            continue
+        s = state[slot].float()  # [H, V, K]
+        for j in range(q_len):
+            t = b * q_len + j
+            s = s * torch.exp(g[t].float()).unsqueeze(1)
+            kt = k[t].float()
+            pred = torch.einsum("hvk,hk->hv", s, kt)
+            delta = (v[t].float() - pred) * beta[t].float().unsqueeze(-1)
+            s = s + torch.einsum("hv,hk->hvk", delta, kt)
+            out[t] = torch.einsum("hvk,hk->hv", s, q[t].float()).to(v.dtype)
+        state[slot] = s.to(state.dtype)
+    return out
+
+
+@kda_recurrent_step.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor) -> Tensor:
+    return torch.empty_like(v)
+
+
+# ---- MLA: latent cache insert and decode attention -------------------------------
+@torch.library.custom_op("k3::mla_cache_insert", mutates_args=("kv_cache",))
+def mla_cache_insert(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
+    """Write each token's latent [kv_c | k_pe] into ``kv_cache`` at its slot.
+
+    kv_cache: [num_blocks, block_size, L + R] (a contiguous [B, S, L + R] cache is the
+    case block_size = S); slot = block * block_size + offset; negative slots are skipped.
+    """
+    block_size = kv_cache.shape[1]
+    entry = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            kv_cache[slot // block_size, slot % block_size] = entry[t]
+
+
+@mla_cache_insert.register_fake
+def _(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("k3::mla_decode", mutates_args=())
+def mla_decode(
+    q: Tensor, kv_cache: Tensor, block_table: Optional[Tensor], seq_lens: Tensor, scale: float, kv_lora_rank: int
+) -> Tensor:
+    """Multi-query attention of absorbed queries over the latent cache.
+
+    q: [T, H, L + R]; kv_cache: paged [num_blocks, block_size, L + R] with
+    block_table [B, max_blocks], or contiguous [B, S, L + R] with block_table None;
+    seq_lens: [B] cached tokens per request, the current step's tokens included.
+    Token j of a request with q_len tokens sees positions 0 .. seq_len - q_len + j.
+    Scores are q . entry (all L + R values), values are the first L (kv_c) of each
+    entry. Returns [T, H, L] in q's dtype.
+    """
+    num_tokens, heads, _ = q.shape
+    q_len = _tokens_per_request(num_tokens, seq_lens.shape[0], "k3::mla_decode")
+    out = torch.zeros(num_tokens, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len <= 0:
+            continue
+        if block_table is None:
+            entries = kv_cache[b, :seq_len]
+        else:
+            block_size = kv_cache.shape[1]
+            n_blocks = -(-seq_len // block_size)
+            entries = kv_cache[block_table[b, :n_blocks].long()].reshape(-1, kv_cache.shape[-1])[:seq_len]
+        entries = entries.float()  # [S, L + R]
+        for j in range(q_len):
+            t = b * q_len + j
+            visible = seq_len - q_len + j + 1
+            scores = (q[t].float() @ entries[:visible].T) * scale  # [H, visible]
+            probs = torch.softmax(scores, dim=-1)
+            out[t] = (probs @ entries[:visible, :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+@mla_decode.register_fake
+def _(q: Tensor, kv_cache: Tensor, block_table: Optional[Tensor], seq_lens: Tensor, scale: float,
+      kv_lora_rank: int) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+
+
+LEAF_OPS = {
+    torch.ops.k3.all_reduce.default: "all-reduce",
+    torch.ops.k3.kda_conv_update.default: "KDA short-conv decode step",
+    torch.ops.k3.kda_recurrent_step.default: "KDA recurrent decode step",
+    torch.ops.k3.mla_cache_insert.default: "MLA latent cache insert",
+    torch.ops.k3.mla_decode.default: "MLA decode attention",
+}

@@ -1,0 +1,55 @@
+"""DecodeShape: the fixed shape a layer is traced, rewritten and compiled for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ARCHES = ("sm_90a", "sm_100a", "sm_103a")
+
+
+class ShapeError(ValueError):
+    """A decode shape that cannot be traced (bad batch, rank, dtype, ...)."""
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """One decode step: ``batch`` requests of ``q`` tokens each (q > 1: speculative verify).
+
+    ``context`` is the number of tokens each request already holds in the MLA latent
+    cache before this step and ``block_size`` the cache's page size; both only set
+    cache sizes and the bytes an attention step reads.
+    """
+
+    batch: int
+    tp: int = 1
+    rank: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    arch: str = "sm_100a"
+    q: int = 1
+    context: int = 4096
+    block_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "tp", "q", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ShapeError(f"DecodeShape.{name} must be a positive int, got {v!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.tp:
+            raise ShapeError(f"DecodeShape.rank must be in 0..{self.tp - 1} for TP {self.tp}, got {self.rank!r}")
+        if not isinstance(self.context, int) or self.context < 0:
+            raise ShapeError(f"DecodeShape.context must be an int >= 0, got {self.context!r}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ShapeError(f"DecodeShape.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.arch not in ARCHES:
+            raise ShapeError(f"DecodeShape.arch must be one of {', '.join(ARCHES)}, got {self.arch!r}")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.q
+
+    @property
+    def seq_len(self) -> int:
+        """Cached tokens per request once this step's tokens are inserted."""
+        return self.context + self.q

@@ -1,0 +1,86 @@
+"""Trace a reference decoder layer into a torch.fx graph at a fixed DecodeShape.
+
+``trace`` inlines every module (parameters become ``get_attr`` nodes under their vLLM
+names), keeps the leaf ops of ``rewriter.ops`` opaque, tags each node with the
+layer region it came from, and then runs the graph once on meta tensors so every
+node carries its output in ``node.meta["val"]`` (shape and dtype, no memory). The
+full-size Kimi K3 layer traces this way on a CPU in about a second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+import rewriter.ops  # noqa: F401  (registers the k3:: ops the layers call)
+from rewriter.config import KimiK3Config
+from rewriter.layers.decoder import KimiDecoderLayer
+from rewriter.layers.state import decode_inputs
+from rewriter.regions import current_region
+from rewriter.shape import DecodeShape, ShapeError
+
+
+class _RegionTracer(fx.Tracer):
+    """Inline all modules; record the active region on each node; name ops by overload."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+    def create_node(self, kind: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            target = target.default  # k3.foo -> k3.foo.default: one target per op for matching
+        node = super().create_node(kind, target, *args, **kwargs)
+        node.meta["region"] = current_region()
+        return node
+
+
+class _MetaPropagator(fx.Interpreter):
+    """Run a graph on meta tensors (parameters replaced by meta twins) and keep each value."""
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        n.meta["val"] = result
+        return result
+
+
+@dataclass
+class LayerGraph:
+    """A traced layer: the fx graph module plus what it was traced for."""
+
+    gm: fx.GraphModule
+    config: KimiK3Config
+    layer: int
+    kind: str  # "kda" | "mla" | "dense"
+    shape: DecodeShape
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+
+def propagate_meta(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> None:
+    """Stamp ``node.meta["val"]`` on every node of ``gm`` by running it on meta tensors."""
+    meta_inputs = [t if t is None else torch.empty_like(t, device="meta") for t in inputs]
+    _MetaPropagator(gm).run(*meta_inputs)
+
+
+def trace(layer: KimiDecoderLayer, shape: DecodeShape) -> LayerGraph:
+    """The fx graph of one decode step of ``layer`` at ``shape``, every node with meta."""
+    if not isinstance(layer, KimiDecoderLayer):
+        raise TypeError(f"trace expects a KimiDecoderLayer, got {type(layer).__name__}")
+    if not isinstance(shape, DecodeShape):
+        raise TypeError(f"trace expects a DecodeShape, got {type(shape).__name__}")
+    layer_dtype = layer.input_layernorm.weight.dtype
+    if shape.dtype != layer_dtype:
+        raise ShapeError(f"shape dtype {shape.dtype} differs from the layer's {layer_dtype}")
+    inputs = decode_inputs(layer, shape, device="meta")
+    graph = _RegionTracer().trace(layer)
+    gm = fx.GraphModule(layer, graph, class_name=f"KimiK3Layer{layer.layer_idx}")
+    propagate_meta(gm, list(inputs.values()))
+    return LayerGraph(gm=gm, config=layer.config, layer=layer.layer_idx, kind=layer.kind, shape=shape)
