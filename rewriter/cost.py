@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
+import rewriter.ops  # noqa: F401  (registers the k3:: ops named below)
 from rewriter.shape import DecodeShape
 
 H200_COPY_TBPS = 4.27
@@ -175,8 +176,26 @@ def floor_bytes(graph: fx.Graph, shape: DecodeShape) -> int:
     return total
 
 
+def _root(node: fx.Node) -> fx.Node:
+    """The node a chain of views starts from."""
+    while is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _is_activation(node: fx.Node) -> bool:
+    """A tensor computed by the layer or fed to it as an activation (not a weight or state)."""
+    root = _root(node)
+    if root.op == "get_attr" or (root.op == "placeholder" and _is_state(root)):
+        return False
+    return isinstance(_val(node), torch.Tensor)
+
+
 def region_bytes(graph: fx.Graph, shape: DecodeShape) -> dict[str, int]:
-    """Per region, the bytes it moves as one kernel: weights, state, boundary activations."""
+    """Per region, the bytes it moves as one kernel: weights, state, boundary activations.
+
+    An activation crossing from region A to region B costs A a write and B a read.
+    """
     totals: dict[str, int] = defaultdict(int)
     for node in graph.nodes:
         r = node.meta.get("region")
@@ -184,16 +203,14 @@ def region_bytes(graph: fx.Graph, shape: DecodeShape) -> dict[str, int]:
             for consumer, b in _weight_uses(node):
                 totals[consumer.meta.get("region")] += b
             continue
-        if node.op != "call_function" and node.op != "call_method":
+        if node.op not in ("call_function", "call_method"):
             continue
         if node.target in _STATE_ARGS:
             totals[r] += _state_bytes(node, shape)
-        for a in _tensor_args(node):  # activations entering the region
-            if a.op == "get_attr" or a.target in _STATE_ARGS or (a.op == "placeholder" and _is_state(a)):
-                continue
-            if a.op == "placeholder" or a.meta.get("region") != r:
+        for a in node.all_input_nodes:  # activations entering the region
+            if _is_activation(a) and (a.op == "placeholder" or a.meta.get("region") != r):
                 totals[r] += nbytes(_val(a))
-        if not is_view(node) and any(u.meta.get("region") != r for u in node.users):
+        if _is_activation(node) and any(u.op == "output" or u.meta.get("region") != r for u in node.users):
             totals[r] += nbytes(_val(node))  # results leaving the region (or the layer)
     totals.pop(None, None)
     return dict(totals)

@@ -56,7 +56,7 @@ def all_reduce(x: Tensor, group: str, world_size: int) -> Tensor:
         raise RuntimeError(
             f"k3::all_reduce: group {group!r} has {dist.get_world_size(pg)} ranks, the graph expects {world_size}"
         )
-    acc = x.float()
+    acc = x.to(torch.float32, copy=True)
     dist.all_reduce(acc, group=pg)
     return acc.to(x.dtype)
 

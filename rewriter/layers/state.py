@@ -14,6 +14,7 @@ from collections import OrderedDict
 import torch
 
 from rewriter.layers.decoder import KimiDecoderLayer
+from rewriter.layers.sharding import REPLICATED, Piece, Sharding
 from rewriter.shape import DecodeShape, ShapeError
 
 
@@ -64,3 +65,23 @@ def decode_inputs(layer: KimiDecoderLayer, shape: DecodeShape, device: str | tor
         slots = table.gather(1, (pos // bs).expand(batch, -1)) * bs + pos % bs
         inputs["slot_mapping"] = index(slots.reshape(-1))
     return inputs
+
+
+def state_shardings(layer: KimiDecoderLayer) -> dict[str, Sharding]:
+    """How each decode-state tensor of a rank is cut from the TP 1 one.
+
+    KDA state is per head (the conv state packs q, k, v channels, each split across
+    ranks); the MLA latent cache is replicated, as are activations and indices.
+    """
+    if layer.attention_kind == "kda":
+        full_proj = layer.config.kda_num_heads * layer.config.kda_head_dim
+        return {"conv_state": Sharding(1, (Piece(full_proj),) * 3), "recurrent_state": Sharding(1)}
+    return {}
+
+
+def shard_decode_inputs(full: "OrderedDict[str, torch.Tensor]", layer: KimiDecoderLayer
+                        ) -> "OrderedDict[str, torch.Tensor]":
+    """Rank ``layer.rank``'s decode inputs cut from TP 1 inputs (copies: ranks update state in place)."""
+    cuts = state_shardings(layer)
+    return OrderedDict((name, cuts.get(name, REPLICATED).local(t, layer.tp, layer.rank).clone())
+                       for name, t in full.items())

@@ -1,0 +1,89 @@
+"""python -m rewriter inspect: the JSON contract, the table, --dot, and errors that name the problem."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rewriter.cli import main
+from rewriter.stock_kernels import layer_kernels
+
+CONTRACT = {"model", "layer", "layer_kind", "tp", "batch", "default_kernels", "rewritten_kernels", "matches",
+            "refusals", "schedule", "hbm_floor_us"}
+
+
+def _inspect(capsys, *args):
+    assert main(["inspect", *args]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layer,kind", [(0, "dense"), (1, "kda"), (3, "mla")])
+@pytest.mark.parametrize("tp", [1, 8, 16])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_inspect_json_contract(capsys, layer, kind, tp, batch):
+    report = json.loads(_inspect(capsys, "--model", "kimi-k3", "--layer", str(layer), "--tp", str(tp),
+                                 "--batch", str(batch), "--json"))
+    assert CONTRACT <= report.keys()
+    assert (report["layer"], report["layer_kind"], report["tp"], report["batch"]) == (layer, kind, tp, batch)
+    assert report["default_kernels"] == layer_kernels(kind, tp=tp, tokens=batch, arch="sm_100a")
+    assert report["rewritten_kernels"] == report["default_kernels"] == len(report["schedule"])
+    assert report["matches"] == [] and report["refusals"] == []
+    assert all({"kernel", "stream", "bytes"} <= row.keys() for row in report["schedule"])
+    assert report["hbm_floor_us"] > 0
+    assert report["hbm_floor_us"] == pytest.approx(report["floor_bytes"] / 4.27e6)
+
+
+def test_table_and_dot(capsys, tmp_path):
+    dot = tmp_path / "layer.dot"
+    out = _inspect(capsys, "--layer", "3", "--tp", "8", "--batch", "4", "--dot", str(dot), "--nodes")
+    assert "kimi-k3 layer 3 (mla), TP 8" in out and "mla.decode" in out and "HBM floor" in out
+    assert "mla_decode" in out  # --nodes lists the graph's nodes
+    text = dot.read_text()
+    assert text.startswith("digraph") and 'subgraph "cluster_mla.decode"' in text and "->" in text
+
+
+def test_hopper_and_bandwidth_options(capsys):
+    a = json.loads(_inspect(capsys, "--tp", "16", "--arch", "sm_90a", "--hbm-tbps", "2.0", "--json"))
+    b = json.loads(_inspect(capsys, "--tp", "16", "--json"))
+    assert a["default_kernels"] == layer_kernels("kda", tp=16, tokens=1, arch="sm_90a")
+    assert a["hbm_floor_us"] == pytest.approx(b["hbm_floor_us"] * 4.27 / 2.0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--layer", "93"], "layer 93 out of range: kimi-k3 has layers 0..92"),
+    (["--tp", "7"], "TP size 7 does not divide linear_attn_config.num_heads (96)"),
+    (["--model", "kimi-k9"], "'kimi-k9' is neither a preset"),
+    (["--tp", "2", "--rank", "2"], "DecodeShape.rank must be in 0..1 for TP 2, got 2"),
+    (["--hbm-tbps", "0"], "--hbm-tbps must be positive"),
+    (["--model", "kimi-linear-48b"], "the reference layers do not implement"),
+])
+def test_errors_name_the_problem(capsys, args, message):
+    assert main(["inspect", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_argparse_rejects_bad_numbers(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "--batch", "0"])
+    assert e.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_python_dash_m_and_console_script():
+    cmd = [sys.executable, "-m", "rewriter", "inspect", "--layer", "1", "--tp", "16", "--json"]
+    report = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    assert report["layer_kind"] == "kda"
+    script = shutil.which("k3-rewriter")
+    if script:  # installed by pip install -e .
+        out = subprocess.run([script, "inspect", "--layer", "0"], check=True, capture_output=True, text=True).stdout
+        assert "(dense)" in out
+
+
+def test_example_runs():
+    import pathlib
+    example = pathlib.Path(__file__).parent.parent / "examples" / "inspect_layer.py"
+    out = subprocess.run([sys.executable, str(example)], check=True, capture_output=True, text=True).stdout
+    assert "layer 1 (kda)" in out and "floor:" in out

@@ -1,0 +1,95 @@
+"""The k3:: leaf ops: paged vs contiguous caches, padding rows, fake shapes, q_len > 1."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_err
+
+k3 = torch.ops.k3
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_mla_decode_paged_equals_contiguous_and_formula():
+    B, H, L, R, S, bs = 3, 4, 16, 8, 10, 4
+    contiguous = _rand(B, S, L + R, seed=1)
+    seq_lens = torch.tensor([10, 7, 1], dtype=torch.int32)
+    pages = -(-S // bs)
+    table = torch.randperm(B * pages, generator=torch.Generator().manual_seed(2)).view(B, pages) + 1
+    paged = torch.zeros(B * pages + 1, bs, L + R)
+    for b in range(B):
+        for p in range(pages):
+            rows = contiguous[b, p * bs:(p + 1) * bs]
+            paged[table[b, p], :rows.shape[0]] = rows
+    q = _rand(B, H, L + R, seed=3)
+    a = k3.mla_decode(q, contiguous, None, seq_lens, 0.1, L)
+    b = k3.mla_decode(q, paged, table.int(), seq_lens, 0.1, L)
+    assert rel_err(a, b) < 1e-6
+    for i in range(B):  # the formula, request by request
+        n = int(seq_lens[i])
+        probs = torch.softmax(q[i] @ contiguous[i, :n].T * 0.1, dim=-1)
+        assert rel_err(a[i], probs @ contiguous[i, :n, :L]) < 1e-6
+
+
+def test_mla_decode_is_causal_within_a_step():
+    """With q_len 2, the first token must not see the second token's entry."""
+    L, R = 8, 4
+    cache = _rand(1, 5, L + R, seed=4)
+    q = _rand(2, 2, L + R, seed=5)
+    out = k3.mla_decode(q, cache, None, torch.tensor([5], dtype=torch.int32), 0.3, L)
+    first_alone = k3.mla_decode(q[:1], cache, None, torch.tensor([4], dtype=torch.int32), 0.3, L)
+    assert rel_err(out[:1], first_alone) < 1e-6
+
+
+def test_cache_insert_writes_slots_and_skips_padding():
+    cache = torch.zeros(3, 4, 6)
+    kv_c, k_pe = _rand(3, 4, seed=6), _rand(3, 2, seed=7)
+    k3.mla_cache_insert(cache, kv_c, k_pe, torch.tensor([5, -1, 11]))
+    assert torch.equal(cache[1, 1], torch.cat([kv_c[0], k_pe[0]]))
+    assert torch.equal(cache[2, 3], torch.cat([kv_c[2], k_pe[2]]))
+    assert int((cache.abs().sum(-1) > 0).sum()) == 2  # the padding row wrote nothing
+
+
+def test_conv_update_formula_and_state_shift():
+    C, K = 5, 4
+    x, w = _rand(2, C, seed=8), _rand(C, K, seed=9)
+    state = _rand(3, C, K - 1, seed=10)
+    before = state.clone()
+    out = k3.kda_conv_update(x, state, w, torch.tensor([2, -1]))
+    window = torch.cat([before[2], x[0].unsqueeze(-1)], dim=-1)
+    assert rel_err(out[0], torch.nn.functional.silu((window * w).sum(-1))) < 1e-6
+    assert torch.equal(state[2], window[:, 1:])
+    assert torch.count_nonzero(out[1]) == 0 and torch.equal(state[:2], before[:2])  # padding row
+
+
+def test_recurrent_step_pads_and_updates_only_its_slots():
+    T, H, K = 2, 2, 4
+    q, k, v = _rand(T, H, K, seed=11), _rand(T, H, K, seed=12), _rand(T, H, K, seed=13)
+    g, beta = -torch.rand(T, H, K), torch.rand(T, H)
+    state = _rand(4, H, K, K, seed=14)
+    before = state.clone()
+    out = k3.kda_recurrent_step(q, k, v, g, beta, state, torch.tensor([3, -1]))
+    s = before[3] * torch.exp(g[0]).unsqueeze(1)
+    s = s + torch.einsum("hv,hk->hvk", (v[0] - torch.einsum("hvk,hk->hv", s, k[0])) * beta[0, :, None], k[0])
+    assert rel_err(state[3], s) < 1e-6
+    assert rel_err(out[0], torch.einsum("hvk,hk->hv", s, q[0])) < 1e-6
+    assert torch.count_nonzero(out[1]) == 0 and torch.equal(state[:3], before[:3])
+
+
+def test_fake_impls_give_shapes_on_meta():
+    m = torch.device("meta")
+    out = k3.mla_decode(torch.empty(4, 6, 576, device=m), torch.empty(9, 64, 576, device=m),
+                        torch.empty(4, 2, dtype=torch.int32, device=m), torch.empty(4, dtype=torch.int32, device=m),
+                        0.07, 512)
+    assert out.shape == (4, 6, 512) and out.device == m
+    x = torch.empty(4, 48, device=m)
+    assert k3.kda_conv_update(x, torch.empty(5, 48, 3, device=m), torch.empty(48, 4, device=m),
+                              torch.empty(4, dtype=torch.int32, device=m)).shape == (4, 48)
+
+
+def test_uneven_tokens_are_refused():
+    with pytest.raises(ValueError, match="5 tokens do not split evenly over 2 requests"):
+        k3.kda_conv_update(torch.zeros(5, 3), torch.zeros(3, 3, 3), torch.zeros(3, 4), torch.tensor([0, 1]))
