@@ -120,7 +120,7 @@ class KimiK3Config:
         """Values per token per MLA layer in the latent cache (576 for Kimi K3)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def shard(self, tp: int) -> "TPShapes":
+    def shard(self, tp: int) -> TPShapes:
         return TPShapes.of(self, tp)
 
     def unsupported_for_reference(self) -> list[str]:
@@ -150,7 +150,7 @@ class KimiK3Config:
 
     # ---- loading --------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], name: str = "<dict>") -> "KimiK3Config":
+    def from_dict(cls, raw: dict[str, Any], name: str = "<dict>") -> KimiK3Config:
         _require(isinstance(raw, dict), f"{name}: a config must be a JSON object, got {type(raw).__name__}")
         if "text_config" in raw:
             archs = raw.get("architectures") or []
@@ -170,7 +170,7 @@ class KimiK3Config:
         return cls(**_parse_text_config(text, name))
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "KimiK3Config":
+    def from_json(cls, path: str | Path) -> KimiK3Config:
         path = Path(path)
         try:
             raw = json.loads(path.read_text())
@@ -181,14 +181,14 @@ class KimiK3Config:
         return cls.from_dict(raw, name=str(path))
 
     @classmethod
-    def preset(cls, name: str) -> "KimiK3Config":
+    def preset(cls, name: str) -> KimiK3Config:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
         text = resources.files("rewriter.configs").joinpath(f"{name}.json").read_text()
         return cls.from_dict(json.loads(text), name=name)
 
     @classmethod
-    def load(cls, model: str) -> "KimiK3Config":
+    def load(cls, model: str) -> KimiK3Config:
         """A preset name, or a path to a config.json (or a folder holding one)."""
         if model in PRESETS:
             return cls.preset(model)
@@ -201,7 +201,7 @@ class KimiK3Config:
             )
         return cls.from_json(path)
 
-    def replace(self, **changes: Any) -> "KimiK3Config":
+    def replace(self, **changes: Any) -> KimiK3Config:
         return dataclasses.replace(self, **changes)
 
 
@@ -231,9 +231,9 @@ def _positive(v: int | None, label: str, name: str) -> None:
 
 
 def _parse_text_config(t: dict, name: str) -> dict[str, Any]:
-    f = lambda key, kind, default=_MISSING: _field(t, key, kind, name, default)  # noqa: E731
+    f = lambda key, kind, default=_MISSING: _field(t, key, kind, name, default)
     lac = _field(t, "linear_attn_config", dict, name)
-    g = lambda key, kind, default=_MISSING: _field(lac, key, kind, name, default, "linear_attn_config.")  # noqa: E731
+    g = lambda key, kind, default=_MISSING: _field(lac, key, kind, name, default, "linear_attn_config.")
     out: dict[str, Any] = dict(
         name=name,
         hidden_size=f("hidden_size", int),
@@ -349,7 +349,7 @@ class TPShapes:
     dense_intermediate: int
 
     @classmethod
-    def of(cls, cfg: KimiK3Config, tp: int) -> "TPShapes":
+    def of(cls, cfg: KimiK3Config, tp: int) -> TPShapes:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"TP size must be a positive int, got {tp!r}")
         kda_heads = _divide(cfg.kda_num_heads, tp, "linear_attn_config.num_heads")

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 import rewriter.ops  # noqa: F401  (registers the k3:: ops named below)
 from rewriter.shape import DecodeShape

@@ -16,16 +16,14 @@ Conventions shared with vLLM 0.33.0:
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_GROUPS: dict[str, "dist.ProcessGroup"] = {}
+_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
-def register_group(name: str, group: "dist.ProcessGroup") -> None:
+def register_group(name: str, group: dist.ProcessGroup) -> None:
     """Make ``group`` reachable from graphs as ``k3::all_reduce(x, name, world_size)``."""
     _GROUPS[name] = group
 
@@ -155,7 +153,7 @@ def _(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> Non
 
 @torch.library.custom_op("k3::mla_decode", mutates_args=())
 def mla_decode(
-    q: Tensor, kv_cache: Tensor, block_table: Optional[Tensor], seq_lens: Tensor, scale: float, kv_lora_rank: int
+    q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, scale: float, kv_lora_rank: int
 ) -> Tensor:
     """Multi-query attention of absorbed queries over the latent cache.
 
@@ -189,7 +187,7 @@ def mla_decode(
 
 
 @mla_decode.register_fake
-def _(q: Tensor, kv_cache: Tensor, block_table: Optional[Tensor], seq_lens: Tensor, scale: float,
+def _(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, scale: float,
       kv_lora_rank: int) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
 

@@ -12,7 +12,7 @@ that matters next to the math it wraps.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 # Every region a reference layer may emit, in layer order. Keep in sync with
 # rewriter/stock_kernels.py (a test checks both directions).

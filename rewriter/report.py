@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from rewriter.cost import H200_COPY_TBPS, floor_bytes, hbm_us, node_bytes, region_bytes
 from rewriter.regions import REGIONS

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 import rewriter.ops  # noqa: F401  (registers the k3:: ops the layers call)
 from rewriter.config import KimiK3Config

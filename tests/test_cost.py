@@ -22,8 +22,11 @@ def test_projection_region_moves_weight_input_and_output(kda16):
 
 
 def test_state_traffic_is_per_request(k3):
-    one = region_bytes(*(lambda lg: (lg.graph, lg.shape))(trace(build_layer(k3, 1, tp=16), DecodeShape(batch=1, tp=16))))
-    four = region_bytes(*(lambda lg: (lg.graph, lg.shape))(trace(build_layer(k3, 1, tp=16), DecodeShape(batch=4, tp=16))))
+    def kda_regions(batch):
+        lg = trace(build_layer(k3, 1, tp=16), DecodeShape(batch=batch, tp=16))
+        return region_bytes(lg.graph, lg.shape)
+
+    one, four = kda_regions(1), kda_regions(4)
     state = 6 * 128 * 128 * 4 * 2 + 3 * 768 * 3 * 2 * 2  # fp32 recurrent + bf16 conv, read and written
     assert four["kda.core"] - one["kda.core"] == pytest.approx(3 * state, rel=0.05)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import rel_err
 
 k3 = torch.ops.k3

@@ -2,11 +2,11 @@
 written from the math (tests/independent.py), on fresh random weights and inputs."""
 from __future__ import annotations
 
+import independent as ind
 import pytest
 import torch
-
-import independent as ind
 from conftest import make_inputs, make_layer, rel_err
+
 from rewriter.layers.attn_res import attn_res
 
 FP32_TOL = 1e-5
@@ -125,12 +125,12 @@ def test_whole_layer_matches_math(tiny, layer_idx):
     attn = layer.self_attn
     if layer.attention_kind == "kda":
         conv, rec = inputs["conv_state"].clone(), inputs["recurrent_state"].clone()
-        attention = lambda x: ind.kda(ind.sub(params, "self_attn"), x, conv, rec, inputs["state_indices"],  # noqa: E731
+        attention = lambda x: ind.kda(ind.sub(params, "self_attn"), x, conv, rec, inputs["state_indices"],
                                       heads=attn.heads, head_dim=attn.head_dim, conv_size=attn.conv_size,
                                       lower_bound=tiny.gate_lower_bound)
     else:
         history = _cached_entries(inputs, 4, 3)
-        attention = lambda x: ind.mla(ind.sub(params, "self_attn"), x, history, heads=attn.heads,  # noqa: E731
+        attention = lambda x: ind.mla(ind.sub(params, "self_attn"), x, history, heads=attn.heads,
                                       q_lora=attn.q_lora, kv_lora=attn.kv_lora, nope=attn.nope, rope=attn.rope,
                                       v_dim=attn.v_dim, eps=attn.eps)
     e_out, e_prefix, e_blocks = ind.decoder_layer(params, tiny, layer_idx, inputs["hidden_states"],

@@ -123,7 +123,7 @@ def test_doc_totals_table_matches_module():
     """Every 'kind | arch | TP | tokens | total' row in the doc's totals table is current."""
     text = DOC.read_text()
     rows = re.findall(r"^\|\s*(kda|mla|dense)\s*\|\s*(sm_\w+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|",
-                      text, flags=re.M)
+                      text, flags=re.MULTILINE)
     assert len(rows) >= 18
     for kind, arch, tp, tokens, total in rows:
         assert layer_kernels(kind, tp=int(tp), tokens=int(tokens), arch=arch) == int(total), (kind, arch, tp)

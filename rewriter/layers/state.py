@@ -19,7 +19,7 @@ from rewriter.shape import DecodeShape, ShapeError
 
 
 def decode_inputs(layer: KimiDecoderLayer, shape: DecodeShape, device: str | torch.device = "meta",
-                  seed: int | None = None) -> "OrderedDict[str, torch.Tensor]":
+                  seed: int | None = None) -> OrderedDict[str, torch.Tensor]:
     """The layer's forward arguments, in order, for one decode step of ``shape``."""
     if shape.tp != layer.tp or shape.rank != layer.rank:
         raise ShapeError(f"shape is TP {shape.tp} rank {shape.rank} but the layer was built for "
@@ -79,8 +79,8 @@ def state_shardings(layer: KimiDecoderLayer) -> dict[str, Sharding]:
     return {}
 
 
-def shard_decode_inputs(full: "OrderedDict[str, torch.Tensor]", layer: KimiDecoderLayer
-                        ) -> "OrderedDict[str, torch.Tensor]":
+def shard_decode_inputs(full: OrderedDict[str, torch.Tensor], layer: KimiDecoderLayer
+                        ) -> OrderedDict[str, torch.Tensor]:
     """Rank ``layer.rank``'s decode inputs cut from TP 1 inputs (copies: ranks update state in place)."""
     cuts = state_shardings(layer)
     return OrderedDict((name, cuts.get(name, REPLICATED).local(t, layer.tp, layer.rank).clone())
