@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
+from rewriter.rules import RuleError
 from rewriter.shape import ARCHES, DecodeShape, ShapeError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -48,29 +51,63 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"HBM bandwidth for the floor, TB/s (default {H200_COPY_TBPS}, measured H200 copy)")
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ins.add_argument("--nodes", action="store_true", help="list every graph node in the table")
-    ins.add_argument("--dot", type=Path, metavar="PATH", help="also write the graph as Graphviz source to PATH")
+    ins.add_argument("--graph", action="store_true", help="print the fx graph before and after the rewrite")
+    ins.add_argument("--dot", type=Path, metavar="PATH",
+                     help="write the graph before and after as Graphviz source (PATH and PATH with .after.dot)")
+    ins.add_argument("--png", type=Path, metavar="PATH",
+                     help="render the graphs before and after to PNG (needs Graphviz's dot on PATH)")
+    ins.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
+                     help="a Python file whose RULES list is added to the built-in rules (repeatable)")
+    ins.add_argument("--no-rules", action="store_true", help="skip the built-in rules (show the stock layer)")
     return p
+
+
+def _pair(path: Path) -> tuple[Path, Path]:
+    """(before, after) file names for one user-given path."""
+    return path, path.with_name(f"{path.stem}.after{path.suffix}")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from rewriter.layers import build_layer
     from rewriter.report import build_report, render_table, to_dot
+    from rewriter.rewrite import rewrite
+    from rewriter.rules import RuleSet, default_rules, load_rules_file
     from rewriter.trace import trace
 
     if args.hbm_tbps <= 0:
         raise ShapeError(f"--hbm-tbps must be positive, got {args.hbm_tbps}")
+    if args.png and shutil.which("dot") is None:
+        raise ShapeError("--png needs Graphviz's dot on PATH (apt-get install graphviz); --dot writes the source")
     cfg = KimiK3Config.load(args.model)
     dtype = DTYPES[args.dtype]
     shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
                         context=args.context, block_size=args.block_size)
     layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype)
-    lg = trace(layer, shape)
-    report = build_report(lg, model=args.model, hbm_tbps=args.hbm_tbps)
-    if args.dot:
-        args.dot.write_text(to_dot(lg))
-    print(json.dumps(report, indent=1) if args.json else render_table(report, show_nodes=args.nodes))
-    if args.dot and not args.json:
-        print(f"\ngraph written to {args.dot}")
+    rules = RuleSet() if args.no_rules else default_rules()
+    for path in args.rules:
+        for rule in load_rules_file(path):
+            rules.add(rule)
+    result = rewrite(trace(layer, shape), rules)
+    report = build_report(result, model=args.model, hbm_tbps=args.hbm_tbps)
+    written = []
+    for path in (args.dot, args.png):
+        if path is None:
+            continue
+        for lg, target, title in zip((result.before, result.after), _pair(path), ("before", "after")):
+            source = to_dot(lg, f"{args.model} layer {args.layer} {title} rewrite")
+            if path is args.png:
+                subprocess.run(["dot", "-Tpng", "-o", str(target)], input=source, text=True, check=True)
+            else:
+                target.write_text(source)
+            written.append(str(target))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(render_table(report, show_nodes=args.nodes))
+        if args.graph:
+            print(f"\ngraph before:\n{result.before.gm.code}\ngraph after:\n{result.after.gm.code}")
+        for path in written:
+            print(f"wrote {path}")
     return 0
 
 
@@ -78,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return run_inspect(args)
-    except (ConfigError, ShapeError, OSError) as e:
+    except (ConfigError, ShapeError, RuleError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ k3 = torch.ops.k3
 
 # Ops that only re-describe memory (or are no-ops on the value): they move no bytes.
 _VIEW_METHODS = {"view", "reshape", "transpose", "squeeze", "unsqueeze", "split", "chunk", "unbind",
-                 "permute", "expand", "narrow", "contiguous"}
+                 "permute", "expand", "narrow", "contiguous", "flatten"}
 _STATE_ARGS = {  # leaf op -> positions of arguments that are decode state (read and written in place)
     k3.kda_conv_update.default: (1,),
     k3.kda_recurrent_step.default: (5,),
@@ -110,12 +110,12 @@ def _expected_distinct(rows: int, picks: int) -> int:
     return round(rows * (1.0 - (1.0 - 1.0 / rows) ** picks))
 
 
-def _weight_uses(param: fx.Node) -> list[tuple[fx.Node, int]]:
+def weight_uses(param: fx.Node) -> list[tuple[fx.Node, int]]:
     """(consumer, bytes it reads) for each real use of a weight, looking through views."""
     uses = []
     for u in param.users:
         if is_view(u):
-            uses.extend((c, min(b, nbytes(_val(u)))) for c, b in _weight_uses(u))
+            uses.extend((c, min(b, nbytes(_val(u)))) for c, b in weight_uses(u))
         elif u.op == "call_function" and u.target is operator.getitem and _indexes_with_tensor(u):
             rows = _val(param).shape[0]
             picked = _expected_distinct(rows, _val(u.args[1]).numel())
@@ -125,11 +125,17 @@ def _weight_uses(param: fx.Node) -> list[tuple[fx.Node, int]]:
     return uses
 
 
+def is_gathered(param: fx.Node) -> bool:
+    """True when some use of the weight picks rows by a runtime index (routed experts)."""
+    return any(c.op == "call_function" and c.target is operator.getitem and _indexes_with_tensor(c)
+               for c, _ in weight_uses(param))
+
+
 def _weight_bytes(param: fx.Node) -> int:
     """A weight's bytes as read once: gathered experts count only those expected to be
     selected (uniform routing), a weight split by views counts each part once."""
     per_consumer: dict[fx.Node, int] = {}
-    for consumer, b in _weight_uses(param):
+    for consumer, b in weight_uses(param):
         per_consumer[consumer] = max(per_consumer.get(consumer, 0), b)
     return min(sum(per_consumer.values()), nbytes(_val(param)))
 
@@ -192,29 +198,36 @@ def _is_activation(node: fx.Node) -> bool:
     return isinstance(_val(node), torch.Tensor)
 
 
-def region_bytes(graph: fx.Graph, shape: DecodeShape) -> dict[str, int]:
-    """Per region, the bytes it moves as one kernel: weights, state, boundary activations.
+def group_bytes(graph: fx.Graph, shape: DecodeShape, key: Callable[[fx.Node], Hashable | None]
+                ) -> dict[Hashable, int]:
+    """Bytes each group of nodes moves as ONE kernel: weights, state, boundary activations.
 
-    An activation crossing from region A to region B costs A a write and B a read.
+    ``key`` maps a node to its group (None: belongs to none). An activation crossing from
+    group A to group B costs A a write and B a read.
     """
-    totals: dict[str, int] = defaultdict(int)
+    totals: dict[Hashable, int] = defaultdict(int)
     for node in graph.nodes:
-        r = node.meta.get("region")
+        g = key(node)
         if node.op == "get_attr":
-            for consumer, b in _weight_uses(node):
-                totals[consumer.meta.get("region")] += b
+            for consumer, b in weight_uses(node):
+                totals[key(consumer)] += b
             continue
         if node.op not in ("call_function", "call_method"):
             continue
         if node.target in _STATE_ARGS:
-            totals[r] += _state_bytes(node, shape)
-        for a in node.all_input_nodes:  # activations entering the region
-            if _is_activation(a) and (a.op == "placeholder" or a.meta.get("region") != r):
-                totals[r] += nbytes(_val(a))
-        if _is_activation(node) and any(u.op == "output" or u.meta.get("region") != r for u in node.users):
-            totals[r] += nbytes(_val(node))  # results leaving the region (or the layer)
+            totals[g] += _state_bytes(node, shape)
+        for a in node.all_input_nodes:  # activations entering the group
+            if _is_activation(a) and (a.op == "placeholder" or key(a) != g):
+                totals[g] += nbytes(_val(a))
+        if _is_activation(node) and any(u.op == "output" or key(u) != g for u in node.users):
+            totals[g] += nbytes(_val(node))  # results leaving the group (or the layer)
     totals.pop(None, None)
     return dict(totals)
+
+
+def region_bytes(graph: fx.Graph, shape: DecodeShape) -> dict[str, int]:
+    """Per region, the bytes it moves as one kernel."""
+    return group_bytes(graph, shape, lambda n: n.meta.get("region"))
 
 
 def hbm_us(num_bytes: int, tbps: float = H200_COPY_TBPS) -> float:

@@ -199,3 +199,18 @@ LEAF_OPS = {
     torch.ops.k3.mla_cache_insert.default: "MLA latent cache insert",
     torch.ops.k3.mla_decode.default: "MLA decode attention",
 }
+
+
+def gather_last_dim(x: Tensor, group: str, world_size: int) -> Tensor:
+    """Concatenate every rank's ``x`` along the last dim, rank order (no-op at world size 1).
+
+    Used inside fused ops that split a replicated GEMM across ranks.
+    """
+    if world_size == 1:
+        return x
+    pg = _GROUPS.get(group)
+    if pg is None:
+        raise RuntimeError(f"gather_last_dim: no process group registered as {group!r}")
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(parts, x.contiguous(), group=pg)
+    return torch.cat(parts, dim=-1)

@@ -1,11 +1,10 @@
-"""The ``inspect`` report: one layer traced at one shape, as JSON, a table, or a dot picture.
+"""The ``inspect`` report: one layer traced, rewritten and scheduled at one shape, as JSON,
+a table, graph text, or Graphviz pictures.
 
 The JSON keys are the contract in DESIGN.md (``model``, ``layer``, ``layer_kind``, ``tp``,
 ``batch``, ``default_kernels``, ``rewritten_kernels``, ``matches``, ``refusals``,
-``schedule``, ``hbm_floor_us``) plus detail for people: per-region and per-node bytes.
-Until fusion rules exist the rewritten layer is the stock one: ``rewritten_kernels``
-equals ``default_kernels``, ``matches`` is empty, and the schedule lists the stock
-kernels, each region's boundary bytes shared evenly among its kernels.
+``schedule``, ``hbm_floor_us``) plus detail for people: the stock schedule, events,
+prefetches, per-region and per-node bytes.
 """
 from __future__ import annotations
 
@@ -17,6 +16,8 @@ from torch import fx
 
 from rewriter.cost import H200_COPY_TBPS, floor_bytes, hbm_us, node_bytes, region_bytes
 from rewriter.regions import REGIONS
+from rewriter.rewrite import RewriteResult, is_fused
+from rewriter.schedule import Schedule, build_schedule
 from rewriter.stock_kernels import stock_kernels
 from rewriter.trace import LayerGraph
 
@@ -33,6 +34,8 @@ def _target_name(node: fx.Node) -> str:
     t = node.target
     if isinstance(t, str):
         return t
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t)  # k3f.mla_q_front.default
     return getattr(t, "__name__", None) or str(t)
 
 
@@ -42,34 +45,38 @@ def layer_regions(graph: fx.Graph) -> list[str]:
     return [r for r in REGIONS if r in present]
 
 
-def build_report(lg: LayerGraph, model: str, hbm_tbps: float = H200_COPY_TBPS) -> dict[str, Any]:
-    shape = lg.shape
-    regions = layer_regions(lg.graph)
-    per_region_bytes = region_bytes(lg.graph, shape)
-    per_region_nodes = Counter(n.meta.get("region") for n in lg.graph.nodes)
-    region_rows, schedule = [], []
-    for r in regions:
-        kernels = stock_kernels(r, tp=shape.tp, tokens=shape.tokens, arch=shape.arch)
-        region_rows.append({
-            "region": r, "nodes": per_region_nodes[r], "bytes": per_region_bytes.get(r, 0),
-            "stock_kernels": [k.name for k in kernels],
-        })
-        for k in kernels:
-            schedule.append({
-                "kernel": k.name, "region": r, "stream": getattr(k, "stream", "main"),
-                "bytes": per_region_bytes.get(r, 0) // len(kernels), "source": k.source,
-            })
-    nodes = []
+def _schedule_rows(s: Schedule) -> list[dict[str, Any]]:
+    return [{"kernel": k.name, "stream": k.stream, "bytes": k.bytes, "source": k.source,
+             "communicates": k.communicates, "start_us": round(k.start_us, 3), "end_us": round(k.end_us, 3),
+             "after": sorted(s.dag.predecessors(k.name))} for k in s.kernels]
+
+
+def _nodes(lg: LayerGraph) -> list[dict[str, Any]]:
+    rows = []
     for n in lg.graph.nodes:
         shp, dt = _describe(n.meta.get("val"))
-        nodes.append({"name": n.name, "op": n.op, "target": _target_name(n), "region": n.meta.get("region"),
-                      "shape": shp, "dtype": dt, "bytes": node_bytes(n, shape)})
-    floor = floor_bytes(lg.graph, shape)
-    default = len(schedule)
+        fused = n.meta.get("fused")
+        rows.append({"name": n.name, "op": n.op, "target": _target_name(n), "region": n.meta.get("region"),
+                     "rule": fused["rule"] if fused else None, "shape": shp, "dtype": dt,
+                     "bytes": fused["bytes"] if fused else node_bytes(n, lg.shape)})
+    return rows
+
+
+def build_report(result: RewriteResult, model: str, hbm_tbps: float = H200_COPY_TBPS) -> dict[str, Any]:
+    before, after = result.before, result.after
+    shape = before.shape
+    stock, fused = build_schedule(before, hbm_tbps), build_schedule(after, hbm_tbps)
+    per_region_bytes = region_bytes(before.graph, shape)
+    per_region_nodes = Counter(n.meta.get("region") for n in before.graph.nodes)
+    regions = [{"region": r, "nodes": per_region_nodes[r], "bytes": per_region_bytes.get(r, 0),
+                "stock_kernels": [k.name for k in stock_kernels(r, tp=shape.tp, tokens=shape.tokens,
+                                                                arch=shape.arch)]}
+               for r in layer_regions(before.graph)]
+    floor = floor_bytes(before.graph, shape)
     return {
         "model": model,
-        "layer": lg.layer,
-        "layer_kind": lg.kind,
+        "layer": before.layer,
+        "layer_kind": before.kind,
         "tp": shape.tp,
         "rank": shape.rank,
         "batch": shape.batch,
@@ -78,16 +85,24 @@ def build_report(lg: LayerGraph, model: str, hbm_tbps: float = H200_COPY_TBPS) -
         "context": shape.context,
         "arch": shape.arch,
         "dtype": _DTYPE_NAMES[shape.dtype],
-        "default_kernels": default,
-        "rewritten_kernels": default,
-        "matches": [],
-        "refusals": [],
-        "schedule": schedule,
+        "default_kernels": len(stock.kernels),
+        "rewritten_kernels": len(fused.kernels),
+        "matches": [{"rule": m.rule, "family": m.family, "kernel": m.kernel, "nodes": m.nodes, "bytes": m.bytes}
+                    for m in result.matches],
+        "refusals": [{"rule": r.rule, "reason": r.reason, "nodes": r.nodes} for r in result.refusals],
+        "schedule": _schedule_rows(fused),
+        "events": [vars(e) for e in fused.events],
+        "prefetches": [vars(p) for p in fused.prefetches],
+        "stock_schedule": _schedule_rows(stock),
         "floor_bytes": floor,
         "hbm_tbps": hbm_tbps,
         "hbm_floor_us": hbm_us(floor, hbm_tbps),
-        "regions": region_rows,
-        "nodes": nodes,
+        "critical_path_us": fused.critical_path_us,
+        "schedule_bound_us": fused.bound_us,
+        "stock_bound_us": stock.bound_us,
+        "regions": regions,
+        "nodes_before": _nodes(before),
+        "nodes_after": _nodes(after),
     }
 
 
@@ -95,33 +110,43 @@ def _mb(b: int) -> str:
     return f"{b / 1e6:9.3f}"
 
 
-def render_table(report: dict[str, Any], show_nodes: bool = False) -> str:
-    r = report
+def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
     lines = [
         f"{r['model']} layer {r['layer']} ({r['layer_kind']}), TP {r['tp']} rank {r['rank']}, "
         f"batch {r['batch']} x q {r['q']} = {r['tokens']} tokens, context {r['context']}, {r['dtype']}, {r['arch']}",
-        f"kernels: {r['default_kernels']} stock, {r['rewritten_kernels']} rewritten; "
-        f"matches {len(r['matches'])}, refusals {len(r['refusals'])}",
-        f"HBM floor: {r['floor_bytes'] / 1e6:.2f} MB = {r['hbm_floor_us']:.2f} us at {r['hbm_tbps']} TB/s",
+        f"kernels: {r['default_kernels']} stock -> {r['rewritten_kernels']} rewritten "
+        f"({len(r['matches'])} matches, {len(r['refusals'])} refusals)",
+        f"HBM floor {r['floor_bytes'] / 1e6:.2f} MB = {r['hbm_floor_us']:.2f} us at {r['hbm_tbps']} TB/s; "
+        f"schedule bound {r['schedule_bound_us']:.2f} us (stock {r['stock_bound_us']:.2f} us)",
         "",
-        f"{'region':<24}{'nodes':>6}{'MB moved':>11}  stock kernels",
+        f"{'#':>3} {'kernel':<34}{'stream':<7}{'MB':>9}{'start us':>10}  from",
     ]
+    for i, k in enumerate(r["schedule"]):
+        comm = " +comm" if k["communicates"] else ""
+        lines.append(f"{i:>3} {k['kernel'][:33]:<34}{k['stream']:<7}{_mb(k['bytes'])}{k['start_us']:>10.2f}  "
+                     f"{k['source']}{comm}")
+    for e in r["events"]:
+        lines.append(f"    event: {e['stream_waits']} stream waits for {e['record_after']} before {e['before']}")
+    for p in r["prefetches"]:
+        lines.append(f"    prefetch: {p['bytes'] / 1e6:.2f} MB of {p['kernel']} into L2 during {p['during']}")
+    lines.append("")
+    for m in r["matches"]:
+        lines.append(f"match   {m['rule']:<28} -> {m['kernel']:<28} {len(m['nodes'])} nodes")
+    for m in r["refusals"]:
+        lines.append(f"refused {m['rule']:<28} {m['reason']}")
+    lines += ["", f"{'stock region':<24}{'nodes':>6}{'MB moved':>11}  stock kernels"]
     for row in r["regions"]:
         lines.append(f"{row['region']:<24}{row['nodes']:>6}{_mb(row['bytes']):>11}  "
                      f"{len(row['stock_kernels'])}: {', '.join(row['stock_kernels'])}")
-    total = sum(row["bytes"] for row in r["regions"])
-    lines.append(f"{'total':<24}{sum(row['nodes'] for row in r['regions']):>6}{_mb(total):>11}  "
-                 f"{r['default_kernels']}")
-    for m in r["matches"]:
-        lines.append(f"match   {m['rule']}: {', '.join(m['nodes'])}")
-    for m in r["refusals"]:
-        lines.append(f"refused {m['rule']}: {m['reason']}")
     if show_nodes:
-        lines += ["", f"{'node':<28}{'op':<14}{'target':<22}{'region':<24}{'shape':<22}{'dtype':<10}{'bytes':>12}"]
-        for n in r["nodes"]:
-            shape = "x".join(map(str, n["shape"])) if n["shape"] is not None else "-"
-            lines.append(f"{n['name']:<28}{n['op']:<14}{n['target'][:21]:<22}{(n['region'] or '-'):<24}"
-                         f"{shape:<22}{(n['dtype'] or '-'):<10}{n['bytes']:>12}")
+        for title, key in (("graph before", "nodes_before"), ("graph after", "nodes_after")):
+            lines += ["", f"{title}:", f"{'node':<28}{'op':<14}{'target':<26}{'region / rule':<26}{'shape':<20}"
+                                       f"{'dtype':<10}{'bytes':>12}"]
+            for n in r[key]:
+                shape = "x".join(map(str, n["shape"])) if n["shape"] is not None else "-"
+                where = n["rule"] and f"[{n['rule']}]" or n["region"] or "-"
+                lines.append(f"{n['name'][:27]:<28}{n['op']:<14}{n['target'][:25]:<26}{where[:25]:<26}"
+                             f"{shape[:19]:<20}{(n['dtype'] or '-'):<10}{n['bytes']:>12}")
     return "\n".join(lines)
 
 
@@ -129,9 +154,10 @@ _PALETTE = ["#fde2e4", "#e2ece9", "#dfe7fd", "#fff1e6", "#e8e8e4", "#f0efeb", "#
             "#cddafd", "#fad2e1", "#bee1e6", "#eae4e9"]
 
 
-def to_dot(lg: LayerGraph) -> str:
-    """Graphviz source: one box per node, clustered by region, weights as notes."""
-    out = [f'digraph "{lg.gm.__class__.__name__}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
+def to_dot(lg: LayerGraph, title: str = "") -> str:
+    """Graphviz source: one box per node, clustered by region; fused ops bold, weights as notes."""
+    name = title or lg.gm.__class__.__name__
+    out = [f'digraph "{name}" {{', f'  label="{name}"; rankdir=TB; node [shape=box, fontsize=10];']
     by_region: dict[str | None, list[fx.Node]] = {}
     for n in lg.graph.nodes:
         by_region.setdefault(n.meta.get("region"), []).append(n)
@@ -142,19 +168,22 @@ def to_dot(lg: LayerGraph) -> str:
         what = n.target if n.op == "get_attr" else _target_name(n)
         return f"{n.name}\\n{what}{detail}".replace('"', "'")
 
+    def style(n: fx.Node) -> str:
+        if is_fused(n):
+            return ', style="bold,filled", fillcolor="#ffd166"'
+        if n.op == "get_attr":
+            return ", shape=note"
+        return ", shape=ellipse" if n.op in ("placeholder", "output") else ""
+
     for i, (region, members) in enumerate(by_region.items()):
         indent = "  "
         if region is not None:
             out.append(f'  subgraph "cluster_{region}" {{ label="{region}"; style=filled; '
                        f'color="{_PALETTE[i % len(_PALETTE)]}";')
             indent = "    "
-        for n in members:
-            style = ", shape=note" if n.op == "get_attr" else ", shape=ellipse" if n.op in ("placeholder", "output") else ""
-            out.append(f'{indent}"{n.name}" [label="{label(n)}"{style}];')
+        out.extend(f'{indent}"{n.name}" [label="{label(n)}"{style(n)}];' for n in members)
         if region is not None:
             out.append("  }")
-    for n in lg.graph.nodes:
-        for a in n.all_input_nodes:
-            out.append(f'  "{a.name}" -> "{n.name}";')
+    out.extend(f'  "{a.name}" -> "{n.name}";' for n in lg.graph.nodes for a in n.all_input_nodes)
     out.append("}")
     return "\n".join(out) + "\n"

@@ -58,6 +58,7 @@ class LayerGraph:
     layer: int
     kind: str  # "kda" | "mla" | "dense"
     shape: DecodeShape
+    module: KimiDecoderLayer  # the traced layer: its constants specialize the rules
 
     @property
     def graph(self) -> fx.Graph:
@@ -80,7 +81,17 @@ def trace(layer: KimiDecoderLayer, shape: DecodeShape) -> LayerGraph:
     if shape.dtype != layer_dtype:
         raise ShapeError(f"shape dtype {shape.dtype} differs from the layer's {layer_dtype}")
     inputs = decode_inputs(layer, shape, device="meta")
-    graph = _RegionTracer().trace(layer)
+    graph = trace_function(layer)
     gm = fx.GraphModule(layer, graph, class_name=f"KimiK3Layer{layer.layer_idx}")
     propagate_meta(gm, list(inputs.values()))
-    return LayerGraph(gm=gm, config=layer.config, layer=layer.layer_idx, kind=layer.kind, shape=shape)
+    return LayerGraph(gm=gm, config=layer.config, layer=layer.layer_idx, kind=layer.kind, shape=shape, module=layer)
+
+
+def trace_function(fn: torch.nn.Module | Any) -> fx.Graph:
+    """The fx graph of a module or plain function, as ``trace`` builds it, unused values dropped.
+
+    Patterns are traced with this too, so they have the same structure as the layers.
+    """
+    graph = _RegionTracer().trace(fn)
+    graph.eliminate_dead_code()  # in-place state updates are impure and stay
+    return graph

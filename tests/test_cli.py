@@ -29,20 +29,44 @@ def test_inspect_json_contract(capsys, layer, kind, tp, batch):
     assert CONTRACT <= report.keys()
     assert (report["layer"], report["layer_kind"], report["tp"], report["batch"]) == (layer, kind, tp, batch)
     assert report["default_kernels"] == layer_kernels(kind, tp=tp, tokens=batch, arch="sm_100a")
-    assert report["rewritten_kernels"] == report["default_kernels"] == len(report["schedule"])
-    assert report["matches"] == [] and report["refusals"] == []
+    assert report["rewritten_kernels"] == len(report["schedule"]) <= 13
+    # the only refusal: the input-projection rule for the other batch range (its twin matched)
+    twin, other = ("attn_in_proj.small", "attn_in_proj.large") if batch <= 8 else \
+        ("attn_in_proj.large", "attn_in_proj.small")
+    assert {r["rule"] for r in report["refusals"]} <= {other}
+    assert twin in {m["rule"] for m in report["matches"]}
+    families = {m["family"] for m in report["matches"]}
+    if kind != "dense":
+        assert {"attention_projection", "output_projection", "router", "moe"} <= families
     assert all({"kernel", "stream", "bytes"} <= row.keys() for row in report["schedule"])
+    assert all({"rule", "nodes"} <= m.keys() for m in report["matches"])
     assert report["hbm_floor_us"] > 0
     assert report["hbm_floor_us"] == pytest.approx(report["floor_bytes"] / 4.27e6)
 
 
-def test_table_and_dot(capsys, tmp_path):
+def test_table_graph_and_dot(capsys, tmp_path):
     dot = tmp_path / "layer.dot"
-    out = _inspect(capsys, "--layer", "3", "--tp", "8", "--batch", "4", "--dot", str(dot), "--nodes")
-    assert "kimi-k3 layer 3 (mla), TP 8" in out and "mla.decode" in out and "HBM floor" in out
-    assert "mla_decode" in out  # --nodes lists the graph's nodes
-    text = dot.read_text()
-    assert text.startswith("digraph") and 'subgraph "cluster_mla.decode"' in text and "->" in text
+    out = _inspect(capsys, "--layer", "3", "--tp", "8", "--batch", "4", "--dot", str(dot), "--nodes", "--graph")
+    assert "kimi-k3 layer 3 (mla), TP 8" in out and "HBM floor" in out
+    assert "match   mla_q_front" in out and "event: aux stream waits" in out
+    assert "graph before:" in out and "torch.ops.k3f.mla_q_front" in out  # --graph prints both graphs' code
+    assert "[mla_q_front]" in out  # --nodes lists the rewritten graph's nodes with their rule
+    before, after = dot.read_text(), (tmp_path / "layer.after.dot").read_text()
+    assert before.startswith("digraph") and 'subgraph "cluster_mla.decode"' in before and "->" in before
+    assert "k3f.mla_q_front" in after and "k3f" not in before
+
+
+def test_batch_outside_the_rules_is_refused_and_stays_stock(capsys):
+    report = json.loads(_inspect(capsys, "--layer", "1", "--tp", "8", "--batch", "128", "--json"))
+    assert report["matches"] == []
+    assert report["rewritten_kernels"] == report["default_kernels"]
+    reasons = {r["reason"] for r in report["refusals"]}
+    assert "batch 128 > 64: rules are specialized for decode batches of 1..64 tokens" in reasons
+
+
+def test_no_rules_shows_the_stock_layer(capsys):
+    report = json.loads(_inspect(capsys, "--layer", "1", "--no-rules", "--json"))
+    assert report["matches"] == [] and report["rewritten_kernels"] == report["default_kernels"]
 
 
 def test_hopper_and_bandwidth_options(capsys):

@@ -1,4 +1,5 @@
-"""TP 2 and 4 on CPU processes (gloo) give TP 1's layer outputs and state updates.
+"""TP 2 and 4 on CPU processes (gloo) give TP 1's layer outputs and state updates, for the
+reference layers and for their rewritten graphs.
 
 Each rank builds its layer from the TP 1 weights cut as vLLM cuts them (column, row,
 replicated, packed pieces, zero-padded expert shards at TP 4), runs the same decode
@@ -35,6 +36,9 @@ def _worker(rank: int, world: int, port: int) -> None:
     from rewriter.layers.state import shard_decode_inputs, state_shardings
     from rewriter.layers.weights import shard_state_dict
     from rewriter.ops import register_group
+    from rewriter.rewrite import rewrite
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     register_group("tp", dist.group.WORLD)
@@ -57,6 +61,18 @@ def _worker(rank: int, world: int, port: int) -> None:
                 assert err < TOL, f"TP {world} rank {rank} layer {layer_idx}: {name} rel err {err:.2e}"
             if "kv_cache" in inputs:
                 assert rel_err(local_inputs["kv_cache"], inputs["kv_cache"]) < TOL
+            # the rewritten rank graph (fused ops, the router split across ranks and gathered) too
+            for batch in (2, 9):
+                shape = DecodeShape(batch=batch, tp=world, rank=rank, dtype=torch.float32, context=6, block_size=4)
+                result = rewrite(trace(local, shape))
+                assert {m.rule for m in result.matches} >= {"o_proj_all_reduce_attn_res", "kda_core"
+                                                            if local.attention_kind == "kda" else "mla_q_front"}
+                step = make_inputs(full, batch=batch, context=6, block_size=4, seed=10 + layer_idx)
+                expected = full(**{k: v.clone() for k, v in step.items()})
+                got = result.after.gm(*shard_decode_inputs(step, local).values())
+                for name, a, b in zip(("output", "prefix_sum", "blocks"), got, expected):
+                    err = rel_err(a, b)
+                    assert err < TOL, f"rewritten TP {world} rank {rank} layer {layer_idx} batch {batch}: {name} {err:.2e}"
     finally:
         dist.destroy_process_group()
 

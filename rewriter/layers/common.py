@@ -5,6 +5,9 @@ import torch
 from torch import Tensor, nn
 
 from rewriter.layers.sharding import Sharding
+from rewriter.regions import region
+
+k3 = torch.ops.k3
 
 
 class Weight(nn.Module):
@@ -45,3 +48,11 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (the KDA kernels' q/k norm)."""
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def o_proj_all_reduce(o: Tensor, weight: Tensor, group: str, tp: int) -> Tensor:
+    """The attention output projection (row parallel) and its all-reduce."""
+    with region("attn.o_proj"):
+        out = torch.nn.functional.linear(o, weight)
+    with region("attn.o_proj_all_reduce"):
+        return k3.all_reduce(out, group, tp)

@@ -56,6 +56,7 @@ class KimiDecoderLayer(nn.Module):
         self.is_block_write_layer = layer_idx % block == 0
         self.block_write_idx = layer_idx // block
         self.prev_valid_blocks = math.ceil(layer_idx / block)
+        self.mlp_blocks = self.prev_valid_blocks + int(self.is_block_write_layer)
         self.shardings = {}
 
     @property
@@ -77,15 +78,12 @@ class KimiDecoderLayer(nn.Module):
                 block_write_idx=self.block_write_idx if self.is_block_write_layer else -1,
                 eps=self.eps, output_norm_eps=self.eps)
         attn_out = self.self_attn(x, *attn_state)
-        if self.is_block_write_layer:
-            prefix, delta = attn_out, None
-        else:
-            delta = attn_out
+        # a block-writing layer restarts the running sum at its attention output
+        prefix, delta = (attn_out, None) if self.is_block_write_layer else (prefix, attn_out)
         with region("attn_res.pre_mlp"):
-            x, prefix, blocks = attn_res(
+            x, prefix, _ = attn_res(
                 prefix, delta, blocks, self.mlp_res_norm.weight, self.mlp_res_proj.weight.squeeze(0),
-                self.post_attention_layernorm.weight,
-                num_blocks=self.prev_valid_blocks + int(self.is_block_write_layer), block_write_idx=-1,
+                self.post_attention_layernorm.weight, num_blocks=self.mlp_blocks, block_write_idx=-1,
                 eps=self.eps, output_norm_eps=self.eps)
         return self.feed_forward(x), prefix, blocks
 

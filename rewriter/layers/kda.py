@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from rewriter.config import KimiK3Config
-from rewriter.layers.common import Weight, l2_normalize
+from rewriter.layers.common import Weight, l2_normalize, o_proj_all_reduce
 from rewriter.layers.sharding import COLUMN, REPLICATED, ROW, Piece, Sharding
 from rewriter.regions import region
 
@@ -46,39 +46,12 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = Weight((cfg.hidden_size, self.proj), dtype, ROW)
         self.shardings = {"dt_bias": COLUMN, "A_log": COLUMN}
 
-    def decay(self, g1: Tensor) -> Tensor:
-        """Log decay per channel from the raw gate: lb*sigmoid(e^A (g + dt_bias)), else -e^A softplus(.)."""
-        g = g1.float().view(-1, self.heads, self.head_dim) + self.dt_bias.view(self.heads, self.head_dim)
-        a = torch.exp(self.A_log).view(1, self.heads, 1)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(a * g)
-        return -a * torch.nn.functional.softplus(g)
-
     def forward(self, x: Tensor, conv_state: Tensor, recurrent_state: Tensor, state_indices: Tensor) -> Tensor:
-        heads, head_dim = self.heads, self.head_dim
-        with region("kda.in_proj"):
-            projected = torch.nn.functional.linear(x, self.in_proj_qkvgfab.weight)
-            mixed_qkv, g_out, f_a, beta, _ = projected.split(self.split_sizes, dim=-1)
-        with region("kda.f_b_proj"):
-            g1 = torch.nn.functional.linear(f_a, self.f_b_proj.weight)
-        with region("kda.core"):
-            conv_w = self.conv1d.weight.view(3 * self.proj, self.conv_size)
-            qkv = k3.kda_conv_update(mixed_qkv, conv_state, conv_w, state_indices)
-            q, k, v = qkv.view(-1, 3, heads, head_dim).unbind(1)
-            q = l2_normalize(q) * head_dim**-0.5
-            k = l2_normalize(k)
-            decay = self.decay(g1)
-            strength = torch.sigmoid(beta.float())
-            o = k3.kda_recurrent_step(q, k, v, decay, strength, recurrent_state, state_indices)
-            # sigmoid-gated RMSNorm per head (FusedRMSNormGated, activation="sigmoid")
-            of = o.float()
-            of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm.weight.float()
-            gate = torch.sigmoid(g_out.float().view(-1, heads, head_dim))
-            o = (of * gate).type_as(x).view(-1, heads * head_dim)
-        with region("attn.o_proj"):
-            out = torch.nn.functional.linear(o, self.o_proj.weight)
-        with region("attn.o_proj_all_reduce"):
-            return k3.all_reduce(out, self.tp_group, self.tp)
+        mixed_qkv, g_out, f_a, beta = kda_in_proj(x, self.in_proj_qkvgfab.weight, self.split_sizes)
+        o = kda_core(mixed_qkv, g_out, f_a, beta, self.f_b_proj.weight, self.conv1d.weight, self.A_log, self.dt_bias,
+                     self.o_norm.weight, conv_state, recurrent_state, state_indices, heads=self.heads,
+                     head_dim=self.head_dim, lower_bound=self.lower_bound, eps=self.norm_eps)
+        return o_proj_all_reduce(o, self.o_proj.weight, self.tp_group, self.tp)
 
     def state_shapes(self, slots: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shapes of the decode state vLLM keeps per slot (conv state dim-first, bf16; fp32 recurrent)."""
@@ -86,3 +59,40 @@ class KimiDeltaAttention(nn.Module):
             "conv_state": ((slots, 3 * self.proj, self.conv_size - 1), dtype),
             "recurrent_state": ((slots, self.heads, self.head_dim, self.head_dim), torch.float32),
         }
+
+
+def kda_in_proj(x: Tensor, weight: Tensor, split_sizes: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The packed projection, split into (q|k|v, output gate g, f_a, beta); padding dropped."""
+    with region("kda.in_proj"):
+        mixed_qkv, g_out, f_a, beta, _ = torch.nn.functional.linear(x, weight).split(split_sizes, dim=-1)
+        return mixed_qkv, g_out, f_a, beta
+
+
+def kda_decay(g1: Tensor, a_log: Tensor, dt_bias: Tensor, heads: int, head_dim: int,
+              lower_bound: float | None) -> Tensor:
+    """Log decay per channel: lb*sigmoid(e^A (g + dt_bias)), or -e^A softplus(g + dt_bias) unbounded."""
+    g = g1.float().view(-1, heads, head_dim) + dt_bias.view(heads, head_dim)
+    a = torch.exp(a_log).view(1, heads, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * g)
+    return -a * torch.nn.functional.softplus(g)
+
+
+def kda_core(mixed_qkv: Tensor, g_out: Tensor, f_a: Tensor, beta: Tensor, f_b_weight: Tensor, conv_weight: Tensor,
+             a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor, recurrent_state: Tensor,
+             state_indices: Tensor, *, heads: int, head_dim: int, lower_bound: float | None, eps: float) -> Tensor:
+    """f_b_proj, short conv, gates, delta-rule update and sigmoid-gated RMSNorm; states updated in place."""
+    with region("kda.f_b_proj"):
+        g1 = torch.nn.functional.linear(f_a, f_b_weight)
+    with region("kda.core"):
+        qkv = k3.kda_conv_update(mixed_qkv, conv_state, conv_weight.flatten(1), state_indices)
+        q, k, v = qkv.view(-1, 3, heads, head_dim).unbind(1)
+        q = l2_normalize(q) * head_dim**-0.5
+        k = l2_normalize(k)
+        decay = kda_decay(g1, a_log, dt_bias, heads, head_dim, lower_bound)
+        o = k3.kda_recurrent_step(q, k, v, decay, torch.sigmoid(beta.float()), recurrent_state, state_indices)
+        of = o.float()  # sigmoid-gated RMSNorm per head (FusedRMSNormGated, activation="sigmoid")
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        gate = torch.sigmoid(g_out.float().view(-1, heads, head_dim))
+        return (of * gate).type_as(mixed_qkv).view(-1, heads * head_dim)
+

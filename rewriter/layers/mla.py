@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from rewriter.config import KimiK3Config
-from rewriter.layers.common import Weight, rms_norm
+from rewriter.layers.common import Weight, o_proj_all_reduce, rms_norm
 from rewriter.layers.sharding import COLUMN, REPLICATED, ROW, Piece, Sharding
 from rewriter.regions import region
 
@@ -43,43 +43,60 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = Weight((s.kv_b, self.kv_lora), dtype, COLUMN)
         self.o_proj = Weight((cfg.hidden_size, s.mla_o_in), dtype, ROW)
         self.shardings = {}
-
-    def _kv_b(self) -> tuple[Tensor, Tensor]:
-        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora)
-        return w.split([self.nope, self.v_dim], dim=1)
-
-    def w_uk_t(self) -> Tensor:
-        """W_UK_T [H, P, L], a view of kv_b_proj (vLLM precomputes it after loading)."""
-        return self._kv_b()[0]
-
-    def w_uv(self) -> Tensor:
-        """W_UV [H, L, V], a view of kv_b_proj."""
-        return self._kv_b()[1].transpose(1, 2)
+        self.split_sizes = [self.q_lora, self.kv_lora, self.rope, self.heads * self.v_dim]
+        self.dims = dict(heads=self.heads, nope=self.nope, rope=self.rope, v_dim=self.v_dim, kv_lora=self.kv_lora,
+                         eps=self.eps)
 
     def forward(self, x: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                 slot_mapping: Tensor) -> Tensor:
-        with region("mla.qkv_a_g_proj"):
-            projected = torch.nn.functional.linear(x, self.fused_qkv_a_g_proj.weight)
-            q_c, kv_c, k_pe, gate = projected.split(
-                [self.q_lora, self.kv_lora, self.rope, self.heads * self.v_dim], dim=-1)
-        with region("mla.q_kv_norm"):
-            q_c = rms_norm(q_c, self.q_a_layernorm.weight, self.eps)
-            kv_c = rms_norm(kv_c, self.kv_a_layernorm.weight, self.eps)
-        with region("mla.q_b_proj"):
-            q = torch.nn.functional.linear(q_c, self.q_b_proj.weight).view(-1, self.heads, self.nope + self.rope)
-        with region("mla.uk_absorb"):
-            q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-            ql_nope = torch.bmm(q_nope.transpose(0, 1), self.w_uk_t()).transpose(0, 1)  # [T, H, L]
-        with region("mla.cache_insert"):
-            mqa_q = torch.cat([ql_nope, q_pe], dim=-1)
-            k3.mla_cache_insert(kv_cache, kv_c, k_pe, slot_mapping)
+        q_c, kv_c, k_pe, gate = mla_in_proj(x, self.fused_qkv_a_g_proj.weight, self.split_sizes)
+        mqa_q, _ = mla_q_front(q_c, kv_c, k_pe, self.q_a_layernorm.weight, self.kv_a_layernorm.weight,
+                               self.q_b_proj.weight, self.kv_b_proj.weight, kv_cache, slot_mapping, **self.dims)
         with region("mla.decode"):
             latent = k3.mla_decode(mqa_q, kv_cache, block_table, seq_lens, self.scale, self.kv_lora)
-        with region("mla.uv_absorb"):
-            o = torch.bmm(latent.transpose(0, 1), self.w_uv()).transpose(0, 1).reshape(-1, self.heads * self.v_dim)
-        with region("mla.gate"):
-            o = o * torch.sigmoid(gate)
-        with region("attn.o_proj"):
-            out = torch.nn.functional.linear(o, self.o_proj.weight)
-        with region("attn.o_proj_all_reduce"):
-            return k3.all_reduce(out, self.tp_group, self.tp)
+        o = mla_out_gate(latent, self.kv_b_proj.weight, gate, heads=self.heads, nope=self.nope, v_dim=self.v_dim,
+                         kv_lora=self.kv_lora)
+        return o_proj_all_reduce(o, self.o_proj.weight, self.tp_group, self.tp)
+
+
+def _kv_b(kv_b_weight: Tensor, heads: int, nope: int, v_dim: int, kv_lora: int) -> tuple[Tensor, Tensor]:
+    """W_UK_T [H, P, L] and W_UV^T [H, V, L] as views of kv_b_proj (vLLM precomputes them after loading)."""
+    return kv_b_weight.view(heads, nope + v_dim, kv_lora).split([nope, v_dim], dim=1)
+
+
+def mla_in_proj(x: Tensor, weight: Tensor, split_sizes: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fused_qkv_a_g_proj, split into (q LoRA input, kv latent, k_pe, output gate)."""
+    with region("mla.qkv_a_g_proj"):
+        q_c, kv_c, k_pe, gate = torch.nn.functional.linear(x, weight).split(split_sizes, dim=-1)
+        return q_c, kv_c, k_pe, gate
+
+
+def mla_q_front(q_c: Tensor, kv_c: Tensor, k_pe: Tensor, q_a_norm: Tensor, kv_a_norm: Tensor, q_b_weight: Tensor,
+                kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *, heads: int, nope: int, rope: int,
+                v_dim: int, kv_lora: int, eps: float) -> tuple[Tensor, None]:
+    """q/kv norms, q_b_proj, W_UK absorption, [q_nope_latent | q_pe], latent cache insert.
+
+    Returns the absorbed query [T, H, L + R] and the (empty) result of the cache insert.
+    """
+    with region("mla.q_kv_norm"):
+        q_c = rms_norm(q_c, q_a_norm, eps)
+        kv_c = rms_norm(kv_c, kv_a_norm, eps)
+    with region("mla.q_b_proj"):
+        q = torch.nn.functional.linear(q_c, q_b_weight).view(-1, heads, nope + rope)
+    with region("mla.uk_absorb"):
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        w_uk_t = _kv_b(kv_b_weight, heads, nope, v_dim, kv_lora)[0]
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, H, L]
+    with region("mla.cache_insert"):
+        inserted = k3.mla_cache_insert(kv_cache, kv_c, k_pe, slot_mapping)
+        return torch.cat([ql_nope, q_pe], dim=-1), inserted
+
+
+def mla_out_gate(latent: Tensor, kv_b_weight: Tensor, gate: Tensor, *, heads: int, nope: int, v_dim: int,
+                 kv_lora: int) -> Tensor:
+    """W_UV back to heads, then the sigmoid output gate: [T, H * V]."""
+    with region("mla.uv_absorb"):
+        w_uv = _kv_b(kv_b_weight, heads, nope, v_dim, kv_lora)[1].transpose(1, 2)
+        o = torch.bmm(latent.transpose(0, 1), w_uv).transpose(0, 1).reshape(-1, heads * v_dim)
+    with region("mla.gate"):
+        return o * torch.sigmoid(gate)

@@ -22,10 +22,10 @@ from rewriter.regions import region
 k3 = torch.ops.k3
 
 
-def _act(cfg: KimiK3Config):
+def _act(cfg: KimiK3Config) -> dict[str, float | None]:
     if cfg.hidden_act == "situ":
-        return lambda x: situ_and_mul(x, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    return silu_and_mul
+        return {"beta": cfg.activation_situ_beta, "linear_beta": cfg.activation_situ_linear_beta}
+    return {"beta": None, "linear_beta": None}
 
 
 class KimiMoE(nn.Module):
@@ -60,46 +60,22 @@ class KimiMoE(nn.Module):
         self.shared_experts.down_proj = Weight((hidden, s.shared_intermediate), dtype, ROW)
         self.routed_expert_norm = Weight((latent,), dtype, REPLICATED)
         self.routed_expert_up_proj = Weight((hidden, latent), dtype, REPLICATED)
-        self.latent, self.shared_width = latent, hidden
+        self.latent, self.hidden = latent, hidden
         self.shardings = {}
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """noaux_tc top-k: sigmoid scores, bias added for selection only, renormalized, scaled."""
-        scores = torch.sigmoid(logits)
-        choice = scores + self.gate.e_score_correction_bias
-        ids = torch.topk(choice, self.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights * self.scaling, ids
-
-    def routed_experts(self, x_latent: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """Each token through its selected experts, combined with the routing weights (fp32 sum)."""
-        w13 = self.experts.w13_weight[ids]  # [T, k, 2I, L]: only the selected experts are read
-        w2 = self.experts.w2_weight[ids]  # [T, k, L, I]
-        gate_up = torch.einsum("tl,tkol->tko", x_latent, w13)
-        act = self.act(gate_up)
-        out = torch.einsum("tki,tkli->tkl", act, w2)
-        return (out.float() * weights.unsqueeze(-1)).sum(1).type_as(x_latent)
+        return route(logits, self.gate.e_score_correction_bias, top_k=self.top_k, renormalize=self.renormalize,
+                     scaling=self.scaling)
 
     def forward(self, x: Tensor) -> Tensor:
-        with region("moe.router"):
-            logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
-        with region("moe.down_proj"):
-            x_latent = torch.nn.functional.linear(x, self.routed_expert_down_proj.weight)
-        with region("moe.topk"):
-            weights, ids = self.route(logits)
-        with region("moe.experts"):
-            routed = self.routed_experts(x_latent, weights, ids)
-        with region("moe.shared"):
-            shared_gate_up = torch.nn.functional.linear(x, self.shared_experts.gate_up_proj.weight)
-            shared = torch.nn.functional.linear(self.act(shared_gate_up), self.shared_experts.down_proj.weight)
-        with region("moe.tail_all_reduce"):
-            reduced = k3.all_reduce(torch.cat([routed, shared], dim=-1), self.tp_group, self.tp)
-            routed, shared = reduced.split([self.latent, self.shared_width], dim=-1)
-        with region("moe.tail"):
-            routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)
-            return torch.nn.functional.linear(routed, self.routed_expert_up_proj.weight) + shared
+        logits, x_latent = router_and_down_proj(x, self.gate.weight, self.routed_expert_down_proj.weight)
+        weights, ids = self.route(logits)
+        act = experts_up(x_latent, ids, self.experts.w13_weight, **self.act)
+        routed = experts_down(act, weights, ids, self.experts.w2_weight)
+        shared = shared_experts_down(shared_experts_up(x, self.shared_experts.gate_up_proj.weight, **self.act),
+                                     self.shared_experts.down_proj.weight)
+        return latent_tail(routed, shared, self.routed_expert_norm.weight, self.routed_expert_up_proj.weight,
+                           latent=self.latent, hidden=self.hidden, group=self.tp_group, tp=self.tp, eps=self.eps)
 
 
 class KimiMLP(nn.Module):
@@ -116,12 +92,76 @@ class KimiMLP(nn.Module):
         self.shardings = {}
 
     def forward(self, x: Tensor) -> Tensor:
-        with region("mlp.gate_up"):
-            gate_up = torch.nn.functional.linear(x, self.gate_up_proj.weight)
-        with region("mlp.act"):
-            act = self.act(gate_up)
-        with region("mlp.down"):
-            out = torch.nn.functional.linear(act, self.down_proj.weight)
-        with region("mlp.all_reduce"):
-            return k3.all_reduce(out, self.tp_group, self.tp)
+        return mlp_down(mlp_up(x, self.gate_up_proj.weight, **self.act), self.down_proj.weight, self.tp_group, self.tp)
 
+
+def router_and_down_proj(x: Tensor, gate_weight: Tensor, down_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 router logits and the routed experts' latent input, both from the un-projected x."""
+    with region("moe.router"):
+        logits = torch.nn.functional.linear(x.float(), gate_weight.float())
+    with region("moe.down_proj"):
+        return logits, torch.nn.functional.linear(x, down_weight)
+
+
+def route(logits: Tensor, bias: Tensor, *, top_k: int, renormalize: bool, scaling: float) -> tuple[Tensor, Tensor]:
+    """noaux_tc top-k: sigmoid scores, bias added for selection only, renormalized, scaled."""
+    with region("moe.topk"):
+        scores = torch.sigmoid(logits)
+        ids = torch.topk(scores + bias, top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * scaling, ids
+
+
+def experts_up(x_latent: Tensor, ids: Tensor, w13: Tensor, *, beta: float | None, linear_beta: float | None) -> Tensor:
+    """Each token's selected experts' gate/up projection and activation: [T, k, I]."""
+    with region("moe.experts"):
+        gate_up = torch.einsum("tl,tkol->tko", x_latent, w13[ids])  # only the selected experts are read
+        return activation(gate_up, beta, linear_beta)
+
+
+def experts_down(act: Tensor, weights: Tensor, ids: Tensor, w2: Tensor) -> Tensor:
+    """Each expert's down projection, combined with the routing weights (fp32 sum): [T, L]."""
+    with region("moe.experts"):
+        out = torch.einsum("tki,tkli->tkl", act, w2[ids])
+        return (out.float() * weights.unsqueeze(-1)).sum(1).type_as(act)
+
+
+def shared_experts_up(x: Tensor, weight: Tensor, *, beta: float | None, linear_beta: float | None) -> Tensor:
+    with region("moe.shared"):
+        return activation(torch.nn.functional.linear(x, weight), beta, linear_beta)
+
+
+def shared_experts_down(h: Tensor, weight: Tensor) -> Tensor:
+    with region("moe.shared"):
+        return torch.nn.functional.linear(h, weight)
+
+
+def latent_tail(routed: Tensor, shared: Tensor, norm_weight: Tensor, up_weight: Tensor, *, latent: int, hidden: int,
+                group: str, tp: int, eps: float) -> Tensor:
+    """One all-reduce of [latent | shared] partials, routed_expert_norm, up projection, shared add."""
+    with region("moe.tail_all_reduce"):
+        reduced = k3.all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
+        routed, shared = reduced.split([latent, hidden], dim=-1)
+    with region("moe.tail"):
+        return torch.nn.functional.linear(rms_norm(routed, norm_weight, eps), up_weight) + shared
+
+
+def mlp_up(x: Tensor, weight: Tensor, *, beta: float | None, linear_beta: float | None) -> Tensor:
+    with region("mlp.gate_up"):
+        gate_up = torch.nn.functional.linear(x, weight)
+    with region("mlp.act"):
+        return activation(gate_up, beta, linear_beta)
+
+
+def mlp_down(h: Tensor, weight: Tensor, group: str, tp: int) -> Tensor:
+    with region("mlp.down"):
+        out = torch.nn.functional.linear(h, weight)
+    with region("mlp.all_reduce"):
+        return k3.all_reduce(out, group, tp)
+
+
+def activation(gate_up: Tensor, beta: float | None, linear_beta: float | None) -> Tensor:
+    """SiTU when ``beta`` is set (Kimi K3), SiLU-and-mul otherwise."""
+    return situ_and_mul(gate_up, beta, linear_beta) if beta is not None else silu_and_mul(gate_up)

@@ -1,0 +1,115 @@
+"""The rest of a layer, so that every op of the KDA+MoE, MLA+MoE and dense layers runs
+inside some fused kernel:
+
+- ``attn_res_norm``: AttnRes before attention (prefix add, block write, mix) with
+  ``input_layernorm``; the block write goes to the block buffer in place, as in vLLM;
+- ``mla_out_gate``: W_UV back to heads and the sigmoid output gate, per head;
+- ``dense_mlp``: layer 0's gate_up, SiTU, down and all-reduce.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rewriter.layers.attn_res import attn_res
+from rewriter.layers.mla import mla_out_gate
+from rewriter.layers.moe import mlp_down, mlp_up
+from rewriter.rules import Rule, RuleContext, common_guard, fused_op
+
+
+@fused_op("attn_res_norm", mutates_args=("blocks",))
+def attn_res_norm_op(prefix: Tensor, delta: Tensor | None, blocks: Tensor, norm_weight: Tensor, qk_weight: Tensor,
+                     out_norm_weight: Tensor, num_blocks: int, write_idx: int, eps: float) -> tuple[Tensor, Tensor]:
+    """(normalized mix, new prefix sum); block ``write_idx`` (if >= 0) is written into ``blocks``."""
+    x, new_prefix, new_blocks = attn_res(prefix, delta, blocks, norm_weight, qk_weight, out_norm_weight, num_blocks,
+                                         write_idx, eps, eps)
+    if write_idx >= 0:
+        blocks.copy_(new_blocks)
+    return x, new_prefix if delta is not None else new_prefix.clone()
+
+
+def _attn_res_variants(ctx: RuleContext):
+    layer = ctx.layer
+    n, eps = layer.prev_valid_blocks, layer.eps
+    w = layer.block_write_idx if layer.is_block_write_layer else -1
+    if layer.layer_idx == 0:  # no delta: the prefix is the embedding, unchanged
+        def pattern(prefix, blocks, norm_weight, qk_weight, out_norm_weight):
+            x, _, new_blocks = attn_res(prefix, None, blocks, norm_weight, qk_weight.squeeze(0), out_norm_weight,
+                                        n, w, eps, eps)
+            return x, new_blocks
+
+        def replacement(prefix, blocks, norm_weight, qk_weight, out_norm_weight):
+            r = torch.ops.k3f.attn_res_norm(prefix, None, blocks, norm_weight, qk_weight.squeeze(0),
+                                            out_norm_weight, n, w, eps)
+            return r[0], blocks
+    elif w >= 0:
+        def pattern(prefix, delta, blocks, norm_weight, qk_weight, out_norm_weight):
+            return attn_res(prefix, delta, blocks, norm_weight, qk_weight.squeeze(0), out_norm_weight, n, w, eps, eps)
+
+        def replacement(prefix, delta, blocks, norm_weight, qk_weight, out_norm_weight):
+            r = torch.ops.k3f.attn_res_norm(prefix, delta, blocks, norm_weight, qk_weight.squeeze(0),
+                                            out_norm_weight, n, w, eps)
+            return r[0], r[1], blocks
+    else:
+        def pattern(prefix, delta, blocks, norm_weight, qk_weight, out_norm_weight):
+            x, new_prefix, _ = attn_res(prefix, delta, blocks, norm_weight, qk_weight.squeeze(0), out_norm_weight,
+                                        n, w, eps, eps)
+            return x, new_prefix
+
+        def replacement(prefix, delta, blocks, norm_weight, qk_weight, out_norm_weight):
+            r = torch.ops.k3f.attn_res_norm(prefix, delta, blocks, norm_weight, qk_weight.squeeze(0),
+                                            out_norm_weight, n, w, eps)
+            return r[0], r[1]
+    return [(pattern, replacement)]
+
+
+@fused_op("mla_out_gate")
+def mla_out_gate_op(latent: Tensor, kv_b_weight: Tensor, gate: Tensor, heads: int, nope: int, v_dim: int,
+                    kv_lora: int) -> Tensor:
+    return mla_out_gate(latent, kv_b_weight, gate, heads=heads, nope=nope, v_dim=v_dim, kv_lora=kv_lora)
+
+
+def _mla_out_variants(ctx: RuleContext):
+    if ctx.layer.attention_kind != "mla":
+        return []
+    d = ctx.layer.self_attn.dims
+    c = dict(heads=d["heads"], nope=d["nope"], v_dim=d["v_dim"], kv_lora=d["kv_lora"])
+
+    def pattern(latent, kv_b_weight, gate):
+        return mla_out_gate(latent, kv_b_weight, gate, **c)
+
+    def replacement(latent, kv_b_weight, gate):
+        return torch.ops.k3f.mla_out_gate(latent, kv_b_weight, gate, c["heads"], c["nope"], c["v_dim"],
+                                          c["kv_lora"])
+
+    return [(pattern, replacement)]
+
+
+@fused_op("dense_mlp")
+def dense_mlp_op(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, beta: float | None,
+                 linear_beta: float | None, group: str, tp: int) -> Tensor:
+    return mlp_down(mlp_up(x, gate_up_weight, beta=beta, linear_beta=linear_beta), down_weight, group, tp)
+
+
+def _dense_variants(ctx: RuleContext):
+    mlp = getattr(ctx.layer, "mlp", None)
+    if mlp is None:
+        return []
+    act, group, tp = mlp.act, mlp.tp_group, mlp.tp
+
+    def pattern(x, gate_up_weight, down_weight):
+        return mlp_down(mlp_up(x, gate_up_weight, **act), down_weight, group, tp)
+
+    def replacement(x, gate_up_weight, down_weight):
+        return torch.ops.k3f.dense_mlp(x, gate_up_weight, down_weight, act["beta"], act["linear_beta"], group, tp)
+
+    return [(pattern, replacement)]
+
+
+RULES = [
+    Rule("attn_res_norm", "layer", _attn_res_variants, common_guard,
+         doc="AttnRes before attention (prefix add, block write, mix) + input_layernorm"),
+    Rule("mla_out_gate", "layer", _mla_out_variants, common_guard, doc="W_UV per head + sigmoid output gate"),
+    Rule("dense_mlp", "layer", _dense_variants, common_guard, communicates=True,
+         doc="dense MLP: gate_up, SiTU, down, all-reduce"),
+]

@@ -1,0 +1,93 @@
+"""MoE: routed experts grouped over the selected experts, shared experts beside them on
+an auxiliary stream, and the latent tail.
+
+- ``routed_experts``: for each token, its selected experts' gate/up rows, SiTU, and down
+  projections, weighted and summed: one grouped kernel (each block takes an (expert,
+  intermediate slice) and accumulates its share of the down projection);
+- ``shared_experts``: gate_up, SiTU, down on the un-projected rows; it reads nothing of
+  the routed branch, so it runs on the aux stream beside it;
+- ``latent_tail``: one cross-GPU reduction of [latent | shared] partials, then
+  ``routed_expert_norm``, ``routed_expert_up_proj`` and the shared add.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rewriter.layers.moe import experts_down, experts_up, latent_tail, shared_experts_down, shared_experts_up
+from rewriter.rules import Rule, RuleContext, common_guard, fused_op
+
+
+@fused_op("routed_experts")
+def routed_experts_op(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor, beta: float | None,
+                      linear_beta: float | None) -> Tensor:
+    return experts_down(experts_up(x_latent, ids, w13, beta=beta, linear_beta=linear_beta), weights, ids, w2)
+
+
+@fused_op("shared_experts")
+def shared_experts_op(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, beta: float | None,
+                      linear_beta: float | None) -> Tensor:
+    return shared_experts_down(shared_experts_up(x, gate_up_weight, beta=beta, linear_beta=linear_beta), down_weight)
+
+
+@fused_op("latent_tail")
+def latent_tail_op(routed: Tensor, shared: Tensor, norm_weight: Tensor, up_weight: Tensor, latent: int, hidden: int,
+                   group: str, tp: int, eps: float) -> Tensor:
+    return latent_tail(routed, shared, norm_weight, up_weight, latent=latent, hidden=hidden, group=group, tp=tp,
+                       eps=eps)
+
+
+def _routed_variants(ctx: RuleContext):
+    moe = getattr(ctx.layer, "block_sparse_moe", None)
+    if moe is None:
+        return []
+    act = moe.act
+
+    def pattern(x_latent, weights, ids, w13, w2):
+        return experts_down(experts_up(x_latent, ids, w13, **act), weights, ids, w2)
+
+    def replacement(x_latent, weights, ids, w13, w2):
+        return torch.ops.k3f.routed_experts(x_latent, weights, ids, w13, w2, act["beta"], act["linear_beta"])
+
+    return [(pattern, replacement)]
+
+
+def _shared_variants(ctx: RuleContext):
+    moe = getattr(ctx.layer, "block_sparse_moe", None)
+    if moe is None:
+        return []
+    act = moe.act
+
+    def pattern(x, gate_up_weight, down_weight):
+        return shared_experts_down(shared_experts_up(x, gate_up_weight, **act), down_weight)
+
+    def replacement(x, gate_up_weight, down_weight):
+        return torch.ops.k3f.shared_experts(x, gate_up_weight, down_weight, act["beta"], act["linear_beta"])
+
+    return [(pattern, replacement)]
+
+
+def _tail_variants(ctx: RuleContext):
+    moe = getattr(ctx.layer, "block_sparse_moe", None)
+    if moe is None:
+        return []
+    c = dict(latent=moe.latent, hidden=moe.hidden, group=moe.tp_group, tp=moe.tp, eps=moe.eps)
+
+    def pattern(routed, shared, norm_weight, up_weight):
+        return latent_tail(routed, shared, norm_weight, up_weight, **c)
+
+    def replacement(routed, shared, norm_weight, up_weight):
+        return torch.ops.k3f.latent_tail(routed, shared, norm_weight, up_weight, c["latent"], c["hidden"],
+                                         c["group"], c["tp"], c["eps"])
+
+    return [(pattern, replacement)]
+
+
+RULES = [
+    Rule("routed_experts", "moe", _routed_variants, common_guard, kernel="routed_experts_grouped",
+         doc="grouped GEMV/GEMM over the selected experts: gate/up, SiTU, down, weighted sum"),
+    Rule("shared_experts", "moe", _shared_variants, common_guard, stream="aux",
+         doc="shared experts' gate_up, SiTU and down (a partial sum), beside the routed experts"),
+    Rule("latent_tail", "moe", _tail_variants, common_guard, communicates=True,
+         doc="[latent | shared] cross-GPU reduction, routed_expert_norm, up projection, shared add"),
+]

@@ -1,0 +1,179 @@
+"""Fusion rules: what a rule is, and the registry the rewriter runs.
+
+A rule (in the manner of vLLM's fusion passes and tinygrad's PatternMatcher) is data plus
+small functions:
+- ``variants(ctx)``: (pattern, replacement) pairs specialized to the layer being
+  rewritten. The pattern is a plain PyTorch function, traced by the project's own tracer,
+  that computes the subgraph to find (usually the very helper the reference layer calls,
+  so the structure matches by construction); the replacement takes the same arguments and
+  calls the fused op. Constants (split sizes, heads, eps) are baked into both, so a rule
+  only matches the shapes it was specialized for.
+- ``guard(match)``: a pure predicate on the matched shapes, dtypes, TP size, batch and GPU
+  architecture. It returns None to accept or a reason to refuse ("batch 128 > 64").
+- ``kernel``/``stream``/``communicates``: how the fused op appears in the schedule.
+
+The fused ops themselves are ``torch.library`` custom ops (namespace ``k3f``) defined
+next to their rules in ``patterns/``, with a CPU reference implementation and a fake.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from rewriter.config import KimiK3Config
+from rewriter.shape import DecodeShape
+
+MAX_TOKENS = 64  # the largest decode batch the rules are specialized for
+SUPPORTED_ARCHES = ("sm_90a", "sm_100a", "sm_103a")
+FAMILIES = ("attention_projection", "output_projection", "router", "moe", "layer")
+
+
+class RuleError(Exception):
+    """A malformed rule: its pattern traces to nothing, its guard raised, ..."""
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a rule is specialized to: the config, the traced layer and its decode shape."""
+
+    config: KimiK3Config
+    layer: Any  # rewriter.layers.KimiDecoderLayer (meta or real)
+    shape: DecodeShape
+
+
+@dataclass
+class Match:
+    """One occurrence of a rule's pattern in a layer graph, before its guard decides."""
+
+    rule: "Rule"
+    variant: int
+    nodes: list[fx.Node]  # the matched computing nodes, in graph order
+    inputs: dict[str, fx.Node]  # pattern parameter name -> graph node bound to it
+    ctx: RuleContext
+
+    @property
+    def shape(self) -> DecodeShape:
+        return self.ctx.shape
+
+    def val(self, name: str) -> Any:
+        """The meta value (shape, dtype) of the input bound to pattern parameter ``name``."""
+        return self.inputs[name].meta.get("val")
+
+
+Variant = tuple[Callable[..., Any], Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    family: str
+    variants: Callable[[RuleContext], Sequence[Variant]]
+    guard: Callable[[Match], str | None]
+    kernel: str = ""  # name of the kernel the fused op becomes; defaults to the rule name
+    stream: str = "main"  # "aux": may run beside the main stream (shared experts)
+    communicates: bool = False  # holds a cross-GPU reduction (a prefetch point at TP > 1)
+    doc: str = ""
+    # share of the matched weights one rank reads (rules that split a replicated weight: 1/TP)
+    weight_fraction: Callable[[RuleContext], float] = lambda ctx: 1.0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise RuleError(f"rule {self.name!r}: unknown family {self.family!r}; families: {', '.join(FAMILIES)}")
+        if self.stream not in ("main", "aux"):
+            raise RuleError(f"rule {self.name!r}: stream must be 'main' or 'aux', got {self.stream!r}")
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel or self.name
+
+
+def common_guard(m: Match) -> str | None:
+    """Refusals every rule shares: batch beyond the specialized range, an unknown GPU, a dtype."""
+    s = m.shape
+    if s.tokens > MAX_TOKENS:
+        return f"batch {s.tokens} > {MAX_TOKENS}: rules are specialized for decode batches of 1..{MAX_TOKENS} tokens"
+    if s.arch not in SUPPORTED_ARCHES:
+        return f"{s.arch} not supported (supported: {', '.join(SUPPORTED_ARCHES)})"
+    return None
+
+
+def token_range_guard(lo: int, hi: int, what: str) -> Callable[[Match], str | None]:
+    """A guard accepting ``lo..hi`` tokens per step (after the common checks)."""
+
+    def guard(m: Match) -> str | None:
+        reason = common_guard(m)
+        if reason:
+            return reason
+        if not lo <= m.shape.tokens <= hi:
+            return f"batch {m.shape.tokens} outside {lo}..{hi} ({what})"
+        return None
+
+    return guard
+
+
+@dataclass
+class RuleSet:
+    """An ordered collection of rules; ``default_rules()`` is the built-in one."""
+
+    rules: list[Rule] = field(default_factory=list)
+
+    def add(self, rule: Rule) -> Rule:
+        if any(r.name == rule.name for r in self.rules):
+            raise RuleError(f"rule {rule.name!r} is already registered")
+        self.rules.append(rule)
+        return rule
+
+    def __iter__(self):
+        return iter(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+
+def default_rules() -> RuleSet:
+    """The built-in rules of ``patterns/``, one module per family."""
+    from patterns import attention_projection, layer, moe, output_projection, router
+
+    rs = RuleSet()
+    for module in (attention_projection, output_projection, router, moe, layer):
+        for rule in module.RULES:
+            rs.add(rule)
+    return rs
+
+
+def fused_op(name: str, mutates_args: tuple[str, ...] = (), fake: Callable[..., Any] | None = None):
+    """Define ``k3f::<name>`` from a typed Python function: its CPU reference implementation.
+
+    The fake (meta) implementation is the same function unless ``fake`` is given: the
+    reference is plain torch plus ``k3::`` ops, which all have fakes themselves.
+    """
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        op = torch.library.custom_op(f"k3f::{name}", fn, mutates_args=mutates_args)
+        op.register_fake(fake or fn)
+        return op
+
+    return wrap
+
+
+def load_rules_file(path: str | Path) -> list[Rule]:
+    """The ``RULES`` list of a Python file: how users add their own rules to ``inspect``."""
+    path = Path(path)
+    if not path.is_file():
+        raise RuleError(f"rules file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"k3_user_rules_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001  (a user's file: report it, whatever it raised)
+        raise RuleError(f"rules file {path} failed to import: {type(e).__name__}: {e}") from e
+    rules = getattr(module, "RULES", None)
+    if not isinstance(rules, (list, tuple)) or not all(isinstance(r, Rule) for r in rules):
+        raise RuleError(f"rules file {path} must define RULES, a list of rewriter.rules.Rule")
+    return list(rules)

@@ -1,0 +1,203 @@
+"""Each rule matches where it should, refuses with the right reason where it must, and its
+rewrite is equivalent; malformed rules fail naming the rule; larger rules go first."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_inputs, make_layer, rel_err
+from rewriter.rewrite import rewrite
+from rewriter.rules import Rule, RuleError, RuleSet, common_guard, default_rules
+from rewriter.shape import DecodeShape
+from rewriter.trace import trace
+
+# tiny: layer 0 dense (KDA attention, writes an AttnRes block), 1 KDA+MoE, 2 MLA+MoE (writes a block), 3 KDA+MoE
+RULES_BY_LAYER = {
+    0: {"attn_res_norm", "attn_in_proj.small", "kda_core", "o_proj_all_reduce_attn_res", "dense_mlp"},
+    1: {"attn_res_norm", "attn_in_proj.small", "kda_core", "o_proj_all_reduce_attn_res", "router_gemm",
+        "router_topk", "routed_experts", "shared_experts", "latent_tail"},
+    2: {"attn_res_norm", "attn_in_proj.small", "mla_q_front", "mla_out_gate", "o_proj_all_reduce_attn_res",
+        "router_gemm", "router_topk", "routed_experts", "shared_experts", "latent_tail"},
+}
+
+
+def _only(name: str) -> RuleSet:
+    rs = RuleSet()
+    rs.add(next(r for r in default_rules() if r.name == name))
+    return rs
+
+
+def _run(lg, inputs):
+    fresh = {k: v.clone() for k, v in inputs.items()}
+    return lg.gm(*fresh.values()), fresh
+
+
+def _assert_equivalent(lg, rewritten, inputs, tol):
+    (a, a_state), (b, b_state) = _run(lg, inputs), _run(rewritten, inputs)
+    for x, y in zip(b, a):
+        assert rel_err(x, y) <= tol
+    for name in ("conv_state", "recurrent_state", "kv_cache"):
+        if name in inputs:
+            assert rel_err(b_state[name], a_state[name]) <= tol
+    # (attn_res_norm writes an AttnRes block into the buffer in place and returns that buffer:
+    # the zip above compared it with the original's new buffer)
+
+
+@pytest.mark.parametrize("layer_idx", sorted(RULES_BY_LAYER))
+def test_each_rule_alone_matches_and_is_equivalent(tiny, layer_idx):
+    layer = make_layer(tiny, layer_idx, seed=60 + layer_idx)
+    lg = trace(layer, DecodeShape(batch=3, dtype=torch.float32, context=5, block_size=4))
+    inputs = make_inputs(layer, batch=3, context=5, block_size=4, seed=7)
+    for rule in default_rules():
+        result = rewrite(lg, _only(rule.name))
+        matched = [m.rule for m in result.matches]
+        if rule.name in RULES_BY_LAYER[layer_idx]:
+            # (alone, attn_res_norm also takes the AttnRes before the MLP, which o_proj's rule takes first)
+            assert matched and set(matched) == {rule.name}, rule.name
+            fused = [n for n in result.after.graph.nodes if n.meta.get("fused")]
+            assert len(fused) == len(matched) and {n.meta["fused"]["rule"] for n in fused} == {rule.name}
+            _assert_equivalent(lg, result.after, inputs, 1e-5)
+        else:
+            assert matched == [], rule.name
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("batch", [1, 8, 9, 64])
+def test_all_rules_equivalent_fp32(tiny, layer_idx, batch):
+    layer = make_layer(tiny, layer_idx, seed=layer_idx)
+    lg = trace(layer, DecodeShape(batch=batch, dtype=torch.float32, context=5, block_size=4))
+    result = rewrite(lg)
+    assert {m.rule for m in result.matches} >= RULES_BY_LAYER.get(layer_idx, set()) - {"attn_in_proj.small"}
+    assert not any(n.op == "call_function" and str(n.target).startswith("k3.kda") for n in result.after.graph.nodes)
+    _assert_equivalent(lg, result.after, make_inputs(layer, batch=batch, context=5, block_size=4, seed=batch), 1e-5)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1, 2])
+def test_all_rules_equivalent_bf16(tiny, layer_idx):
+    layer = make_layer(tiny, layer_idx, seed=layer_idx, dtype=torch.bfloat16)
+    lg = trace(layer, DecodeShape(batch=5, context=5, block_size=4))
+    result = rewrite(lg)
+    assert len(result.matches) >= 5
+    _assert_equivalent(lg, result.after, make_inputs(layer, batch=5, context=5, block_size=4, seed=3), 2e-2)
+
+
+def test_input_projection_rules_split_by_batch(tiny):
+    layer = make_layer(tiny, 1)
+    for batch, rule, refused_reason in ((8, "attn_in_proj.small", None),
+                                        (9, "attn_in_proj.large", "batch 9 outside 1..8 (the GEMV rule takes 1..8 tokens)")):
+        result = rewrite(trace(layer, DecodeShape(batch=batch, dtype=torch.float32)))
+        assert rule in {m.rule for m in result.matches}
+        reasons = {(r.rule, r.reason) for r in result.refusals}
+        if refused_reason:
+            assert ("attn_in_proj.small", refused_reason) in reasons
+
+
+@pytest.mark.parametrize("layer_idx", [1, 2])
+def test_batch_beyond_the_rules_is_refused_and_stays_equal(tiny, layer_idx):
+    layer = make_layer(tiny, layer_idx, seed=5)
+    lg = trace(layer, DecodeShape(batch=65, dtype=torch.float32, context=3, block_size=4))
+    result = rewrite(lg)
+    assert result.matches == []
+    assert {r.reason for r in result.refusals} == {
+        "batch 65 > 64: rules are specialized for decode batches of 1..64 tokens"}
+    assert {r.rule for r in result.refusals} >= {"kda_core" if layer_idx == 1 else "mla_q_front", "routed_experts"}
+    _assert_equivalent(lg, result.after, make_inputs(layer, batch=65, context=3, block_size=4, seed=1), 1e-6)
+
+
+def test_router_gemm_refuses_a_tp_that_does_not_split_the_experts(tiny):
+    cfg = tiny.replace(num_experts=12)
+    from rewriter.layers import build_layer
+    layer = build_layer(cfg, 1, tp=8, rank=3, dtype=torch.float32)
+    result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)))
+    refusals = {r.rule: r.reason for r in result.refusals}
+    assert refusals["router_gemm"] == "TP 8 does not divide the 12 rows of block_sparse_moe.gate.weight"
+    assert "routed_experts" in {m.rule for m in result.matches}  # the rest still fuses
+
+
+def test_larger_rules_run_first(tiny):
+    """A one-linear user rule registered FIRST still gets no node a larger rule needs."""
+    from patterns.moe import shared_experts_op  # noqa: F401  (any k3f op will do for the replacement)
+
+    def variants(ctx):
+        def pattern(x, w):
+            return torch.nn.functional.linear(x, w)
+
+        def replacement(x, w):
+            return torch.ops.k3f.shared_down_linear(x, w)
+        return [(pattern, replacement)]
+
+    from rewriter.rules import fused_op
+
+    @fused_op("shared_down_linear")
+    def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, w)
+
+    rs = RuleSet()
+    rs.add(Rule("greedy_linear", "layer", variants, common_guard))
+    for r in default_rules():
+        rs.add(r)
+    result = rewrite(trace(make_layer(tiny, 1), DecodeShape(batch=2, dtype=torch.float32)), rs)
+    assert "greedy_linear" not in {m.rule for m in result.matches}
+    assert RULES_BY_LAYER[1] <= {m.rule for m in result.matches}
+
+
+def _bad(name, variants=None, guard=common_guard):
+    def default_variants(ctx):
+        def pattern(x, w):
+            return torch.nn.functional.linear(x, w)
+
+        def replacement(x, w):
+            return torch.ops.k3f.routed_experts(x, w, w, w, w, None, None)
+        return [(pattern, replacement)]
+    rs = RuleSet()
+    rs.add(Rule(name, "layer", variants or default_variants, guard))
+    return rs
+
+
+def test_malformed_rules_name_themselves(tiny):
+    lg = trace(make_layer(tiny, 1), DecodeShape(batch=2, dtype=torch.float32))
+
+    def empty(ctx):
+        return [(lambda x: x, lambda x: x)]
+    with pytest.raises(RuleError, match="rule 'empty_pattern': pattern of variant 0 traces to no operations"):
+        rewrite(lg, _bad("empty_pattern", empty))
+
+    def raising_guard(m):
+        raise KeyError("oops")
+    with pytest.raises(RuleError, match="rule 'bad_guard': guard raised KeyError"):
+        rewrite(lg, _bad("bad_guard", guard=raising_guard))
+
+    def unfused(ctx):
+        def pattern(x, w):
+            return torch.nn.functional.linear(x, w)
+
+        def replacement(x, w):
+            return torch.nn.functional.linear(x, w) * 1.0
+        return [(pattern, replacement)]
+    with pytest.raises(RuleError, match="rule 'no_fused_op': replacement of variant 0 calls no k3f:: op"):
+        rewrite(lg, _bad("no_fused_op", unfused))
+
+    def broken(ctx):
+        raise ValueError("no such layer attribute")
+    with pytest.raises(RuleError, match="rule 'broken': building its patterns raised ValueError"):
+        rewrite(lg, _bad("broken", broken))
+
+    with pytest.raises(RuleError, match="rule 'x': unknown family 'misc'"):
+        Rule("x", "misc", empty, common_guard)
+    rs = RuleSet()
+    rs.add(Rule("dup", "layer", empty, common_guard))
+    with pytest.raises(RuleError, match="rule 'dup' is already registered"):
+        rs.add(Rule("dup", "layer", empty, common_guard))
+
+
+def test_every_match_and_refusal_is_recorded(k3):
+    from rewriter.layers import build_layer
+    lg = trace(build_layer(k3, 1, tp=16), DecodeShape(batch=64, tp=16))
+    result = rewrite(lg)
+    assert len(result.matches) == 9
+    assert [(r.rule, r.reason) for r in result.refusals] == [
+        ("attn_in_proj.small", "batch 64 outside 1..8 (the GEMV rule takes 1..8 tokens)")]
+    by_rule = {m.rule: m for m in result.matches}
+    assert by_rule["routed_experts"].bytes < by_rule["routed_experts"].weights[
+        "block_sparse_moe.experts.w13_weight"] * 2  # only the experts batch 64 is expected to touch
+    assert "block_sparse_moe.experts.w13_weight" in by_rule["routed_experts"].dynamic_weights
