@@ -106,6 +106,10 @@ def build_report(result: RewriteResult, model: str, hbm_tbps: float = H200_COPY_
     }
 
 
+def _human(b: int) -> str:
+    return f"{b / 1e6:.2f} MB" if b >= 1e5 else f"{b / 1e3:.1f} kB"
+
+
 def _mb(b: int) -> str:
     return f"{b / 1e6:9.3f}"
 
@@ -128,7 +132,7 @@ def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
     for e in r["events"]:
         lines.append(f"    event: {e['stream_waits']} stream waits for {e['record_after']} before {e['before']}")
     for p in r["prefetches"]:
-        lines.append(f"    prefetch: {p['bytes'] / 1e6:.2f} MB of {p['kernel']} into L2 during {p['during']}")
+        lines.append(f"    prefetch: {_human(p['bytes'])} of {p['kernel']} into L2 during {p['during']}")
     lines.append("")
     for m in r["matches"]:
         lines.append(f"match   {m['rule']:<28} -> {m['kernel']:<28} {len(m['nodes'])} nodes")

@@ -111,3 +111,19 @@ def test_example_runs():
     example = pathlib.Path(__file__).parent.parent / "examples" / "inspect_layer.py"
     out = subprocess.run([sys.executable, str(example)], check=True, capture_output=True, text=True).stdout
     assert "layer 1 (kda)" in out and "floor:" in out
+
+
+def test_custom_rule_example(capsys, tmp_path):
+    import pathlib
+    example = pathlib.Path(__file__).parent.parent / "examples" / "custom_rule.py"
+    out = subprocess.run([sys.executable, str(example)], check=True, capture_output=True, text=True).stdout
+    assert "13 rules: 9 kernels" in out and "14 rules: 8 kernels" in out
+    report = json.loads(_inspect(capsys, "--layer", "1", "--tp", "16", "--rules", str(example), "--json"))
+    assert "topk_routed_experts" in {m["rule"] for m in report["matches"]}
+    assert report["rewritten_kernels"] == 8
+    bad = tmp_path / "bad_rules.py"
+    bad.write_text("RULES = 3\n")
+    assert main(["inspect", "--rules", str(bad)]) == 2
+    assert "must define RULES, a list of rewriter.rules.Rule" in capsys.readouterr().err
+    assert main(["inspect", "--rules", str(tmp_path / "missing.py")]) == 2
+    assert "rules file not found" in capsys.readouterr().err

@@ -1,0 +1,47 @@
+"""A new fusion rule in a few lines: top-k routing inside the routed-experts kernel.
+
+    python -m rewriter inspect --layer 1 --tp 16 --rules examples/custom_rule.py
+    python examples/custom_rule.py                 # prints the kernel count with and without it
+"""
+import torch
+from torch import Tensor
+
+from rewriter.layers.moe import experts_down, experts_up, route
+from rewriter.rules import Rule, common_guard, fused_op
+
+
+@fused_op("topk_routed_experts")  # the fused op: its CPU reference is the math it replaces
+def topk_routed_experts(logits: Tensor, bias: Tensor, x_latent: Tensor, w13: Tensor, w2: Tensor, top_k: int,
+                        scaling: float, beta: float, linear_beta: float) -> Tensor:
+    weights, ids = route(logits, bias, top_k=top_k, renormalize=True, scaling=scaling)
+    return experts_down(experts_up(x_latent, ids, w13, beta=beta, linear_beta=linear_beta), weights, ids, w2)
+
+
+def variants(ctx):
+    moe = getattr(ctx.layer, "block_sparse_moe", None)
+    if moe is None or not moe.renormalize:
+        return []
+    k, scale, act = moe.top_k, moe.scaling, moe.act
+
+    def pattern(logits, bias, x_latent, w13, w2):  # plain PyTorch: what to find
+        weights, ids = route(logits, bias, top_k=k, renormalize=True, scaling=scale)
+        return experts_down(experts_up(x_latent, ids, w13, **act), weights, ids, w2)
+
+    def replacement(logits, bias, x_latent, w13, w2):  # same arguments: what to put instead
+        return torch.ops.k3f.topk_routed_experts(logits, bias, x_latent, w13, w2, k, scale, act["beta"],
+                                                 act["linear_beta"])
+
+    return [(pattern, replacement)]
+
+
+RULES = [Rule("topk_routed_experts", "moe", variants, common_guard, kernel="topk_routed_experts")]
+
+if __name__ == "__main__":
+    from rewriter import KimiK3Config, layers, rewrite, rules, schedule, shape, trace
+
+    lg = trace.trace(layers.build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16), shape.DecodeShape(1, tp=16))
+    for extra in ([], RULES):
+        rs = rules.default_rules()
+        for r in extra:
+            rs.add(r)
+        print(f"{len(rs)} rules:", len(schedule.build_schedule(rewrite.rewrite(lg, rs).after).kernels), "kernels")
