@@ -74,7 +74,7 @@ def copy_layer_graph(lg: LayerGraph) -> LayerGraph:
 def _traced(rule: Rule, variant: int, fn: Any, what: str) -> fx.GraphModule:
     try:
         graph = trace_function(fn)
-    except Exception as e:  # noqa: BLE001  (any tracing failure is the rule's fault; say whose)
+    except Exception as e:
         raise RuleError(f"rule {rule.name!r}: {what} of variant {variant} does not trace: {e}") from e
     if not any(n.op in ("call_function", "call_method") for n in graph.nodes):
         raise RuleError(f"rule {rule.name!r}: {what} of variant {variant} traces to no operations")
@@ -91,7 +91,7 @@ def _prepare(rules: RuleSet, ctx: RuleContext) -> list[tuple[Rule, int, fx.Graph
     for rule in rules:
         try:
             variants = list(rule.variants(ctx))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise RuleError(f"rule {rule.name!r}: building its patterns raised {type(e).__name__}: {e}") from e
         for i, (pattern, replacement) in enumerate(variants):
             pg = _traced(rule, i, pattern, "pattern")
@@ -169,13 +169,13 @@ def rewrite(lg: LayerGraph, rules: RuleSet | None = None) -> RewriteResult:
         accepted: list[Accepted] = []
 
         def decide(im: Any, graph: fx.Graph, pattern: fx.Graph, rule: Rule = rule, variant: int = variant,
-                   pg: fx.GraphModule = pg) -> bool:
+                   pg: fx.GraphModule = pg, accepted: list[Accepted] = accepted) -> bool:
             nodes = [n for pn, n in im.nodes_map.items() if pn.op not in ("placeholder", "output")]
             nodes.sort(key=lambda n: list(graph.nodes).index(n))
             m = Match(rule=rule, variant=variant, nodes=nodes, inputs=_inputs(im, pg), ctx=ctx)
             try:
                 reason = rule.guard(m)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise RuleError(f"rule {rule.name!r}: guard raised {type(e).__name__}: {e}") from e
             names = [n.name for n in nodes]
             if reason is not None:

@@ -51,7 +51,7 @@ class RuleContext:
 class Match:
     """One occurrence of a rule's pattern in a layer graph, before its guard decides."""
 
-    rule: "Rule"
+    rule: Rule
     variant: int
     nodes: list[fx.Node]  # the matched computing nodes, in graph order
     inputs: dict[str, fx.Node]  # pattern parameter name -> graph node bound to it
@@ -171,7 +171,7 @@ def load_rules_file(path: str | Path) -> list[Rule]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001  (a user's file: report it, whatever it raised)
+    except Exception as e:
         raise RuleError(f"rules file {path} failed to import: {type(e).__name__}: {e}") from e
     rules = getattr(module, "RULES", None)
     if not isinstance(rules, (list, tuple)) or not all(isinstance(r, Rule) for r in rules):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_inputs, make_layer, rel_err
+
 from rewriter.rewrite import rewrite
 from rewriter.rules import Rule, RuleError, RuleSet, common_guard, default_rules
 from rewriter.shape import DecodeShape
