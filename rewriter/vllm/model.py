@@ -1,0 +1,132 @@
+"""``RewrittenKimiLinearForCausalLM``: vLLM's Kimi K3 text model with the rewriter as its
+decode forward, selected by ``additional_config={"decode_backend": "latency_specialized"}``.
+
+With ``auto`` it is vLLM's class unchanged. With ``latency_specialized`` it
+- checks the deployment and stops startup with every unsupported setting listed;
+- keeps vLLM's in-tree specialized decode (SM100/103, TP 8/16 only) off, since it
+  claims the same knob and would refuse Hopper before our path is even considered;
+- builds its programs once the weights are loaded (in the V2 runner's model state);
+- routes each forward: pure decode steps of a built batch size being captured as FULL
+  CUDA graphs run the programs, every other step runs vLLM's stock forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from vllm.models.kimi_k3.nvidia import model as stock
+from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
+
+from rewriter.config import KimiK3Config
+from rewriter.vllm.guard import StepDecision, StepLog, arch_of, check_deployment, decide_step
+from rewriter.vllm.knob import REWRITER, decode_backend
+from rewriter.vllm.programs import ProgramSet, build_programs, served_batches
+from rewriter.vllm.runtime import run_layers
+
+log = logging.getLogger("rewriter.vllm")
+
+
+@contextlib.contextmanager
+def in_tree_specialized_decode_off() -> Iterator[None]:
+    """vLLM's own check of the knob is a module global looked up at call time: stand it down."""
+    original = stock.specialized_decode_config
+    stock.specialized_decode_config = lambda vllm_config: None
+    try:
+        yield
+    finally:
+        stock.specialized_decode_config = original
+
+
+class RewriterDecode:
+    """The rewriter's per-model state: built programs, the step guard, the step log."""
+
+    def __init__(self, vllm_config: Any):
+        self.vllm_config = vllm_config
+        self.programs: ProgramSet | None = None
+        self.steps = StepLog()
+
+    def build(self, model: "RewrittenKimiLinearForCausalLM") -> None:
+        from vllm.distributed import get_tp_group
+
+        cfg = KimiK3Config.from_dict(self.vllm_config.model_config.hf_text_config.to_dict(), name="served model")
+        group = get_tp_group()
+        backbone = model.model
+        layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
+        capture = self.vllm_config.compilation_config.cudagraph_capture_sizes or ()
+        self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group,
+                                       arch=arch_of(torch.cuda.get_device_capability()),
+                                       batches=served_batches(capture), group=group.cpu_group)
+        rewritten = len(layers) - len(self.programs.fallbacks)
+        log.info("rewriter: %d of %d layers rewritten for batch sizes %s; %d keep the stock forward",
+                 rewritten, len(layers), list(self.programs.batches), len(self.programs.fallbacks))
+
+    def decide(self, num_tokens: int) -> StepDecision:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if self.programs is None or not self.programs.programs:
+            return StepDecision(False, "no layer program built")
+        context = get_forward_context() if is_forward_context_available() else None
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return decide_step(num_tokens, set(self.programs.batches), capturing, context)
+
+    def run(self, model: "RewrittenKimiLinearForCausalLM", input_ids: torch.Tensor | None,
+            positions: torch.Tensor, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+        from vllm.models.kimi_k3.nvidia.ops.attn_res import attn_res
+
+        backbone = model.model
+        x = inputs_embeds if inputs_embeds is not None else backbone.embed_input_ids(input_ids)
+        layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
+        hidden, prefix, blocks = run_layers(layers, self.programs, positions, x, backbone.num_attn_res_blocks,
+                                            get_forward_context())
+        return attn_res(prefix, hidden, blocks, backbone.output_attn_res_norm.weight,
+                        backbone.output_attn_res_proj.weight.squeeze(0), None,
+                        num_blocks=backbone.num_attn_res_blocks, block_write_idx=-1,
+                        eps=backbone.output_attn_res_norm.variance_epsilon, output_norm_eps=0.0)
+
+
+class RewrittenKimiLinearForCausalLM(KimiLinearForCausalLM):
+    def __init__(self, *, vllm_config: Any, prefix: str = ""):
+        backend = decode_backend(vllm_config.additional_config)
+        if backend == REWRITER:
+            check_deployment(vllm_config)
+            with in_tree_specialized_decode_off():
+                super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self.rewriter: RewriterDecode | None = RewriterDecode(vllm_config)
+            log.info("rewriter: decode_backend=latency_specialized: decode steps take the rewriter's programs "
+                     "(vLLM's in-tree specialized decode stays off); other steps take vLLM's stock forward")
+        else:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self.rewriter = None
+            log.info("rewriter: decode_backend=auto: vLLM's stock decode")
+
+    def get_model_state_cls(self) -> type:
+        base = super().get_model_state_cls()
+        if self.rewriter is None:
+            return base
+        return _with_rewriter(base)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        rewriter = self.rewriter
+        if rewriter is not None and intermediate_tensors is None:
+            decision = rewriter.decide(positions.shape[0])
+            rewriter.steps.record(decision)
+            if decision.rewritten:
+                return rewriter.run(self, input_ids, positions, inputs_embeds)
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+
+def _with_rewriter(base: type) -> type:
+    """The runner's model state, building the rewriter's programs once weights are loaded."""
+
+    class RewriterModelState(base):
+        def __init__(self, vllm_config: Any, model: Any, *args: Any, **kwargs: Any):
+            super().__init__(vllm_config, model, *args, **kwargs)
+            text = model.get_language_model() if hasattr(model, "get_language_model") else model
+            text.rewriter.build(text)
+
+    return RewriterModelState

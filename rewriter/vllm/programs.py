@@ -1,0 +1,155 @@
+"""Build, at server start, one program per decoder layer and batch size, and run them.
+
+For each layer of the loaded vLLM backbone: bind vLLM's parameter tensors to a reference
+layer by name (no copies), trace it, rewrite it and compile its kernels for every batch
+size served. A layer whose program cannot be built (a parameter that is not what the
+kernels take, a missing kernel, a compile failure) keeps vLLM's stock forward, with the
+reason logged. Then every TP rank adopts the union of all ranks' fallbacks, so all ranks
+take the same path before any program's collective runs.
+
+Graphs depend only on a layer's structure (attention kind, dense or MoE, its AttnRes
+position), not on its weights, so each distinct structure is traced and rewritten once
+per batch size and re-rooted on each layer's parameters.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from rewriter.config import KimiK3Config
+from rewriter.layers import KimiDecoderLayer, build_layer
+from rewriter.rewrite import RewriteResult, is_fused, rewrite
+from rewriter.schedule import Schedule, build_schedule
+from rewriter.shape import DecodeShape
+from rewriter.trace import trace
+
+log = logging.getLogger("rewriter.vllm")
+
+SERVED_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+
+
+class ProgramError(Exception):
+    """Why one layer's program cannot be built; that layer keeps the stock forward."""
+
+
+def served_batches(capture_sizes: Iterable[int] = ()) -> tuple[int, ...]:
+    """1..8, 16, 32, 64 and vLLM's CUDA graph capture sizes up to 64."""
+    return tuple(sorted({*SERVED_BATCHES, *(s for s in capture_sizes if 1 <= s <= 64)}))
+
+
+def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int, rank: int,
+               dtype: torch.dtype = torch.bfloat16) -> KimiDecoderLayer:
+    """A reference layer whose parameters ARE vLLM's loaded tensors, matched by name."""
+    ref = build_layer(cfg, layer_idx, tp=tp, rank=rank, dtype=dtype, device="meta")
+    theirs = dict(vllm_layer.named_parameters())
+    problems = []
+    for name, mine in list(ref.named_parameters()):
+        src = theirs.get(name)
+        if src is None:
+            problems.append(f"{name} missing")
+        elif tuple(src.shape) != tuple(mine.shape) or src.dtype != mine.dtype:
+            problems.append(f"{name} is {tuple(src.shape)} {src.dtype}, the kernels take {tuple(mine.shape)} "
+                            f"{mine.dtype}")
+        else:
+            owner, _, leaf = name.rpartition(".")
+            setattr(ref.get_submodule(owner) if owner else ref, leaf, src)
+    if problems:
+        raise ProgramError("parameters do not match the reference layer: " + "; ".join(problems[:4])
+                           + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""))
+    return ref
+
+
+def missing_cuda_kernels(result: RewriteResult) -> list[str]:
+    """Fused ops of a rewritten graph with no CUDA implementation registered."""
+    ops = {n.target for n in result.after.graph.nodes if is_fused(n)}
+    return sorted(op.name() for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA"))
+
+
+def require_cuda_kernels(result: RewriteResult, schedule: Schedule) -> None:
+    """The default compile step: every fused op must have a CUDA kernel registered."""
+    missing = missing_cuda_kernels(result)
+    if missing:
+        raise ProgramError(f"no CUDA kernel registered for {', '.join(missing)}")
+
+
+@dataclass
+class LayerProgram:
+    layer_idx: int
+    batch: int
+    gm: fx.GraphModule
+    kernels: int
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gm(*inputs)
+
+
+@dataclass
+class ProgramSet:
+    programs: dict[tuple[int, int], LayerProgram] = field(default_factory=dict)
+    fallbacks: dict[int, str] = field(default_factory=dict)  # layer -> why it keeps the stock forward
+    batches: tuple[int, ...] = ()
+
+    def get(self, layer_idx: int, batch: int) -> LayerProgram | None:
+        return self.programs.get((layer_idx, batch))
+
+
+def _structure(layer: KimiDecoderLayer) -> tuple:
+    return (layer.attention_kind, layer.kind, layer.layer_idx == 0, layer.prev_valid_blocks,
+            layer.is_block_write_layer)
+
+
+CompileFn = Callable[[RewriteResult, Schedule], None]
+
+
+def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, rank: int, arch: str,
+                   batches: Iterable[int], compile_fn: CompileFn = require_cuda_kernels,
+                   group: Any = None, progress: Callable[[str], None] | None = None) -> ProgramSet:
+    """Programs for every (layer, batch); layers that fail on any rank fall back on all."""
+    batches = tuple(sorted(set(batches)))
+    progress = progress or (lambda line: log.info("%s", line))
+    out = ProgramSet(batches=batches)
+    graphs: dict[tuple, RewriteResult] = {}
+    start = time.perf_counter()
+    for i, vllm_layer in enumerate(vllm_layers):
+        idx = getattr(vllm_layer, "layer_idx", i)
+        try:
+            ref = bind_layer(vllm_layer, cfg, idx, tp, rank)
+            for b in batches:
+                key = (_structure(ref), b)
+                if key not in graphs:
+                    graphs[key] = rewrite(trace(ref, DecodeShape(batch=b, tp=tp, rank=rank, arch=arch)))
+                result = graphs[key]
+                schedule = build_schedule(result.after)
+                compile_fn(result, schedule)
+                gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
+                out.programs[(idx, b)] = LayerProgram(idx, b, gm, len(schedule.kernels))
+        except Exception as e:  # noqa: BLE001  (any failure keeps this one layer on the stock forward)
+            reason = str(e) if isinstance(e, ProgramError) else f"{type(e).__name__}: {e}"
+            out.fallbacks[idx] = reason
+            for b in batches:
+                out.programs.pop((idx, b), None)
+            log.warning("rewriter: layer %d keeps the stock forward: %s", idx, reason)
+        progress(f"rewriter: layer {i + 1}/{len(vllm_layers)} built ({time.perf_counter() - start:.1f} s)")
+    agree_across_ranks(out, [getattr(m, "layer_idx", i) for i, m in enumerate(vllm_layers)], group)
+    return out
+
+
+def agree_across_ranks(programs: ProgramSet, layer_ids: list[int], group: Any) -> None:
+    """Make every rank drop the layers any rank could not build (one all-reduce at startup)."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    failed = torch.tensor([1 if i in programs.fallbacks else 0 for i in layer_ids], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    for i, flag in zip(layer_ids, failed.tolist()):
+        if flag and i not in programs.fallbacks:
+            programs.fallbacks[i] = "its program failed to build on another TP rank"
+            for b in programs.batches:
+                programs.programs.pop((i, b), None)

@@ -1,0 +1,390 @@
+"""The vLLM integration, with the real vllm==0.33.0 package (skipped where it is not installed):
+plugin discovery, the registry override, the knob, the deployment guard, the step guard on
+real forward contexts and metadata, stock fallback per step and per layer, TP agreement."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import socket
+import sys
+from collections import OrderedDict
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+vllm = pytest.importorskip("vllm")
+
+from vllm.config import CUDAGraphMode, VllmConfig  # noqa: E402
+from vllm.forward_context import get_forward_context, set_forward_context  # noqa: E402
+from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
+    MLACommonDecodeMetadata,
+    MLACommonMetadata,
+)
+from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata  # noqa: E402
+
+from conftest import make_inputs, make_layer, rel_err  # noqa: E402
+from rewriter.config import KimiK3Config  # noqa: E402
+from rewriter.vllm import ARCHITECTURE, register  # noqa: E402
+from rewriter.vllm.guard import StepLog, decide_step, deployment_refusals  # noqa: E402
+from rewriter.vllm.knob import decode_backend  # noqa: E402
+from rewriter.vllm.programs import ProgramError, build_programs, served_batches  # noqa: E402
+from rewriter.vllm.runtime import run_layers  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+
+
+# ---- plugin and registry -----------------------------------------------------------
+def test_entry_point_is_discovered_by_vllm():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.value == "rewriter.vllm:register"]
+    assert ours, "pip install -e . registers the vllm.general_plugins entry point"
+    from vllm.plugins import load_plugins_by_group
+    assert load_plugins_by_group("vllm.general_plugins")[ours[0].name] is register
+
+
+def test_registry_override_resolves_to_our_class():
+    from vllm import ModelRegistry
+    register()
+    register()  # vLLM loads plugins in several processes and more than once
+    cls = ModelRegistry._try_load_model_cls(ARCHITECTURE)
+    assert cls.__name__ == "RewrittenKimiLinearForCausalLM"
+    from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
+    assert issubclass(cls, KimiLinearForCausalLM)
+
+
+# ---- the knob ----------------------------------------------------------------------------
+def test_knob():
+    assert decode_backend(None) == "auto"
+    assert decode_backend({}) == "auto"
+    assert decode_backend({"decode_backend": "auto"}) == "auto"
+    assert decode_backend({"decode_backend": "latency_specialized"}) == "latency_specialized"
+    with pytest.raises(ValueError) as e:
+        decode_backend({"decode_backend": "fast"})
+    assert "decode_backend='fast' is not supported; accepted values: 'auto', 'latency_specialized'" in str(e.value)
+
+
+# ---- deployment guard ------------------------------------------------------------------
+def _text_config(**changes):
+    text = KimiK3Config.preset("kimi-k3")
+    raw = {"model_type": "kimi_linear", **{k: getattr(text, k) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps", "vocab_size",
+        "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate", "num_experts",
+        "num_experts_per_token", "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
+        "latent_moe_use_norm", "moe_renormalize", "moe_router_activation_func", "routed_scaling_factor",
+        "first_k_dense_replace", "attn_res_block_size")}}
+    raw["linear_attn_config"] = {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                                 "gate_lower_bound": -5.0, "use_full_rank_gate": True,
+                                 "kda_layers": list(text.kda_layers), "full_attn_layers": list(text.full_attn_layers)}
+    raw.update(changes)
+    return SimpleNamespace(to_dict=lambda: raw)
+
+
+def _vllm_config():
+    from vllm.config import DeviceConfig
+    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+
+
+def _config(tp=8, **model_changes):
+    """vLLM's real parallel, cache and compilation configs around a stand-in model config (vLLM's
+    own CPU tests do the same: its ModelConfig needs a model on disk). On a CPU host VllmConfig
+    forces no CUDA graphs and the V1 runner, so those are set here as a GPU deployment has them."""
+    real = _vllm_config()
+    real.parallel_config.tensor_parallel_size = tp
+    real.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    real.cache_config.mamba_ssm_cache_dtype = "float32"
+    model = SimpleNamespace(hf_text_config=_text_config(**model_changes), dtype=torch.bfloat16, enforce_eager=False,
+                            enable_sleep_mode=False)
+    return SimpleNamespace(parallel_config=real.parallel_config, cache_config=real.cache_config,
+                           compilation_config=real.compilation_config, lora_config=None, model_config=model,
+                           use_v2_model_runner=True, additional_config={})
+
+
+def test_a_supported_deployment_has_no_refusals():
+    assert deployment_refusals(_config(), capability=(9, 0)) == []
+    assert deployment_refusals(_config(tp=16), capability=(10, 3)) == []
+    assert deployment_refusals(_config(tp=5), capability=(9, 0))[0].startswith(
+        "a model that is not Kimi K3 shaped (TP size 5 does not divide")
+
+
+def test_startup_refusal_lists_every_reason():
+    from rewriter.vllm.guard import check_deployment
+    cfg = _config(num_experts_per_token=8, hidden_act="silu")
+    cfg.parallel_config.pipeline_parallel_size = 2
+    cfg.parallel_config.enable_expert_parallel = True
+    cfg.lora_config = object()
+    cfg.cache_config.cache_dtype = "fp8"
+    cfg.model_config.enforce_eager = True
+    cfg.use_v2_model_runner = False
+    with pytest.raises(ValueError) as e:
+        check_deployment(cfg, capability=(8, 9))
+    text = str(e.value)
+    for reason in ("this GPU (sm_89", "pipeline parallelism (pipeline_parallel_size=2)", "expert parallelism",
+                   "LoRA", "hidden_act is 'silu'", "KV cache dtype 'fp8'", "eager mode (--enforce-eager)",
+                   "the V1 model runner"):
+        assert reason in text, reason
+    assert text.count("\n  - ") >= 8  # one error, every reason on its own line
+
+
+def test_model_dtype_and_graph_mode_refusals():
+    cfg = _config()
+    cfg.model_config.dtype = torch.float16
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    reasons = deployment_refusals(cfg, capability=(10, 0))
+    assert any("model dtype torch.float16" in r for r in reasons)
+    assert any("no FULL decode CUDA graphs" in r for r in reasons)
+
+
+# ---- step guard on real forward contexts and metadata ---------------------------------------
+def _kda_md(prefills=0, decodes=4, spec=0):
+    return KimiK3KDAMetadata(num_prefills=prefills, num_prefill_tokens=prefills * 7, num_decodes=decodes,
+                             num_decode_tokens=decodes, num_spec_decodes=spec, num_spec_decode_tokens=spec * 2,
+                             num_actual_tokens=prefills * 7 + decodes + spec * 2,
+                             non_spec_state_indices_tensor=torch.arange(1, decodes + 1, dtype=torch.int32))
+
+
+def _mla_md(prefills=0, decodes=4, table=None, seq_lens=None, slots=None):
+    decode = MLACommonDecodeMetadata(block_table=table if table is not None else torch.zeros(decodes, 2, dtype=torch.int32),
+                                     seq_lens=seq_lens if seq_lens is not None else torch.full((decodes,), 9),
+                                     dcp_tot_seq_lens=None)
+    return MLACommonMetadata(num_reqs=prefills + decodes, max_query_len=7 if prefills else 1, max_seq_len=9,
+                             num_actual_tokens=prefills * 7 + decodes, query_start_loc=torch.arange(decodes + 1),
+                             slot_mapping=slots if slots is not None else torch.arange(decodes),
+                             num_decodes=decodes, num_decode_tokens=decodes, num_prefills=prefills, decode=decode)
+
+
+def _decide(metadata, tokens=4, mode=CUDAGraphMode.FULL, capturing=True, built=(1, 2, 4, 8)):
+    cfg = _vllm_config()
+    with set_forward_context(metadata, cfg, num_tokens=tokens, cudagraph_runtime_mode=mode):
+        return decide_step(tokens, set(built), capturing, get_forward_context())
+
+
+def test_step_guard_decisions():
+    decode = {"model.layers.1.self_attn": _kda_md(), "model.layers.3.self_attn": _mla_md()}
+    assert _decide(decode).rewritten
+    assert _decide(decode).reason == "pure decode"
+    cases = {
+        "prefill": {"model.layers.1.self_attn": _kda_md(prefills=2, decodes=0),
+                    "model.layers.3.self_attn": _mla_md(prefills=2, decodes=0)},
+        "mixed batch (prefill and decode rows)": {"model.layers.1.self_attn": _kda_md(prefills=1, decodes=3),
+                                                  "model.layers.3.self_attn": _mla_md(prefills=1, decodes=3)},
+        "speculative verify step (not supported yet)": {"model.layers.1.self_attn": _kda_md(decodes=0, spec=2),
+                                                         "model.layers.3.self_attn": _mla_md()},
+    }
+    for reason, md in cases.items():
+        d = _decide(md)
+        assert not d.rewritten and d.reason == reason
+    assert _decide(decode, mode=CUDAGraphMode.PIECEWISE).reason == "PIECEWISE CUDA graph"
+    assert _decide(decode, capturing=False).reason.startswith("not captured as a CUDA graph")
+    assert _decide(decode, tokens=5).reason == "5 tokens: no program built for this batch size"
+    assert decide_step(4, {4}, True, None).reason == "no forward context"
+
+
+def test_step_log_summary():
+    steps = StepLog(summarize_at_exit=False)
+    steps.record(_decide({"a": _kda_md()}))
+    steps.record(_decide({"a": _kda_md(prefills=1, decodes=0)}))
+    steps.record(_decide({"a": _kda_md(prefills=1, decodes=0)}))
+    text = steps.summary()
+    assert "1 forward calls on the rewritten path, 2 on the stock path" in text
+    assert "stock            2  prefill" in text
+
+
+# ---- the model's forward routing -------------------------------------------------------------
+def _bare_model(decision_taken: bool):
+    from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
+
+    from rewriter.vllm.guard import StepDecision
+    from rewriter.vllm.model import RewrittenKimiLinearForCausalLM
+    model = RewrittenKimiLinearForCausalLM.__new__(RewrittenKimiLinearForCausalLM)
+    torch.nn.Module.__init__(model)
+    rewriter = mock.Mock()
+    rewriter.decide.return_value = StepDecision(decision_taken, "pure decode" if decision_taken else "prefill")
+    rewriter.run.return_value = "rewritten output"
+    rewriter.steps = StepLog(summarize_at_exit=False)
+    model.rewriter = rewriter
+    return model, KimiLinearForCausalLM
+
+
+def test_refused_step_runs_the_stock_forward_and_returns_its_result():
+    model, stock_cls = _bare_model(decision_taken=False)
+    positions = torch.arange(3)
+    with mock.patch.object(stock_cls, "forward", return_value="stock output") as stock_forward:
+        assert model.forward(torch.arange(3), positions) == "stock output"
+    stock_forward.assert_called_once()
+    model.rewriter.run.assert_not_called()
+    assert model.rewriter.steps.counts == {(False, "prefill"): 1}
+
+
+def test_taken_step_runs_the_programs():
+    model, stock_cls = _bare_model(decision_taken=True)
+    with mock.patch.object(stock_cls, "forward", return_value="stock output") as stock_forward:
+        assert model.forward(torch.arange(4), torch.arange(4)) == "rewritten output"
+    stock_forward.assert_not_called()
+    model.rewriter.decide.assert_called_once_with(4)
+
+
+def test_auto_keeps_the_stock_class_behaviour():
+    from rewriter.vllm.model import RewrittenKimiLinearForCausalLM
+    model = RewrittenKimiLinearForCausalLM.__new__(RewrittenKimiLinearForCausalLM)
+    torch.nn.Module.__init__(model)
+    model.rewriter = None
+    from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
+    with mock.patch.object(KimiLinearForCausalLM, "forward", return_value="stock") as f:
+        assert model.forward(None, torch.arange(2)) == "stock"
+    f.assert_called_once()
+
+
+def test_in_tree_check_is_stood_down_only_while_building():
+    from vllm.models.kimi_k3.nvidia import model as stock
+
+    from rewriter.vllm.model import in_tree_specialized_decode_off
+    original = stock.specialized_decode_config
+    with in_tree_specialized_decode_off():
+        assert stock.specialized_decode_config(SimpleNamespace(additional_config={
+            "decode_backend": "latency_specialized"})) is None
+    assert stock.specialized_decode_config is original
+
+
+# ---- programs: per-layer fallback, and the layer loop on CPU -----------------------------------
+class _VllmStyleLayer(torch.nn.Module):
+    """A reference layer behind vLLM's layer signature, with vLLM's parameter names."""
+
+    def __init__(self, ref, context):
+        super().__init__()
+        self._modules, self._parameters = ref._modules, ref._parameters
+        self.ref, self.context, self.layer_idx = [ref], context, ref.layer_idx
+        self.self_attn.prefix = f"model.layers.{ref.layer_idx}.self_attn"
+        self.self_attn.conv_size = getattr(self.self_attn, "conv_size", 0)
+
+    def forward(self, positions, hidden_states, residual, prefix_sum):
+        from rewriter.vllm.runtime import state_inputs
+        ref = self.ref[0]
+        return ref(hidden_states if hidden_states is not None else prefix_sum, prefix_sum, residual,
+                   *state_inputs(self, self.context, prefix_sum.shape[0]))
+
+
+def _tiny_backbone(batch=4):
+    cfg = KimiK3Config.preset("tiny")
+    refs = [make_layer(cfg, i, dtype=torch.bfloat16, seed=200 + i) for i in range(4)]
+    metadata, slots = {}, {}
+    context = SimpleNamespace(attn_metadata=metadata, slot_mapping=slots)
+    layers = [_VllmStyleLayer(r, context) for r in refs]
+    for layer, ref in zip(layers, refs):
+        inputs = make_inputs(ref, batch=batch, context=5, block_size=4, seed=ref.layer_idx)
+        name = layer.self_attn.prefix
+        if ref.attention_kind == "kda":
+            layer.self_attn.kv_cache = (inputs["conv_state"], inputs["recurrent_state"])
+            metadata[name] = _kda_md(decodes=batch)
+            metadata[name].non_spec_state_indices_tensor = inputs["state_indices"]
+        else:
+            layer.self_attn.kv_cache = inputs["kv_cache"]
+            metadata[name] = _mla_md(decodes=batch, table=inputs["block_table"], seq_lens=inputs["seq_lens"],
+                                     slots=inputs["slot_mapping"])
+            slots[name] = inputs["slot_mapping"]
+    return cfg, layers, context
+
+
+def _snapshot(layers):
+    return [tuple(t.clone() for t in (l.self_attn.kv_cache if isinstance(l.self_attn.kv_cache, tuple)
+                                      else (l.self_attn.kv_cache,))) for l in layers]
+
+
+def _restore(layers, saved):
+    for l, s in zip(layers, saved):
+        current = l.self_attn.kv_cache if isinstance(l.self_attn.kv_cache, tuple) else (l.self_attn.kv_cache,)
+        for dst, src in zip(current, s):
+            dst.copy_(src)
+
+
+def test_a_layer_whose_compile_fails_falls_back_alone():
+    cfg, layers, context = _tiny_backbone()
+
+    def compile_fn(result, schedule):
+        if result.before.layer == 2:
+            raise ProgramError("kernel compile failed: forced for the test")
+
+    programs = build_programs(layers, cfg, tp=1, rank=0, arch="sm_90a", batches=(4,), compile_fn=compile_fn,
+                              progress=lambda line: None)
+    assert programs.fallbacks == {2: "kernel compile failed: forced for the test"}
+    assert {i for i, _ in programs.programs} == {0, 1, 3}
+    assert programs.programs[(1, 4)].kernels == 9
+    saved = _snapshot(layers)
+    x = torch.randn(4, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    mixed = run_layers(layers, programs, torch.arange(4), x.clone(), cfg.num_attn_res_blocks, context)
+    _restore(layers, saved)
+    from rewriter.vllm.programs import ProgramSet
+    stock = run_layers(layers, ProgramSet(batches=(4,)), torch.arange(4), x.clone(), cfg.num_attn_res_blocks, context)
+    written = 2  # layers 0 and 2 of 4 write AttnRes blocks (block size 2); the rest of the buffer is never read
+    for a, b in zip((*mixed[:2], mixed[2][:, :written]), (*stock[:2], stock[2][:, :written])):
+        assert rel_err(a, b) < 2e-2
+
+
+def test_default_compile_refuses_without_cuda_kernels():
+    cfg, layers, _ = _tiny_backbone()
+    programs = build_programs(layers[:2], cfg, tp=1, rank=0, arch="sm_90a", batches=(1, 4),
+                              progress=lambda line: None)
+    assert set(programs.fallbacks) == {0, 1}
+    assert all(r.startswith("no CUDA kernel registered for k3f::") for r in programs.fallbacks.values())
+
+
+def test_bind_names_what_does_not_match():
+    cfg, layers, _ = _tiny_backbone()
+    layers[1].block_sparse_moe.experts.w13_weight = torch.nn.Parameter(
+        torch.zeros(16, 48, 32, dtype=torch.uint8), requires_grad=False)  # e.g. a packed MXFP4 weight
+    programs = build_programs(layers[1:2], cfg, tp=1, rank=0, arch="sm_90a", batches=(1,),
+                              compile_fn=lambda r, s: None, progress=lambda line: None)
+    assert "block_sparse_moe.experts.w13_weight is (16, 48, 32) torch.uint8" in programs.fallbacks[1]
+
+
+def test_served_batches():
+    assert served_batches([1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]) == (
+        1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+
+
+# ---- TP ranks reach the same decisions -------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank, world, port, out_dir):
+    sys.path.insert(0, HERE)
+    import json
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from test_vllm_plugin import _decide, _kda_md, _mla_md, _tiny_backbone
+
+    from rewriter.vllm.programs import ProgramError, build_programs
+    cfg, layers, _ = _tiny_backbone()
+
+    def compile_fn(result, schedule):  # only rank 1 fails, and only on layer 1
+        if rank == 1 and result.before.layer == 1:
+            raise ProgramError("compile failed on rank 1")
+
+    programs = build_programs(layers, cfg, tp=1, rank=0, arch="sm_90a", batches=(4,), compile_fn=compile_fn,
+                              group=dist.group.WORLD, progress=lambda line: None)
+    decisions = [_decide(md).reason for md in (
+        {"l": _kda_md()}, {"l": _kda_md(prefills=1, decodes=0)}, {"l": _mla_md(prefills=1, decodes=2)})]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"fallbacks": sorted(programs.fallbacks), "programs": sorted(map(list, programs.programs)),
+                   "decisions": decisions}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp_ranks_reach_the_same_decisions(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+    mp.spawn(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2))
+    assert r0 == r1
+    assert r0["fallbacks"] == [1]  # rank 1's failure made rank 0 fall back on layer 1 too
+    assert [0, 4] in r0["programs"] and [1, 4] not in r0["programs"]
+    assert r0["decisions"] == ["pure decode", "prefill", "mixed batch (prefill and decode rows)"]
