@@ -136,6 +136,10 @@ class KimiK3Config:
             reasons.append("mla_use_nope is false (RoPE MLA)")
         if not self.use_latent_moe:
             reasons.append("routed_expert_hidden_size is null (no latent MoE)")
+        elif not self.latent_moe_use_norm:
+            reasons.append("latent_moe_use_norm is false (no routed_expert_norm)")
+        if self.topk_method != "noaux_tc":
+            reasons.append(f"topk_method is {self.topk_method!r}, not 'noaux_tc'")
         if self.attn_res_block_size is None:
             reasons.append("attn_res_block_size is null (no AttnRes)")
         if self.hidden_act != "situ":

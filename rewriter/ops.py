@@ -72,7 +72,7 @@ def kda_conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices
     x: [T, C]; conv_state: [slots, C, K-1] (oldest first); weight: [C, K];
     state_indices: [B]. Returns [T, C] in x's dtype.
     """
-    num_tokens, channels = x.shape
+    num_tokens = x.shape[0]
     q_len = _tokens_per_request(num_tokens, state_indices.shape[0], "k3::kda_conv_update")
     out = torch.zeros_like(x)
     w = weight.float()
@@ -190,15 +190,6 @@ def mla_decode(
 def _(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, scale: float,
       kv_lora_rank: int) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-
-
-LEAF_OPS = {
-    torch.ops.k3.all_reduce.default: "all-reduce",
-    torch.ops.k3.kda_conv_update.default: "KDA short-conv decode step",
-    torch.ops.k3.kda_recurrent_step.default: "KDA recurrent decode step",
-    torch.ops.k3.mla_cache_insert.default: "MLA latent cache insert",
-    torch.ops.k3.mla_decode.default: "MLA decode attention",
-}
 
 
 def gather_last_dim(x: Tensor, group: str, world_size: int) -> Tensor:
