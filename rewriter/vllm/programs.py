@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from rewriter.config import KimiK3Config
 from rewriter.layers import KimiDecoderLayer, build_layer
+from rewriter.program import LayerRunner
 from rewriter.rewrite import RewriteResult, is_fused, rewrite
 from rewriter.schedule import Schedule, build_schedule
 from rewriter.shape import DecodeShape
@@ -82,11 +83,11 @@ def require_cuda_kernels(result: RewriteResult, schedule: Schedule) -> None:
 class LayerProgram:
     layer_idx: int
     batch: int
-    gm: fx.GraphModule
+    runner: LayerRunner  # the rewritten graph, kernel by kernel on its streams
     kernels: int
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.gm(*inputs)
+        return self.runner(*inputs)
 
 
 @dataclass
@@ -128,7 +129,9 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
                 schedule = build_schedule(result.after)
                 compile_fn(result, schedule)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
-                out.programs[(idx, b)] = LayerProgram(idx, b, gm, len(schedule.kernels))
+                rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
+                device = next(ref.parameters()).device
+                out.programs[(idx, b)] = LayerProgram(idx, b, LayerRunner(rooted, schedule, device), len(schedule.kernels))
         except Exception as e:  # noqa: BLE001  (any failure keeps this one layer on the stock forward)
             reason = str(e) if isinstance(e, ProgramError) else f"{type(e).__name__}: {e}"
             out.fallbacks[idx] = reason

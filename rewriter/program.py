@@ -1,0 +1,84 @@
+"""Run a rewritten layer the way its schedule says: kernels in order, each on its stream,
+with the schedule's events between streams.
+
+A ``LayerRunner`` interprets the rewritten fx graph node by node (each fused op is one
+kernel launch once its CUDA kernel is registered; views cost nothing). Nodes of an aux
+kernel run on a side stream; before a kernel starts, its stream waits on the events the
+schedule recorded after the kernels it depends on, and values made on one stream and
+used on another are marked for the caching allocator. Nothing here synchronizes with the
+host, so a step can be captured in a CUDA graph once every op in it is a device kernel.
+On a CPU there are no streams and the graph simply runs in order.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import fx
+
+from rewriter.rewrite import RewriteResult
+from rewriter.schedule import Schedule
+
+
+class LayerRunner(fx.Interpreter):
+    def __init__(self, result: RewriteResult, schedule: Schedule, device: torch.device | str = "cpu"):
+        super().__init__(result.after.gm)
+        self.schedule = schedule
+        self.device = torch.device(device)
+        self.kernel_of: dict[str, str] = {n: k.name for k in schedule.kernels for n in k.nodes}
+        self.stream_name = {k.name: k.stream for k in schedule.kernels}
+        self.waits: dict[str, list[str]] = defaultdict(list)  # kernel -> kernels whose end it waits for
+        for e in schedule.events:
+            self.waits[e.before].append(e.record_after)
+        self.recorded = {e.record_after for e in schedule.events}
+        self.last_node = {k.name: k.nodes[-1] for k in schedule.kernels}
+        cuda = self.device.type == "cuda"
+        self.streams: dict[str, Any] = {}
+        if cuda:
+            self.streams = {"main": None, "aux": torch.cuda.Stream(device=self.device)}
+        self._events: dict[str, torch.cuda.Event] = {}
+        self._started: set[str] = set()
+        self._made_on: dict[str, str] = {}
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.run(*inputs)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self._events, self._started, self._made_on = {}, set(), {}
+        if self.streams:
+            self.streams["main"] = torch.cuda.current_stream(self.device)
+            self.streams["aux"].wait_stream(self.streams["main"])  # inputs were made on the caller's stream
+        out = super().run(*args, **kwargs)
+        if self.streams:  # the caller's stream sees everything the aux stream did
+            self.streams["main"].wait_stream(self.streams["aux"])
+        return out
+
+    def run_node(self, n: fx.Node) -> Any:
+        kernel = self.kernel_of.get(n.name)
+        if not self.streams:
+            return super().run_node(n)
+        if kernel is None:  # a view: it lives where its source was made
+            source = next((self._made_on[a.name] for a in n.all_input_nodes if a.name in self._made_on), None)
+            if source is not None:
+                self._made_on[n.name] = source
+            return super().run_node(n)
+        stream_name = self.stream_name[kernel]
+        stream = self.streams[stream_name]
+        if kernel not in self._started:
+            self._started.add(kernel)
+            for src in self.waits.get(kernel, ()):
+                stream.wait_event(self._events[src])
+        with torch.cuda.stream(stream):
+            for a in n.all_input_nodes:  # values from another stream: keep their memory alive here
+                made = self._made_on.get(a.name)
+                value = self.env.get(a)
+                if made is not None and made != stream_name and isinstance(value, torch.Tensor):
+                    value.record_stream(stream)
+            result = super().run_node(n)
+        self._made_on[n.name] = stream_name
+        if kernel in self.recorded and self.last_node[kernel] == n.name:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._events[kernel] = event
+        return result
