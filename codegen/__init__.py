@@ -1,2 +1,11 @@
-"""CuTe DSL kernel templates for the fused ops of ``patterns/``, their tensor-free
-compile entry and the on-disk cache. Knows nothing of torch.fx. See DESIGN.md."""
+"""CuTe DSL kernel templates for the fused ops of ``patterns/``, their tensor-free compile
+entry, the on-disk cache and the binding of compiled kernels to the ``k3f`` ops. Knows
+nothing of torch.fx. See docs/CODEGEN.md.
+
+- ``spec``: ``KernelSpec``, what a compiled kernel is specialized to (no tensors);
+- ``templates``: the templates that exist, specs from op arguments, refusals (no CuTe import);
+- ``kernels/``: the CuTe DSL kernel classes (import CuTe DSL);
+- ``compiler``: ``compile_kernel`` / ``compile_schedule``, cached in memory and on disk;
+- ``cache``: the disk cache (atomic entries, file locks, verification);
+- ``bind``: ``register_cuda_impl`` / ``install_cuda_kernels`` (nothing registers at import).
+"""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rewriter.compile_cmd import add_compile_parser, run_compile
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
 from rewriter.rules import RuleError
@@ -59,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
                      help="a Python file whose RULES list is added to the built-in rules (repeatable)")
     ins.add_argument("--no-rules", action="store_true", help="skip the built-in rules (show the stock layer)")
+    add_compile_parser(sub)
     return p
 
 
@@ -114,7 +116,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return run_inspect(args)
+        return (run_compile if args.command == "compile" else run_inspect)(args)
     except (ConfigError, ShapeError, RuleError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

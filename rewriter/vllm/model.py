@@ -23,7 +23,7 @@ from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 from rewriter.config import KimiK3Config
 from rewriter.vllm.guard import StepDecision, StepLog, arch_of, check_deployment, decide_step
 from rewriter.vllm.knob import REWRITER, decode_backend
-from rewriter.vllm.programs import ProgramSet, build_programs, served_batches
+from rewriter.vllm.programs import ProgramSet, build_programs, compile_with_codegen, served_batches
 from rewriter.vllm.runtime import run_layers
 
 log = logging.getLogger("rewriter.vllm")
@@ -56,9 +56,10 @@ class RewriterDecode:
         backbone = model.model
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         capture = self.vllm_config.compilation_config.cudagraph_capture_sizes or ()
-        self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group,
-                                       arch=arch_of(torch.cuda.get_device_capability()),
-                                       batches=served_batches(capture), group=group.cpu_group)
+        arch = arch_of(torch.cuda.get_device_capability())
+        self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
+                                       batches=served_batches(capture), compile_fn=compile_with_codegen(arch),
+                                       group=group.cpu_group)
         rewritten = len(layers) - len(self.programs.fallbacks)
         log.info("rewriter: %d of %d layers rewritten for batch sizes %s; %d keep the stock forward",
                  rewritten, len(layers), list(self.programs.batches), len(self.programs.fallbacks))

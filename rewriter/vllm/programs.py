@@ -79,6 +79,42 @@ def require_cuda_kernels(result: RewriteResult, schedule: Schedule) -> None:
         raise ProgramError(f"no CUDA kernel registered for {', '.join(missing)}")
 
 
+def compile_with_codegen(arch: str) -> CompileFn:
+    """The server's compile step: every fused op of the schedule needs a CuTe DSL template that
+    takes its shapes; compile those (or read the disk cache) and register them as the ops'
+    CUDA kernels. Anything short of that keeps the layer on the stock forward, with why."""
+
+    def compile_fn(result: RewriteResult, schedule: Schedule) -> None:
+        try:
+            from codegen.bind import install_cuda_kernels
+            from codegen.compiler import CodegenError, available, compile_kernel
+        except ImportError as e:
+            raise ProgramError(f"CuTe DSL kernels unavailable ({e}); pip install 'k3-decode-rewriter[cutedsl]'") \
+                from e
+        from rewriter.compile_cmd import plan
+
+        reason = available()
+        if reason:
+            raise ProgramError(f"CuTe DSL kernels unavailable: {reason}")
+        rows = plan(result, arch)
+        missing = [r["kernel"] for r in rows if r["status"] == "no_template"]
+        if missing:
+            raise ProgramError(f"no CuTe DSL template yet for {', '.join(missing)}")
+        refused = [r["detail"] for r in rows if r["status"] == "refused"]
+        if refused:
+            raise ProgramError(refused[0])
+        for row in rows:
+            if "spec" in row:
+                try:
+                    compile_kernel(row["spec"])
+                except CodegenError as e:
+                    raise ProgramError(f"kernel compile failed: {e}") from e
+        install_cuda_kernels(arch)
+        require_cuda_kernels(result, schedule)
+
+    return compile_fn
+
+
 @dataclass
 class LayerProgram:
     layer_idx: int

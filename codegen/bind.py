@@ -1,0 +1,165 @@
+"""The seam between compiled kernels and the fused ops: CUDA implementations via torch.library.
+
+``register_cuda_impl("attn_res_norm", launcher)`` makes ``launcher`` the CUDA implementation
+of ``k3f::attn_res_norm`` (``torch.library.register_kernel(op, "cuda", ...)``). The CPU
+implementation stays the op's reference, so a rewritten graph runs the kernel on a GPU
+and the reference everywhere else. A launcher takes the op's arguments and returns its
+outputs, or ``NotImplemented`` to decline a call (a shape no template takes, a tensor not
+16-byte aligned, an unknown GPU): the op's reference then runs on the GPU tensors, and the
+reason is counted in ``stats()``. Nothing registers at import: ``install_cuda_kernels()``
+(or ``register_cuda_impl``) must be called, and it refuses on a machine without CUDA
+unless told otherwise.
+
+Calls compile on first use (or read the disk cache: ``python -m rewriter compile`` fills it
+ahead); under CUDA graph capture, call ``prepare`` first so nothing compiles or loads
+while capturing.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from codegen.spec import KernelSpec
+from codegen.templates import TEMPLATES, Template, spec_for_call
+
+NAMESPACE = "k3f"
+_lock = threading.Lock()
+_launchers: dict[str, Callable[..., Any]] = {}  # qualified op name -> launcher
+_registered: set[str] = set()  # ops whose torch.library CUDA kernel is our dispatcher
+_stats: dict[str, Counter] = defaultdict(Counter)
+
+
+def _qualify(op_name: str) -> str:
+    return op_name if "::" in op_name else f"{NAMESPACE}::{op_name}"
+
+
+def _opdef(qualname: str):
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    opdef = _maybe_get_opdef(qualname)
+    if opdef is None:
+        raise KeyError(f"{qualname} is not a defined custom op (import patterns, which defines the k3f ops)")
+    return opdef
+
+
+def reference(op_name: str) -> Callable[..., Any]:
+    """The op's reference implementation (the Python function it was defined from)."""
+    return _opdef(_qualify(op_name))._init_fn
+
+
+def _dispatcher(qualname: str) -> Callable[..., Any]:
+    ref = reference(qualname)
+
+    def cuda_impl(*args, **kwargs):
+        launcher = _launchers.get(qualname)
+        result = NotImplemented if launcher is None else launcher(*args, **kwargs)
+        if result is NotImplemented:
+            _stats[qualname]["reference"] += 1
+            return ref(*args, **kwargs)
+        _stats[qualname]["kernel"] += 1
+        return result
+
+    cuda_impl.__name__ = f"cuda_impl_{qualname.replace('::', '_')}"
+    return cuda_impl
+
+
+def register_cuda_impl(op_name: str, launcher: Callable[..., Any], *, allow_without_cuda: bool = False) -> None:
+    """Make ``launcher`` the CUDA implementation of ``k3f::<op_name>``.
+
+    Registering again replaces the launcher (the torch.library registration is made once
+    per op). Refuses when CUDA is not available, unless ``allow_without_cuda`` (tests).
+    """
+    if not (allow_without_cuda or torch.cuda.is_available()):
+        raise RuntimeError(f"not registering a CUDA kernel for {_qualify(op_name)}: CUDA is not available")
+    qualname = _qualify(op_name)
+    with _lock:
+        if qualname not in _registered:
+            torch.library.register_kernel(qualname, "cuda", _dispatcher(qualname))
+            _registered.add(qualname)
+        _launchers[qualname] = launcher
+
+
+def unregister_cuda_impl(op_name: str) -> None:
+    """Drop the launcher: CUDA calls run the reference again."""
+    with _lock:
+        _launchers.pop(_qualify(op_name), None)
+
+
+def registered() -> dict[str, Callable[..., Any]]:
+    return dict(_launchers)
+
+
+def stats() -> dict[str, dict[str, int]]:
+    """Per op: calls that ran a kernel, calls that ran the reference, and each refusal reason."""
+    return {op: dict(c) for op, c in _stats.items()}
+
+
+def device_arch(device: torch.device | int | None = None) -> str | None:
+    """The CuTe DSL architecture of a CUDA device (sm_90a, sm_100a, sm_103a), or None."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}.get((major, minor))
+
+
+class TemplateLauncher:
+    """The launcher of every template serving one fused op: picks the template that accepts
+    the call, gets its compiled kernel (memory, disk cache or compile) and launches it."""
+
+    def __init__(self, op_name: str, arch: str | None = None):
+        self.op = _qualify(op_name)
+        self.arch = arch
+        self._fns: dict[KernelSpec, tuple[Template, Callable[..., Any]]] = {}
+
+    def _decline(self, reason: str):
+        _stats[self.op][f"declined: {reason}"] += 1
+        return NotImplemented
+
+    def resolve(self, args: Sequence[Any]) -> tuple[Template, KernelSpec, Callable[..., Any]] | str:
+        arch = self.arch or device_arch(args[0].device)
+        if arch is None:
+            return f"GPU capability {torch.cuda.get_device_capability(args[0].device)} has no CuTe DSL target here"
+        tpl, spec = spec_for_call(self.op, arch, args)
+        if tpl is None:
+            return spec
+        hit = self._fns.get(spec)
+        if hit is None:
+            from codegen.compiler import compile_kernel
+
+            hit = self._fns[spec] = (tpl, compile_kernel(spec).load())
+        return tpl, spec, hit[1]
+
+    def prepare(self, *args) -> str | None:
+        """Compile and load the kernel for this call's shapes now (before graph capture); the refusal if any."""
+        r = self.resolve(args)
+        return r if isinstance(r, str) else None
+
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            return self._decline("keyword arguments (the templates take the op's arguments by position)")
+        if not all(a.is_cuda for a in args if isinstance(a, torch.Tensor)):
+            return self._decline("not every tensor is on a CUDA device")
+        r = self.resolve(args)
+        if isinstance(r, str):
+            return self._decline(r)
+        tpl, spec, fn = r
+        reason = tpl.runtime_check(args)
+        if reason:
+            return self._decline(reason)
+        return tpl.launch(fn, spec, args)
+
+
+def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = False) -> list[str]:
+    """Register a ``TemplateLauncher`` for every fused op some template serves; returns the ops.
+
+    Imports ``patterns`` (which defines the ``k3f`` ops). Ops without a template keep
+    running their reference on the GPU."""
+    import patterns.attention_projection
+    import patterns.layer  # noqa: F401
+
+    ops = sorted({op for t in TEMPLATES.values() for op in t.ops})
+    for op in ops:
+        register_cuda_impl(op, TemplateLauncher(op, arch), allow_without_cuda=allow_without_cuda)
+    return ops

@@ -1,0 +1,219 @@
+"""``attn_res_norm``: AttnRes before attention + the input RMSNorm, one CTA per token.
+
+The math is ``rewriter/layers/attn_res.py`` (the CPU reference of ``k3f::attn_res_norm``):
+
+    p      = bf16(prefix + delta)                   (or prefix when there is no delta)
+    blocks[t, write_idx] = p                        (when write_idx >= 0; in place)
+    S      = [blocks[t, 0..n-1], p]                 (n + 1 <= 9 sources of D values)
+    q      = norm_weight * qk_weight                (fp32)
+    l_s    = <S_s, q> * rsqrt(mean(S_s^2) + eps)
+    mix    = sum_s softmax(l)_s * S_s
+    out    = bf16(mix * rsqrt(mean(mix^2) + eps) * out_norm_weight)
+
+Work split: the row of D = 7168 values is cut into 128-bit vectors (8 bf16); thread i of
+the CTA owns vectors i, i + threads, ... (coalesced: one warp reads 512 contiguous bytes
+per step). Every source is read from HBM exactly once and kept in registers as bf16; the
+2 (n + 1) partial sums (squares, dot with q) are reduced with warp shuffles and one pass
+through shared memory, then each thread computes the softmax weights itself, mixes its
+vectors and a second (1-value) block reduction gives the norm of the mix.
+"""
+from __future__ import annotations
+
+import operator
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, const_expr, cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from codegen.kernels.common import VEC, g2r_atom, r2g_atom, r2s_atom
+
+MAX_SOURCES = 9
+
+
+class AttnResNorm:
+    """Compile-time configuration: hidden size, block-buffer size, number of source
+    blocks, block write index (-1: none), whether a delta is added, eps."""
+
+    def __init__(self, hidden: int, num_blocks_buf: int, num_blocks: int, write_idx: int, has_delta: bool,
+                 eps: float, threads: int | None = None):
+        if hidden % VEC:
+            raise ValueError(f"hidden {hidden} must be a multiple of {VEC}")
+        if not 0 <= num_blocks < MAX_SOURCES:
+            raise ValueError(f"num_blocks {num_blocks} outside 0..{MAX_SOURCES - 1}")
+        if write_idx >= num_blocks_buf:
+            raise ValueError(f"write_idx {write_idx} outside the block buffer ({num_blocks_buf} blocks)")
+        if num_blocks > num_blocks_buf:
+            raise ValueError(f"num_blocks {num_blocks} > block buffer ({num_blocks_buf} blocks)")
+        self.hidden = hidden
+        self.num_blocks_buf = num_blocks_buf
+        self.num_blocks = num_blocks
+        self.write_idx = write_idx
+        self.has_delta = has_delta
+        self.eps = float(eps)
+        self.num_vec = hidden // VEC
+        # two vectors per thread: 9 sources x 2 x 8 bf16 stay in 72 registers
+        half = -(-self.num_vec // 2)
+        self.threads = threads or min(1024, max(32, -(-half // 32) * 32))
+        self.vec_per_thread = -(-self.num_vec // self.threads)
+        self.even = self.num_vec % self.threads == 0
+        self.num_warps = self.threads // 32
+
+    @cute.jit
+    def __call__(self, mPrefix: cute.Tensor, mDelta: cute.Tensor | None, mBlocks: cute.Tensor,
+                 mNormW: cute.Tensor, mQkW: cute.Tensor, mOutW: cute.Tensor, mOut: cute.Tensor,
+                 mNewPrefix: cute.Tensor, stream: cuda.CUstream):
+        self.kernel(mPrefix, mDelta, mBlocks, mNormW, mQkW, mOutW, mOut, mNewPrefix).launch(
+            grid=[mPrefix.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mPrefix: cute.Tensor, mDelta: cute.Tensor | None, mBlocks: cute.Tensor, mNormW: cute.Tensor,
+               mQkW: cute.Tensor, mOutW: cute.Tensor, mOut: cute.Tensor, mNewPrefix: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        V = const_expr(self.vec_per_thread)
+        S = const_expr(self.num_blocks + 1)
+        P = const_expr(S - 1)  # the new prefix is the last source
+        inv_d = const_expr(1.0 / self.hidden)
+
+        smem = cutlass.memory.SmemAllocator()
+        # the sources, as read (bf16): pass 2 mixes them from here instead of reading HBM again
+        sSrc = smem.allocate_tensor(BFloat16, cute.make_layout((self.hidden, S)), byte_alignment=16)
+        sPartial = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_warps)), byte_alignment=16)
+        sMixSq = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), byte_alignment=16)
+
+        ld = g2r_atom(BFloat16)
+        st = r2g_atom(BFloat16)
+        st_s = r2s_atom(BFloat16)
+        rV = cute.make_rmem_tensor((VEC,), BFloat16)
+        rW = cute.make_rmem_tensor((VEC,), BFloat16)
+        rQ = cute.make_rmem_tensor((VEC, V), Float32)
+        rQ.fill(0.0)
+        rSq = cute.make_rmem_tensor((S,), Float32)
+        rSq.fill(0.0)
+        rDot = cute.make_rmem_tensor((S,), Float32)
+        rDot.fill(0.0)
+
+        gPrefix = mPrefix[token, None]
+        gNewPrefix = mNewPrefix[token, None]
+        gOut = mOut[token, None]
+
+        # 1. q = norm_weight * qk_weight; the new prefix p: stored, written as a block, staged
+        for j in cutlass.range_constexpr(V):
+            v = tidx + j * self.threads
+            if const_expr(self.even) or v < self.num_vec:
+                cute.copy(ld, cute.local_tile(mNormW, (VEC,), (v,)), rW)
+                cute.copy(ld, cute.local_tile(mQkW, (VEC,), (v,)), rV)
+                rQ[None, j].store(rW.load().to(Float32) * rV.load().to(Float32))
+                cute.copy(ld, cute.local_tile(gPrefix, (VEC,), (v,)), rV)
+                if const_expr(self.has_delta):
+                    cute.copy(ld, cute.local_tile(mDelta[token, None], (VEC,), (v,)), rW)
+                    rV.store((rV.load().to(Float32) + rW.load().to(Float32)).to(BFloat16))
+                cute.copy(st, rV, cute.local_tile(gNewPrefix, (VEC,), (v,)))
+                if const_expr(self.write_idx >= 0):
+                    cute.copy(st, rV, cute.local_tile(mBlocks[token, self.write_idx, None], (VEC,), (v,)))
+                cute.copy(st_s, rV, cute.local_tile(sSrc[None, P], (VEC,), (v,)))
+                x = rV.load().to(Float32)
+                rSq[P] = rSq[P] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                rDot[P] = rDot[P] + (x * rQ[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+        # 2. the finished blocks, each read from HBM once: partial sums, staged in shared memory
+        for s in cutlass.range_constexpr(P):
+            if const_expr(s == self.write_idx):  # the block just written is p itself
+                rSq[s] = rSq[P]
+                rDot[s] = rDot[P]
+            for j in cutlass.range_constexpr(V):
+                v = tidx + j * self.threads
+                if const_expr(s == self.write_idx):
+                    pass
+                elif const_expr(self.even) or v < self.num_vec:
+                    cute.copy(ld, cute.local_tile(mBlocks[token, s, None], (VEC,), (v,)), rV)
+                    cute.copy(st_s, rV, cute.local_tile(sSrc[None, s], (VEC,), (v,)))
+                    x = rV.load().to(Float32)
+                    rSq[s] = rSq[s] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    rDot[s] = rDot[s] + (x * rQ[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+        # 3. reduce the 2S partial sums over the warp (shuffles), then over the CTA (shared memory)
+        for s in cutlass.range_constexpr(S):
+            sq = cute.arch.warp_reduction(rSq[s], operator.add)
+            dot = cute.arch.warp_reduction(rDot[s], operator.add)
+            if lane == 0:
+                sPartial[2 * s, warp] = sq
+                sPartial[2 * s + 1, warp] = dot
+        cute.arch.barrier()
+
+        # 4. logits and softmax weights (every thread computes all S of them)
+        rLogit = cute.make_rmem_tensor((S,), Float32)
+        for s in cutlass.range_constexpr(S):
+            sq = Float32(0.0)
+            dot = Float32(0.0)
+            for w in cutlass.range_constexpr(self.num_warps):
+                sq = sq + sPartial[2 * s, w]
+                dot = dot + sPartial[2 * s + 1, w]
+            rLogit[s] = dot * cute.math.rsqrt(sq * inv_d + self.eps)
+        m = rLogit[0]
+        for s in cutlass.range_constexpr(1, S):
+            m = cute.arch.fmax(m, rLogit[s])
+        total = Float32(0.0)
+        for s in cutlass.range_constexpr(S):
+            rLogit[s] = cute.math.exp(rLogit[s] - m)
+            total = total + rLogit[s]
+        inv_total = Float32(1.0) / total
+        for s in cutlass.range_constexpr(S):
+            rLogit[s] = rLogit[s] * inv_total
+
+        # 5. the mix (each thread reads back only what it staged: no barrier needed), its norm, the output
+        rMix = cute.make_rmem_tensor((VEC, V), Float32)
+        rMix.fill(0.0)
+        mix_sq = Float32(0.0)
+        for j in cutlass.range_constexpr(V):
+            v = tidx + j * self.threads
+            if const_expr(self.even) or v < self.num_vec:
+                src = P if const_expr(self.write_idx == 0) else 0
+                cute.autovec_copy(cute.local_tile(sSrc[None, src], (VEC,), (v,)), rV)
+                acc = rV.load().to(Float32) * rLogit[0]
+                for s in cutlass.range_constexpr(1, S):
+                    src = P if const_expr(s == self.write_idx) else s
+                    cute.autovec_copy(cute.local_tile(sSrc[None, src], (VEC,), (v,)), rV)
+                    acc = acc + rV.load().to(Float32) * rLogit[s]
+                rMix[None, j].store(acc)
+                mix_sq = mix_sq + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        mix_sq = cute.arch.warp_reduction(mix_sq, operator.add)
+        if lane == 0:
+            sMixSq[warp] = mix_sq
+        cute.arch.barrier()
+        total_sq = Float32(0.0)
+        for w in cutlass.range_constexpr(self.num_warps):
+            total_sq = total_sq + sMixSq[w]
+        r = cute.math.rsqrt(total_sq * inv_d + self.eps)
+        for j in cutlass.range_constexpr(V):
+            v = tidx + j * self.threads
+            if const_expr(self.even) or v < self.num_vec:
+                cute.copy(ld, cute.local_tile(mOutW, (VEC,), (v,)), rW)
+                rV.store((rMix[None, j].load() * r * rW.load().to(Float32)).to(BFloat16))
+                cute.copy(st, rV, cute.local_tile(gOut, (VEC,), (v,)))
+
+
+def build(spec) -> tuple[AttnResNorm, tuple]:
+    """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
+    s, p = spec.shape_dict, spec.param_dict
+    d, nb = s["hidden"], s["blocks"]
+    kernel = AttnResNorm(d, nb, p["num_blocks"], p["write_idx"], p["has_delta"], p["eps"])
+    tokens = cute.sym_int32()  # the token count is a runtime size: one compile serves every batch
+
+    def row(*shape):  # row-major bf16 tensor, first mode = tokens
+        stride, acc = [], 1
+        for n in reversed(shape[1:]):
+            stride.insert(0, acc)
+            acc *= n
+        return make_fake_tensor(BFloat16, (tokens, *shape[1:]), (acc, *stride), assumed_align=16)
+
+    def vec():
+        return make_fake_tensor(BFloat16, (d,), (1,), assumed_align=16)
+
+    args = (row(None, d), row(None, d) if p["has_delta"] else None, row(None, nb, d), vec(), vec(), vec(),
+            row(None, d), row(None, d), make_fake_stream(use_tvm_ffi_env_stream=True))
+    return kernel, args
+

@@ -1,0 +1,32 @@
+"""Pieces the kernel templates share: 128-bit vector copy atoms."""
+from __future__ import annotations
+
+from cutlass import cute
+
+VEC = 8  # 16-bit elements per 128-bit vector
+BITS = 128
+
+
+def g2r_atom(dtype, *, invariant: bool = True):
+    """Global -> registers, 128 bits. ``invariant`` (read-only for the kernel's lifetime)
+    makes it ``ld.global.nc.v4``: the read-only path, cached in L1."""
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=BITS, invariant=invariant)
+
+
+def g2r_stream_atom(dtype):
+    """Global -> registers, 128 bits, for data read once (weights streamed by a GEMV):
+    ``ld.global.L1::no_allocate.L2::256B.v4``: no L1 line is allocated, so the activations
+    cached in L1 stay there, and L2 fetches 256 bytes ahead."""
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=BITS,
+                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE,
+                               l2_prefetch_size=cute.nvgpu.L2PrefetchSize.SIZE_256B)
+
+
+def r2g_atom(dtype):
+    """Registers -> global, 128 bits (``st.global.v4``)."""
+    return cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=BITS)
+
+
+def r2s_atom(dtype):
+    """Registers -> shared memory, 128 bits (``st.shared.v4``)."""
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=BITS)

@@ -1,0 +1,96 @@
+"""KernelSpec: what one compiled kernel is specialized to, without any tensor.
+
+A spec names the kernel template, the fused op it implements, the GPU architecture, and
+its compile-time configuration as plain values: shapes (ints), dtypes (names such as
+``"bf16"``) and parameters (ints, floats, bools, strings, tuples of those). It is frozen
+and hashable (the in-memory cache key) and has one canonical text form (part of the disk
+cache key), so two processes that build the same spec share one compiled kernel.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ARCHES = ("sm_90a", "sm_100a", "sm_103a")
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+_QUIET = {"eps", "rows_per_warp", "warps_per_cta", "unroll", "stream_weights", "pipeline"}  # left out of labels
+
+
+class SpecError(ValueError):
+    """A spec that cannot describe a kernel (unknown arch, a value that is not plain data)."""
+
+
+def _freeze(value: Any, where: str) -> Any:
+    """Lists become tuples; anything but plain data is refused (it would not hash or key stably)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v, where) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise SpecError(f"{where}: {value!r} ({type(value).__name__}) is not plain data (int, float, bool, str, tuple)")
+
+
+def _items(mapping: Mapping[str, Any] | None, what: str) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((str(k), _freeze(v, f"{what}[{k!r}]")) for k, v in (mapping or {}).items()))
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    kernel: str  # template name, as the schedule names the kernel: "attn_res_norm", "attn_in_proj_gemv"
+    op: str  # the fused op it implements: "k3f::attn_res_norm", "k3f::kda_in_proj"
+    arch: str  # "sm_90a" | "sm_100a" | "sm_103a"
+    shapes: tuple[tuple[str, int], ...] = ()
+    dtypes: tuple[tuple[str, str], ...] = ()
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHES:
+            raise SpecError(f"arch {self.arch!r} not supported (supported: {', '.join(ARCHES)})")
+        for name, v in self.shapes:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise SpecError(f"shape {name!r} must be an int >= 0, got {v!r}")
+        for name, v in self.dtypes:
+            if v not in DTYPE_NAMES:
+                raise SpecError(f"dtype {name!r} must be one of {', '.join(DTYPE_NAMES)}, got {v!r}")
+
+    @classmethod
+    def make(cls, kernel: str, op: str, arch: str, *, shapes: Mapping[str, int] | None = None,
+             dtypes: Mapping[str, str] | None = None, params: Mapping[str, Any] | None = None) -> KernelSpec:
+        """Build a spec from dicts (sorted and frozen; lists become tuples)."""
+        return cls(kernel, op, arch, _items(shapes, "shapes"), _items(dtypes, "dtypes"), _items(params, "params"))
+
+    @property
+    def shape_dict(self) -> dict[str, int]:
+        return dict(self.shapes)
+
+    @property
+    def dtype_dict(self) -> dict[str, str]:
+        return dict(self.dtypes)
+
+    @property
+    def param_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def with_arch(self, arch: str) -> KernelSpec:
+        return KernelSpec(self.kernel, self.op, arch, self.shapes, self.dtypes, self.params)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, "op": self.op, "arch": self.arch, "shapes": dict(self.shapes),
+                "dtypes": dict(self.dtypes), "params": dict(self.params)}
+
+    def canonical(self) -> str:
+        """One text per spec (sorted keys, no whitespace): what the disk cache key hashes."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    def label(self) -> str:
+        """Readable: ``attn_in_proj_gemv[kda_in_proj] k=7168 rows=3216 tokens=1 segments=2304/768/128/6 sm_90a``
+        (tiling parameters left out)."""
+        op = self.op.split("::")[-1]
+        head = self.kernel if op == self.kernel else f"{self.kernel}[{op}]"
+
+        def text(v):
+            return "/".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+        words = [f"{k}={text(v)}" for k, v in (*self.shapes, *self.params) if k not in _QUIET]
+        return " ".join([head, *words, self.arch])

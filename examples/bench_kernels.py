@@ -1,0 +1,84 @@
+"""Time the CuTe DSL kernels on the GPU (needs CUDA and the cutedsl extra).
+
+Each kernel is captured in a CUDA graph and replayed; the GEMV runs once per weight copy,
+with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it is read
+again, so every launch streams its weight from HBM. Prints the median per launch next to
+torch's own ``linear`` (cuBLAS) on the same data.
+
+    python examples/bench_kernels.py
+"""
+from __future__ import annotations
+
+import torch
+
+import patterns.attention_projection
+import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
+from codegen.bind import device_arch
+from codegen.compiler import compile_kernel
+from codegen.templates import spec_for_call
+
+D = 7168
+SPLITS = {"kda_tp16": [2304, 768, 128, 6, 10], "kda_tp8": [4608, 1536, 128, 12, 4]}
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Median microseconds of one replay of a CUDA graph holding ``fn``'s launches."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel(op, args):
+    tpl, spec = spec_for_call(op, device_arch(), args)
+    assert tpl is not None, spec
+    return tpl, spec, compile_kernel(spec).load()
+
+
+def bench_gemv(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:
+    x = torch.randn(t, D, device="cuda").bfloat16()
+    tpl, spec, fn = kernel("k3f::kda_in_proj", (x, ws[0], split))
+    outs = [torch.empty(t, s, device="cuda", dtype=torch.bfloat16) for s in split[:4]]
+    us = graph_us(lambda: [tpl.launch(fn, spec, (x, w, split), out=outs) for w in ws]) / len(ws)
+    ref = graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / len(ws)
+    used = sum(split[:4])
+    print(f"attn_in_proj_gemv {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s"
+          f"   (torch linear {ref:6.2f} us)")
+
+
+def bench_attn_res(t: int, n: int) -> None:
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda").bfloat16()
+
+    args = [rnd(t, D), rnd(t, D), rnd(t, 8, D), rnd(D), rnd(D) * 0.02, rnd(D), n, -1, 1e-5]
+    tpl, spec, fn = kernel("k3f::attn_res_norm", args)
+    out = (torch.empty_like(args[0]), torch.empty_like(args[0]))
+    us = graph_us(lambda: [tpl.launch(fn, spec, args, out=out) for _ in range(10)]) / 10
+    print(f"attn_res_norm T={t} sources={n + 1}: {us:5.2f} us")
+
+
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()}, {device_arch()}")
+    for name, split in SPLITS.items():
+        copies = max(2, int(200e6 // (sum(split) * D * 2)) + 1)
+        ws = [(torch.randn(sum(split), D, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+        for t in (1, 2, 4, 8):
+            bench_gemv(name, split, t, ws)
+    for t, n in [(1, 1), (1, 8), (8, 8), (64, 8)]:
+        bench_attn_res(t, n)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""``python -m rewriter compile``: compile every kernel of a layer's schedule (no GPU needed).
+
+Traces and rewrites the layer as ``inspect`` does, builds its schedule, and for each kernel
+prints one line: ``compiled`` (time, cache hit or miss) when a CuTe DSL template takes it,
+``no CuTe DSL template yet`` for a fused op without one, ``refused`` with the template's
+reason, or ``vLLM stock kernel`` for what no rule fused. The compiled kernels land in the
+disk cache (``$K3_REWRITER_CACHE``, default ``~/.cache/k3-rewriter``) that a server
+process reads at start. Exit status 0 when every template kernel compiled, 1 when one
+failed, 2 for bad input or when CuTe DSL is not installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rewriter.shape import ARCHES
+
+
+def add_compile_parser(subparsers) -> argparse.ArgumentParser:
+    from rewriter.cli import DTYPES, _positive_int
+    from rewriter.config import PRESETS
+
+    c = subparsers.add_parser("compile", help="compile the CuTe DSL kernels of one layer's schedule (no GPU needed)")
+    c.add_argument("--model", default="kimi-k3",
+                   help=f"a preset ({', '.join(PRESETS)}) or a path to a config.json (default kimi-k3)")
+    c.add_argument("--layer", type=int, default=1, help="0-based layer index (default 1, a KDA+MoE layer)")
+    c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
+    c.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
+    c.add_argument("--batch", type=_positive_int, default=1, help="decode requests in the step (default 1)")
+    c.add_argument("--q", type=_positive_int, default=1, help="tokens per request (default 1)")
+    c.add_argument("--context", type=int, default=4096, help="tokens already cached per request (default 4096)")
+    c.add_argument("--block-size", type=_positive_int, default=64, help="MLA cache page size (default 64)")
+    c.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
+    c.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
+    c.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
+                   help="a Python file whose RULES list is added to the built-in rules (repeatable)")
+    c.add_argument("--cache-dir", type=Path, metavar="DIR",
+                   help="kernel cache folder (default $K3_REWRITER_CACHE or ~/.cache/k3-rewriter)")
+    c.add_argument("--force", action="store_true", help="recompile even what the cache holds")
+    c.add_argument("--dry-run", action="store_true", help="list the kernels and their specs, compile nothing")
+    c.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    return c
+
+
+def _op_call(lg, node_names: list[str]) -> tuple[str, tuple[Any, ...]] | None:
+    """(fused op name, its arguments as meta values) of the kernel's k3f node, or None."""
+    nodes = {n.name: n for n in lg.graph.nodes}
+    for name in node_names:
+        n = nodes.get(name)
+        if n is not None and n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "k3f":
+            def val(a):
+                if hasattr(a, "meta"):
+                    return a.meta["val"]
+                if isinstance(a, (list, tuple)):
+                    return type(a)(val(x) for x in a)
+                return a
+
+            return n.target._schema.name, tuple(val(a) for a in n.args)
+    return None
+
+
+def plan(result, arch: str) -> list[dict[str, Any]]:
+    """One row per scheduled kernel: its status before compiling and, for a template, its spec."""
+    from codegen.templates import template
+    from rewriter.schedule import build_schedule
+
+    rows = []
+    for i, k in enumerate(build_schedule(result.after).kernels):
+        row: dict[str, Any] = {"index": i, "kernel": k.name, "source": k.source}
+        if not k.source.startswith("fused:"):
+            row["status"] = "stock"
+            row["detail"] = "vLLM stock kernel (not generated)"
+        else:
+            call = _op_call(result.after, k.nodes)
+            tpl = template(k.name.split(" #")[0])
+            row["op"] = call[0] if call else None
+            if tpl is None or call is None:
+                row["status"] = "no_template"
+                row["detail"] = "no CuTe DSL template yet"
+            else:
+                spec = tpl.make_spec(call[0], arch, call[1])
+                if isinstance(spec, str):
+                    row["status"] = "refused"
+                    row["detail"] = f"refused by the {tpl.kernel} template: {spec}"
+                else:
+                    row["status"] = "pending"
+                    row["spec"] = spec
+        rows.append(row)
+    return rows
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    from codegen.cache import KernelCache
+    from codegen.compiler import CodegenError, available, compile_kernel
+    from rewriter.cli import DTYPES
+    from rewriter.config import KimiK3Config
+    from rewriter.layers import build_layer
+    from rewriter.rewrite import rewrite
+    from rewriter.rules import default_rules, load_rules_file
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
+
+    cfg = KimiK3Config.load(args.model)
+    dtype = DTYPES[args.dtype]
+    shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
+                        context=args.context, block_size=args.block_size)
+    layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype)
+    rules = default_rules()
+    for path in args.rules:
+        for rule in load_rules_file(path):
+            rules.add(rule)
+    result = rewrite(trace(layer, shape), rules)
+    rows = plan(result, args.arch)
+    pending = [r for r in rows if r["status"] == "pending"]
+    out = sys.stdout
+    head = (f"{args.model} layer {args.layer} ({result.before.kind}), TP {args.tp} "
+            f"rank {args.rank}, batch {args.batch} x q {args.q} = {shape.tokens} tokens, {args.dtype}, "
+            f"{args.arch}: {len(rows)} kernels, {len(pending)} with a CuTe DSL template")
+    reason = None if args.dry_run or not pending else available()
+    if reason:
+        print(f"error: cannot compile CuTe DSL kernels: {reason}", file=sys.stderr)
+        return 2
+    cache = KernelCache(args.cache_dir)
+    if not args.json:
+        print(head, file=out, flush=True)
+    t0 = time.perf_counter()
+    failed = 0
+    for row in rows:
+        spec = row.get("spec")
+        if spec is not None and args.dry_run:
+            row["status"], row["detail"] = "planned", f"would compile {spec.label()}"
+        elif spec is not None:
+            try:
+                k = compile_kernel(spec, cache=cache, force=args.force)
+            except CodegenError as e:
+                failed += 1
+                row["status"], row["detail"] = "failed", f"compile failed: {e}"
+            else:
+                row.update(status="compiled", cache="miss" if k.cache == "miss" else "hit", seconds=k.seconds,
+                           key=k.key, path=k.path,
+                           detail=f"compiled {k.seconds:.2f}s (cache {'miss' if k.cache == 'miss' else 'hit'})"
+                                  f"  {spec.label()}")
+        if not args.json:
+            print(f"  {row['index']:>2} {row['kernel']:<32} {row['detail']}", file=out, flush=True)
+    done = [r for r in rows if r["status"] == "compiled"]
+    hits = sum(r["cache"] == "hit" for r in done)
+    no_tpl = sum(r["status"] == "no_template" for r in rows)
+    planned = sum(r["status"] == "planned" for r in rows)
+    summary = (f"{len(done)} compiled ({len(done) - hits} cache miss, {hits} hit){f', {planned} planned (dry run)' if planned else ''} in "
+               f"{time.perf_counter() - t0:.2f}s; {no_tpl} fused ops without a template yet; "
+               f"{sum(r['status'] == 'stock' for r in rows)} stock; {failed} failed; cache {cache.root}")
+    if args.json:
+        for r in rows:
+            if "spec" in r:
+                r["spec"] = r["spec"].to_json()
+        print(json.dumps({"model": args.model, "layer": args.layer, "tp": args.tp, "batch": args.batch,
+                          "tokens": shape.tokens, "arch": args.arch, "cache": str(cache.root), "kernels": rows,
+                          "compiled": len(done), "failed": failed}, indent=1))
+    else:
+        print(summary, file=out)
+    return 1 if failed else 0

@@ -1,0 +1,331 @@
+"""codegen/: specs, the disk cache, the registration seam, and compile-only checks of the CuTe
+DSL kernels (PTX for sm_90a and sm_100a holds the instructions each kernel is built on).
+
+The compile tests skip when CuTe DSL (``pip install -e '.[cutedsl]'``) is not installed;
+everything else runs everywhere. Nothing here needs a GPU (tests/test_kernels_gpu.py runs
+the kernels).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import patterns.attention_projection
+import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
+from codegen import bind
+from codegen.cache import Entry, KernelCache
+from codegen.spec import KernelSpec, SpecError
+from codegen.templates import TEMPLATES, spec_for_call, template
+from rewriter.cli import main
+from rewriter.rules import fused_op
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
+needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
+ARCHS = ("sm_90a", "sm_100a")
+TP16_SPLIT = [2304, 768, 128, 6, 10]  # Kimi K3 in_proj_qkvgfab at TP 16: q|k|v, g, f_a, beta, padding
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def attn_res_args(tokens=1, num_blocks=1, write_idx=-1, delta=True, d=7168, nb=8):
+    return (meta(tokens, d), meta(tokens, d) if delta else None, meta(tokens, nb, d), meta(d), meta(d), meta(d),
+            num_blocks, write_idx, 1e-5)
+
+
+def gemv_args(tokens=1, rows=3216, split=TP16_SPLIT, k=7168):
+    return (meta(tokens, k), meta(rows, k), list(split))
+
+
+def spec_of(op, arch, args):
+    tpl, spec = spec_for_call(op, arch, args)
+    assert tpl is not None, spec
+    return spec
+
+
+# ---------------------------------------------------------------- specs and templates (no CuTe DSL needed)
+
+def test_spec_is_plain_hashable_data():
+    a = KernelSpec.make("attn_in_proj_gemv", "k3f::kda_in_proj", "sm_90a", shapes={"tokens": 1, "k": 7168},
+                        params={"segments": [1, 2], "unroll": 4})
+    b = KernelSpec.make("attn_in_proj_gemv", "k3f::kda_in_proj", "sm_90a", shapes={"k": 7168, "tokens": 1},
+                        params={"unroll": 4, "segments": (1, 2)})
+    assert a == b and hash(a) == hash(b) and a.canonical() == b.canonical()
+    assert a.param_dict["segments"] == (1, 2)
+    assert a.with_arch("sm_100a") != a and json.loads(a.canonical())["shapes"] == {"k": 7168, "tokens": 1}
+    assert "segments=1/2" in a.label() and "unroll" not in a.label()
+    with pytest.raises(SpecError, match="sm_89"):
+        KernelSpec.make("x", "k3f::x", "sm_89")
+    with pytest.raises(SpecError, match="not plain data"):
+        KernelSpec.make("x", "k3f::x", "sm_90a", params={"w": torch.zeros(1)})
+
+
+def test_templates_make_specs_from_the_layer_values():
+    spec = spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=3, num_blocks=4, write_idx=4))
+    assert spec.kernel == "attn_res_norm" and spec.shape_dict == {"hidden": 7168, "blocks": 8}
+    assert spec.param_dict == {"num_blocks": 4, "write_idx": 4, "has_delta": True, "eps": 1e-5}
+    # the token count is a runtime size for attn_res_norm: one compile serves every batch
+    assert spec == spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=64, num_blocks=4, write_idx=4))
+    g = spec_of("k3f::kda_in_proj", "sm_100a", gemv_args(tokens=8))
+    assert g.shape_dict == {"tokens": 8, "k": 7168, "rows": 3216}
+    assert g.param_dict["segments"] == (2304, 768, 128, 6) and g.param_dict["pipeline"]
+    assert spec_of("k3f::mla_in_proj", "sm_90a", gemv_args(rows=2880, split=[1536, 512, 64, 768])).op == \
+        "k3f::mla_in_proj"
+
+
+@pytest.mark.parametrize("op,args,reason", [
+    ("k3f::kda_in_proj", gemv_args(tokens=9), "9 tokens outside 1..8"),
+    ("k3f::kda_in_proj", (meta(1, 7168, dtype=torch.float32), meta(3216, 7168), TP16_SPLIT), "x is fp32"),
+    ("k3f::kda_in_proj", gemv_args(k=7000, rows=3216), "not a multiple of 256"),
+    ("k3f::kda_in_proj", (meta(1, 7168), meta(7168, 3216).t(), TP16_SPLIT), "not contiguous"),
+    ("k3f::attn_res_norm", attn_res_args(num_blocks=9, nb=10), "at most 9 sources"),
+    ("k3f::attn_res_norm", attn_res_args(write_idx=8), "outside the block buffer"),
+    ("k3f::kda_core", (), "no CuTe DSL template for k3f::kda_core"),
+])
+def test_templates_refuse_with_a_reason(op, args, reason):
+    tpl, why = spec_for_call(op, "sm_90a", args)
+    assert tpl is None and reason in why
+
+
+def test_templates_name_their_sources():
+    for t in TEMPLATES.values():
+        assert all(p.is_file() for p in t.source_files()), t.kernel
+    assert template("kda_core") is None and template("attn_res_norm").ops == ("k3f::attn_res_norm",)
+
+
+# ---------------------------------------------------------------- disk cache (no CuTe DSL needed)
+
+def test_cache_writes_atomically_and_rejects_corrupt_entries(tmp_path):
+    cache = KernelCache(tmp_path)
+    key = "ab" * 32
+    assert cache.get(key) is None
+    path = cache.put(key, Entry({"function": "f"}, ".target sm_90a", b"\x7fELF" + bytes(100)))
+    assert path.is_file() and not list(cache.dir.glob("*.tmp"))  # written via a renamed temporary file
+    got = cache.get(key)
+    assert got.ptx == ".target sm_90a" and got.obj.startswith(b"\x7fELF") and got.manifest["function"] == "f"
+    assert cache.get("cd" * 32) is None and cache.keys() == [key]
+    # a flipped byte, a truncated file, an entry filed under another key: reported, deleted, never trusted
+    data = path.read_bytes()
+    for bad in (data[:-40] + bytes(b ^ 0xFF for b in data[-40:]), data[: len(data) // 2]):
+        path.write_bytes(bad)
+        assert cache.get(key) is None and not path.exists()
+        cache.put(key, Entry({"function": "f"}, "x", b"y"))
+    path.rename(cache.path("cd" * 32))
+    assert cache.get("cd" * 32) is None and len(cache.rejected) == 3
+    with cache.lock(key):
+        pass
+    assert cache.clear() == 0 and cache.keys() == []
+
+
+def test_cache_root_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("K3_REWRITER_CACHE", str(tmp_path / "c"))
+    assert KernelCache().root == tmp_path / "c"
+    monkeypatch.delenv("K3_REWRITER_CACHE")
+    assert KernelCache().root == Path.home() / ".cache" / "k3-rewriter"
+
+
+# ---------------------------------------------------------------- registration seam (no GPU needed)
+
+@fused_op("_codegen_bind_probe")
+def _probe(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x * scale
+
+
+def test_nothing_registers_at_import():
+    code = ("import torch, codegen, codegen.bind, codegen.compiler, codegen.templates, rewriter.compile_cmd, "
+            "patterns.layer, patterns.attention_projection\n"
+            "print(any(torch._C._dispatch_has_kernel_for_dispatch_key(f'k3f::{op}', 'CUDA')"
+            " for op in ('attn_res_norm', 'kda_in_proj', 'mla_in_proj')), codegen.bind.registered())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "{}"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_register_refuses_without_cuda():
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        bind.register_cuda_impl("attn_res_norm", lambda *a: NotImplemented)
+    assert "k3f::attn_res_norm" not in bind.registered()
+
+
+def test_cuda_impl_runs_the_launcher_or_the_reference():
+    op = "k3f::_codegen_bind_probe"
+    calls = []
+
+    def launcher(x, scale):
+        calls.append(x.shape)
+        return NotImplemented if scale < 0 else x * 0 + 42
+
+    bind.register_cuda_impl("_codegen_bind_probe", launcher, allow_without_cuda=True)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    x = torch.ones(3)
+    assert torch.equal(torch.ops.k3f._codegen_bind_probe(x, 2.0), x * 2)  # CPU tensors: the reference
+    assert not calls
+    impl = bind._dispatcher(op)  # what torch.library calls for CUDA tensors
+    assert torch.equal(impl(x, 2.0), torch.full((3,), 42.0))
+    assert torch.equal(impl(x, -1.0), -x)  # the launcher declined: the reference ran
+    bind.unregister_cuda_impl("_codegen_bind_probe")
+    assert torch.equal(impl(x, 2.0), x * 2) and len(calls) == 2
+    assert bind.stats()[op] == {"kernel": 1, "reference": 2}
+
+
+def test_template_launcher_declines_what_it_cannot_run():
+    launcher = bind.TemplateLauncher("kda_in_proj", arch="sm_90a")
+    x, w = torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(3216, 7168, dtype=torch.bfloat16)
+    assert launcher(x, w, TP16_SPLIT) is NotImplemented  # CPU tensors never launch
+    assert any("CUDA" in r for r in bind.stats()["k3f::kda_in_proj"])
+
+
+def test_compile_dry_run_lists_the_layer(capsys):
+    assert main(["compile", "--layer", "1", "--tp", "16", "--batch", "1", "--arch", "sm_90a", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "9 kernels, 2 with a CuTe DSL template" in out
+    assert re.search(r"0 attn_res_norm\s+would compile attn_res_norm", out)
+    assert re.search(r"1 attn_in_proj_gemv\s+would compile attn_in_proj_gemv\[kda_in_proj\]", out)
+    assert len(re.findall("no CuTe DSL template yet", out)) == 7
+    assert "compiled" not in out.replace("0 compiled", "")
+
+
+# ---------------------------------------------------------------- compile-only (CuTe DSL)
+
+@pytest.fixture(scope="module")
+def kcache(tmp_path_factory):
+    return KernelCache(tmp_path_factory.mktemp("kernel-cache"))
+
+
+@pytest.fixture(scope="module")
+def compiled(kcache):
+    """Every template compiled for sm_90a and sm_100a at the TP 16 batch 1 shapes (and T=8 GEMV)."""
+    from codegen.compiler import clear_memory_cache, compile_kernel
+
+    clear_memory_cache()
+    out = {}
+    for arch in ARCHS:
+        out["attn_res_norm", arch] = compile_kernel(spec_of("k3f::attn_res_norm", arch, attn_res_args()),
+                                                    cache=kcache)
+        out["attn_res_norm_9", arch] = compile_kernel(
+            spec_of("k3f::attn_res_norm", arch, attn_res_args(num_blocks=8)), cache=kcache)
+        for t in (1, 8):
+            out[f"gemv_{t}", arch] = compile_kernel(spec_of("k3f::kda_in_proj", arch, gemv_args(tokens=t)),
+                                                    cache=kcache)
+    return out
+
+
+def _count(ptx: str, instr: str) -> int:
+    return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(instr)}", ptx, re.MULTILINE))
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attn_res_norm_ptx(compiled, arch):
+    k = compiled["attn_res_norm", arch]
+    ptx = k.ptx
+    assert f".target {arch}" in ptx and k.cache == "miss" and k.obj
+    # prefix, delta, one block, the three weights (x2 vectors per thread): 128-bit read-only loads
+    assert _count(ptx, "ld.global.nc.v4.b32") == 2 * 6
+    assert _count(ptx, "st.global.v4.b32") == 2 * 2  # new prefix and output, 128-bit stores
+    assert _count(ptx, "st.shared.v4.b32") == 2 * 2  # both sources staged for the mix
+    assert _count(ptx, "shfl.sync.bfly.b32") >= 5 * (2 * 2 + 1)  # warp sums: 2 per source + the mix
+    assert _count(ptx, "bar.sync") == 2 and _count(ptx, "ex2.approx") == 2  # softmax over 2 sources
+    assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx  # nothing scalar
+    nine = compiled["attn_res_norm_9", arch].ptx  # 8 blocks + the prefix: 9 sources
+    assert _count(nine, "ld.global.nc.v4.b32") == 2 * 13 and _count(nine, "ex2.approx") == 9
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gemv_ptx(compiled, arch, tokens):
+    k = compiled[f"gemv_{tokens}", arch]
+    ptx, p = k.ptx, k.spec.param_dict
+    rows, unroll = p["rows_per_warp"], p["unroll"]
+    # the K loop: one step in the code (a loop), or every step unrolled (pipelined)
+    vec = unroll * (7168 // 8 // 32 // unroll if p["pipeline"] else 1)
+    assert f".target {arch}" in ptx
+    # W streamed (no L1 allocation, L2 256B prefetch): rows x unroll 128-bit vectors issued per step
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == rows * vec
+    assert _count(ptx, "ld.global.nc.v4.b32") == tokens * vec  # x: read-only path, 128-bit
+    assert _count(ptx, "shfl.sync.bfly.b32") == 5 * rows * tokens  # butterfly per (row, token)
+    assert _count(ptx, "st.global.b16") == rows * tokens * 4  # one store per (row, token), 4 outputs
+    assert _count(ptx, "fma.rn.f32") == 8 * vec * tokens * rows  # fp32 accumulation
+    assert "ld.global.b16" not in ptx
+
+
+@needs_cutedsl
+def test_cache_hits_in_a_new_process_and_other_specs_miss(compiled, kcache):
+    from codegen.compiler import clear_memory_cache, compile_kernel
+
+    spec = compiled["gemv_1", "sm_90a"].spec
+    code = ("import json, sys\nfrom codegen.compiler import compile_kernel\nfrom codegen.spec import KernelSpec\n"
+            "s = json.loads(sys.argv[1])\n"
+            "k = compile_kernel(KernelSpec.make(s['kernel'], s['op'], s['arch'], shapes=s['shapes'], "
+            "dtypes=s['dtypes'], params=s['params']))\n"
+            "print(k.cache, k.key, 'cutlass' in sys.modules)")
+    env = dict(os.environ, K3_REWRITER_CACHE=str(kcache.root))
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec.to_json())], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["disk", compiled["gemv_1", "sm_90a"].key, "False"]  # a hit needs no CuTe DSL import
+    assert compile_kernel(spec, cache=kcache).cache == "memory"
+    clear_memory_cache()
+    again = compile_kernel(spec, cache=kcache)
+    assert again.cache == "disk" and again.ptx == compiled["gemv_1", "sm_90a"].ptx
+    other = spec_of("k3f::kda_in_proj", "sm_90a", gemv_args(tokens=2))
+    assert compile_kernel(other, cache=kcache).cache == "miss"
+    assert compile_kernel(spec.with_arch("sm_103a"), cache=kcache).cache == "miss"
+
+
+@needs_cutedsl
+def test_corrupt_entry_is_recompiled(compiled, kcache):
+    from codegen.compiler import clear_memory_cache, compile_kernel
+
+    k = compiled["attn_res_norm", "sm_100a"]
+    path = Path(k.path)
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+    assert {"manifest.json", "kernel.ptx", "kernel.o"} <= set(names)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    clear_memory_cache()
+    again = compile_kernel(k.spec, cache=kcache)
+    assert again.cache == "miss" and again.ptx == k.ptx and kcache.rejected
+    assert compile_kernel(k.spec, cache=kcache).cache == "memory" and kcache.get(k.key) is not None
+
+
+@needs_cutedsl
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the argument check on a machine without a GPU")
+def test_loaded_kernel_checks_its_arguments(compiled):
+    fn = compiled["gemv_1", "sm_90a"].load()  # loads without a GPU
+    x, w = torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(3216, 7168, dtype=torch.bfloat16)
+    ys = [torch.empty(1, n, dtype=torch.bfloat16) for n in TP16_SPLIT[:4]]
+    with pytest.raises(ValueError, match="cuda"):
+        fn(x, w, *ys)
+
+
+@needs_cutedsl
+def test_compile_command(capsys, compiled, kcache):
+    args = ["compile", "--model", "kimi-k3", "--layer", "1", "--tp", "16", "--batch", "1", "--arch", "sm_90a",
+            "--cache-dir", str(kcache.root)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"0 attn_res_norm\s+compiled \d+\.\d+s \(cache hit\)", out)
+    assert re.search(r"1 attn_in_proj_gemv\s+compiled \d+\.\d+s \(cache hit\)", out)
+    assert len(re.findall("no CuTe DSL template yet", out)) == 7
+    assert "2 compiled (0 cache miss, 2 hit)" in out
+    assert main([*args, "--json", "--batch", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    status = {r["kernel"]: r for r in report["kernels"]}
+    assert status["attn_res_norm"]["cache"] == "hit"  # tokens are a runtime size there
+    assert status["attn_in_proj_gemv"]["cache"] == "miss" and status["attn_in_proj_gemv"]["spec"]["shapes"] == \
+        {"k": 7168, "rows": 3216, "tokens": 3}
+    assert status["kda_core"]["status"] == "no_template" and report["compiled"] == 2

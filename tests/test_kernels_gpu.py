@@ -1,0 +1,139 @@
+"""The CuTe DSL kernels on a GPU against the ``k3f::`` CPU references (marked ``gpu``).
+
+Each test draws fresh random inputs, fills every output with NaN first (so a value the
+kernel forgets to write fails), runs the compiled kernel, and compares with the fused op's
+CPU reference by relative error (bf16: at most 1e-2). Skipped without CUDA or CuTe DSL.
+Run on the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_gpu.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import patterns.attention_projection
+import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
+from codegen import bind
+from codegen.templates import spec_for_call
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
+                       reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
+]
+
+D = 7168
+TOL = 1e-2
+SPLITS = {  # Kimi K3 packed input projections: (op, weight rows, split sizes incl. padding)
+    "kda_tp16": ("k3f::kda_in_proj", [2304, 768, 128, 6, 10]),
+    "kda_tp8": ("k3f::kda_in_proj", [4608, 1536, 128, 12, 4]),
+    "mla_tp16": ("k3f::mla_in_proj", [1536, 512, 64, 768]),
+    "mla_tp8": ("k3f::mla_in_proj", [1536, 512, 64, 1536]),
+}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.double().cpu(), expected.double().cpu()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def arch() -> str:
+    a = bind.device_arch()
+    if a is None:
+        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
+    return a
+
+
+def compiled(op, args):
+    from codegen.compiler import compile_kernel
+
+    tpl, spec = spec_for_call(op, arch(), args)
+    assert tpl is not None, spec
+    return tpl, spec, compile_kernel(spec).load()
+
+
+def attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen):
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(torch.bfloat16)
+
+    return (rnd(tokens, D), rnd(tokens, D) if has_delta else None, rnd(tokens, 8, D),
+            rnd(D, scale=0.1, shift=1.0), rnd(D, scale=0.02), rnd(D, scale=0.1, shift=1.0),
+            num_blocks, write_idx, 1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("num_blocks,write_idx,has_delta", [
+    (0, 0, False),  # layer 0: the embedding is the prefix, written as block 0
+    (1, -1, True),  # inside a block
+    (4, 4, True),  # block-starting layer: the new prefix is written as block 4
+    (8, -1, True),  # 9 sources
+    (3, 1, True),  # a block write inside the sources (not a Kimi K3 layout; the kernel takes it)
+])
+def test_attn_res_norm(tokens, num_blocks, write_idx, has_delta):
+    gen = torch.Generator().manual_seed(1000 * tokens + 10 * num_blocks + write_idx)
+    cpu = attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen)
+    ref_blocks = cpu[2].clone()
+    ref_x, ref_prefix = torch.ops.k3f.attn_res_norm(cpu[0], cpu[1], ref_blocks, *cpu[3:])
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+    if write_idx >= 0:
+        gpu[2][:, write_idx] = float("nan")  # the block the kernel must write
+    tpl, spec, fn = compiled("k3f::attn_res_norm", gpu)
+    out = (torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device="cuda"),
+           torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    x, new_prefix = tpl.launch(fn, spec, gpu, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(x).all() and torch.isfinite(gpu[2]).all()
+    assert rel_err(x, ref_x) <= TOL
+    assert torch.equal(new_prefix.cpu(), ref_prefix)  # bf16(prefix + delta): exact
+    assert torch.equal(gpu[2].cpu(), ref_blocks)  # the block write, and nothing else touched
+
+
+@pytest.mark.parametrize("tokens", list(range(1, 9)))
+@pytest.mark.parametrize("shape", list(SPLITS))
+def test_in_proj_gemv(tokens, shape):
+    op, split = SPLITS[shape]
+    rows = sum(split)
+    gen = torch.Generator().manual_seed(tokens * 31 + rows)
+    x = torch.randn(tokens, D, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(rows, D, generator=gen) * 0.02).to(torch.bfloat16)
+    used = sum(split[:4])
+    refs = getattr(torch.ops.k3f, op.split("::")[1])(x, w, split)
+    w_gpu = w.cuda()
+    w_gpu[used:] = float("nan")  # the padding rows must not be read
+    tpl, spec, fn = compiled(op, (x.cuda(), w_gpu, split))
+    out = [torch.full((tokens, s), float("nan"), dtype=torch.bfloat16, device="cuda") for s in split[:4]]
+    ys = tpl.launch(fn, spec, (x.cuda(), w_gpu, split), out=out)
+    torch.cuda.synchronize()
+    assert len(ys) == len(refs) == 4
+    for y, ref in zip(ys, refs):
+        assert y.shape == ref.shape and torch.isfinite(y).all()
+        assert rel_err(y, ref) <= TOL
+
+
+def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
+    bind.install_cuda_kernels()
+    gen = torch.Generator().manual_seed(7)
+    cpu = attn_res_inputs(3, 4, 4, True, gen)
+    ref_blocks = cpu[2].clone()
+    ref_x, _ = torch.ops.k3f.attn_res_norm(cpu[0], cpu[1], ref_blocks, *cpu[3:])
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+    before = bind.stats().get("k3f::attn_res_norm", {}).get("kernel", 0)
+    x, _ = torch.ops.k3f.attn_res_norm(*gpu)
+    assert bind.stats()["k3f::attn_res_norm"]["kernel"] == before + 1
+    assert rel_err(x, ref_x) <= TOL and torch.equal(gpu[2].cpu(), ref_blocks)
+
+    xs, w = torch.randn(2, D, device="cuda").bfloat16(), (torch.randn(3216, D, device="cuda") * 0.02).bfloat16()
+    split = [2304, 768, 128, 6, 10]
+    ref = torch.nn.functional.linear(xs.float(), w.float())[:, :3206]
+    torch.ops.k3f.kda_in_proj(xs, w, split)  # compiles and loads outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = torch.ops.k3f.kda_in_proj(xs, w, split)
+    for y in ys:
+        y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(torch.cat(ys, dim=1), ref) <= TOL
+    assert bind.stats()["k3f::kda_in_proj"]["kernel"] >= 2
