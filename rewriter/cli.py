@@ -17,7 +17,8 @@ import torch
 from rewriter.compile_cmd import add_compile_parser, run_compile
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
-from rewriter.rules import RuleError
+from rewriter.rewrite import RewriteResult
+from rewriter.rules import RuleError, RuleSet, default_rules, load_rules_file
 from rewriter.shape import ARCHES, DecodeShape, ShapeError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -33,21 +34,46 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_layer_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that pick a layer and its decode shape (shared by inspect and compile)."""
+    p.add_argument("--model", default="kimi-k3",
+                   help=f"a preset ({', '.join(PRESETS)}) or a path to a config.json (default kimi-k3)")
+    p.add_argument("--layer", type=int, default=1, help="0-based layer index (default 1, a KDA+MoE layer)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="decode requests in the step (default 1)")
+    p.add_argument("--q", type=_positive_int, default=1, help="tokens per request (default 1; >1: speculative)")
+    p.add_argument("--context", type=int, default=4096, help="tokens already cached per request (default 4096)")
+    p.add_argument("--block-size", type=_positive_int, default=64, help="MLA cache page size (default 64)")
+    p.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
+    p.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
+                   help="a Python file whose RULES list is added to the built-in rules (repeatable)")
+
+
+def rewritten_layer(args: argparse.Namespace, rules: RuleSet | None = None) -> RewriteResult:
+    """The layer the options name, traced at their shape and rewritten (built-in rules plus --rules)."""
+    from rewriter.layers import build_layer
+    from rewriter.rewrite import rewrite
+    from rewriter.trace import trace
+
+    cfg = KimiK3Config.load(args.model)
+    dtype = DTYPES[args.dtype]
+    shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
+                        context=args.context, block_size=args.block_size)
+    layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype)
+    rules = default_rules() if rules is None else rules
+    for path in args.rules:
+        for rule in load_rules_file(path):
+            rules.add(rule)
+    return rewrite(trace(layer, shape), rules)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rewriter", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="trace one decoder layer at a decode shape and report it (no GPU needed)")
-    ins.add_argument("--model", default="kimi-k3",
-                     help=f"a preset ({', '.join(PRESETS)}) or a path to a config.json (default kimi-k3)")
-    ins.add_argument("--layer", type=int, default=1, help="0-based layer index (default 1, a KDA+MoE layer)")
-    ins.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
-    ins.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
-    ins.add_argument("--batch", type=_positive_int, default=1, help="decode requests in the step (default 1)")
-    ins.add_argument("--q", type=_positive_int, default=1, help="tokens per request (default 1; >1: speculative)")
-    ins.add_argument("--context", type=int, default=4096, help="tokens already cached per request (default 4096)")
-    ins.add_argument("--block-size", type=_positive_int, default=64, help="MLA cache page size (default 64)")
-    ins.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
-    ins.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
+    add_layer_arguments(ins)
     ins.add_argument("--hbm-tbps", type=float, default=H200_COPY_TBPS,
                      help=f"HBM bandwidth for the floor, TB/s (default {H200_COPY_TBPS}, measured H200 copy)")
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -57,8 +83,6 @@ def _parser() -> argparse.ArgumentParser:
                      help="write the graph before and after as Graphviz source (PATH and PATH with .after.dot)")
     ins.add_argument("--png", type=Path, metavar="PATH",
                      help="render the graphs before and after to PNG (needs Graphviz's dot on PATH)")
-    ins.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
-                     help="a Python file whose RULES list is added to the built-in rules (repeatable)")
     ins.add_argument("--no-rules", action="store_true", help="skip the built-in rules (show the stock layer)")
     add_compile_parser(sub)
     return p
@@ -70,26 +94,13 @@ def _pair(path: Path) -> tuple[Path, Path]:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from rewriter.layers import build_layer
     from rewriter.report import build_report, render_table, to_dot
-    from rewriter.rewrite import rewrite
-    from rewriter.rules import RuleSet, default_rules, load_rules_file
-    from rewriter.trace import trace
 
     if args.hbm_tbps <= 0:
         raise ShapeError(f"--hbm-tbps must be positive, got {args.hbm_tbps}")
     if args.png and shutil.which("dot") is None:
         raise ShapeError("--png needs Graphviz's dot on PATH (apt-get install graphviz); --dot writes the source")
-    cfg = KimiK3Config.load(args.model)
-    dtype = DTYPES[args.dtype]
-    shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
-                        context=args.context, block_size=args.block_size)
-    layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype)
-    rules = RuleSet() if args.no_rules else default_rules()
-    for path in args.rules:
-        for rule in load_rules_file(path):
-            rules.add(rule)
-    result = rewrite(trace(layer, shape), rules)
+    result = rewritten_layer(args, RuleSet() if args.no_rules else None)
     report = build_report(result, model=args.model, hbm_tbps=args.hbm_tbps)
     written = []
     for path in (args.dot, args.png):

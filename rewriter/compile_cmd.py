@@ -17,27 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rewriter.shape import ARCHES
 
 
 def add_compile_parser(subparsers) -> argparse.ArgumentParser:
-    from rewriter.cli import DTYPES, _positive_int
-    from rewriter.config import PRESETS
+    from rewriter.cli import add_layer_arguments
 
     c = subparsers.add_parser("compile", help="compile the CuTe DSL kernels of one layer's schedule (no GPU needed)")
-    c.add_argument("--model", default="kimi-k3",
-                   help=f"a preset ({', '.join(PRESETS)}) or a path to a config.json (default kimi-k3)")
-    c.add_argument("--layer", type=int, default=1, help="0-based layer index (default 1, a KDA+MoE layer)")
-    c.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
-    c.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
-    c.add_argument("--batch", type=_positive_int, default=1, help="decode requests in the step (default 1)")
-    c.add_argument("--q", type=_positive_int, default=1, help="tokens per request (default 1)")
-    c.add_argument("--context", type=int, default=4096, help="tokens already cached per request (default 4096)")
-    c.add_argument("--block-size", type=_positive_int, default=64, help="MLA cache page size (default 64)")
-    c.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
-    c.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
-    c.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
-                   help="a Python file whose RULES list is added to the built-in rules (repeatable)")
+    add_layer_arguments(c)
     c.add_argument("--cache-dir", type=Path, metavar="DIR",
                    help="kernel cache folder (default $K3_REWRITER_CACHE or ~/.cache/k3-rewriter)")
     c.add_argument("--force", action="store_true", help="recompile even what the cache holds")
@@ -96,24 +82,10 @@ def plan(result, arch: str) -> list[dict[str, Any]]:
 def run_compile(args: argparse.Namespace) -> int:
     from codegen.cache import KernelCache
     from codegen.compiler import CodegenError, available, compile_kernel
-    from rewriter.cli import DTYPES
-    from rewriter.config import KimiK3Config
-    from rewriter.layers import build_layer
-    from rewriter.rewrite import rewrite
-    from rewriter.rules import default_rules, load_rules_file
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from rewriter.cli import rewritten_layer
 
-    cfg = KimiK3Config.load(args.model)
-    dtype = DTYPES[args.dtype]
-    shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
-                        context=args.context, block_size=args.block_size)
-    layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype)
-    rules = default_rules()
-    for path in args.rules:
-        for rule in load_rules_file(path):
-            rules.add(rule)
-    result = rewrite(trace(layer, shape), rules)
+    result = rewritten_layer(args)
+    shape = result.before.shape
     rows = plan(result, args.arch)
     pending = [r for r in rows if r["status"] == "pending"]
     out = sys.stdout
