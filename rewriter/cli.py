@@ -12,7 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+import warnings
+
+# torch warns at import when NumPy is absent; nothing here uses NumPy, so keep the CLI's output clean
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
 
 from rewriter.compile_cmd import add_compile_parser, run_compile
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
