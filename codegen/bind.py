@@ -158,6 +158,7 @@ def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = 
     running their reference on the GPU."""
     import patterns.attention_projection
     import patterns.layer  # noqa: F401
+    import patterns.router  # noqa: F401  (defines k3f::router_topk)
 
     ops = sorted({op for t in TEMPLATES.values() for op in t.ops})
     for op in ops:

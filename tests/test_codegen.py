@@ -48,6 +48,10 @@ def gemv_args(tokens=1, rows=3216, split=TP16_SPLIT, k=7168):
     return (meta(tokens, k), meta(rows, k), list(split))
 
 
+def router_args(tokens=1, experts=896, top_k=16, dtype=torch.float32, renormalize=True, scaling=1.0):
+    return (meta(tokens, experts, dtype=dtype), meta(experts, dtype=torch.float32), top_k, renormalize, scaling)
+
+
 def spec_of(op, arch, args):
     tpl, spec = spec_for_call(op, arch, args)
     assert tpl is not None, spec
@@ -82,6 +86,11 @@ def test_templates_make_specs_from_the_layer_values():
     assert g.param_dict["segments"] == (2304, 768, 128, 6) and g.param_dict["pipeline"]
     assert spec_of("k3f::mla_in_proj", "sm_90a", gemv_args(rows=2880, split=[1536, 512, 64, 768])).op == \
         "k3f::mla_in_proj"
+    r = spec_of("k3f::router_topk", "sm_90a", router_args(tokens=3))
+    assert r.kernel == "router_topk" and r.shape_dict == {"experts": 896}
+    assert r.param_dict == {"top_k": 16, "renormalize": True, "scaling": 1.0, "threads": 128}
+    assert r == spec_of("k3f::router_topk", "sm_90a", router_args(tokens=64))  # tokens: a runtime size
+    assert spec_of("k3f::router_topk", "sm_90a", router_args(experts=16, top_k=4)).param_dict["threads"] == 32
 
 
 @pytest.mark.parametrize("op,args,reason", [
@@ -91,6 +100,12 @@ def test_templates_make_specs_from_the_layer_values():
     ("k3f::kda_in_proj", (meta(1, 7168), meta(7168, 3216).t(), TP16_SPLIT), "not contiguous"),
     ("k3f::attn_res_norm", attn_res_args(num_blocks=9, nb=10), "at most 9 sources"),
     ("k3f::attn_res_norm", attn_res_args(write_idx=8), "outside the block buffer"),
+    ("k3f::router_topk", router_args(dtype=torch.bfloat16), "logits is bf16; the template is fp32 only"),
+    ("k3f::router_topk", router_args(top_k=33), "top_k 33 outside 1..32"),
+    ("k3f::router_topk", router_args(experts=8, top_k=16), "top_k 16 outside 1..8"),
+    ("k3f::router_topk", router_args(experts=9000), "9000 experts outside 1..8192"),
+    ("k3f::router_topk", (meta(1, 896, dtype=torch.float32), meta(895, dtype=torch.float32), 16, True, 1.0),
+     "bias must be [896]"),
     ("k3f::kda_core", (), "no CuTe DSL template for k3f::kda_core"),
 ])
 def test_templates_refuse_with_a_reason(op, args, reason):
@@ -189,10 +204,11 @@ def test_template_launcher_declines_what_it_cannot_run():
 def test_compile_dry_run_lists_the_layer(capsys):
     assert main(["compile", "--layer", "1", "--tp", "16", "--batch", "1", "--arch", "sm_90a", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "9 kernels, 2 with a CuTe DSL template" in out
+    assert "9 kernels, 3 with a CuTe DSL template" in out
     assert re.search(r"0 attn_res_norm\s+would compile attn_res_norm", out)
     assert re.search(r"1 attn_in_proj_gemv\s+would compile attn_in_proj_gemv\[kda_in_proj\]", out)
-    assert len(re.findall("no CuTe DSL template yet", out)) == 7
+    assert re.search(r"5 router_topk\s+would compile router_topk experts=896 .*top_k=16", out)
+    assert len(re.findall("no CuTe DSL template yet", out)) == 6
     assert "compiled" not in out.replace("0 compiled", "")
 
 
@@ -218,6 +234,9 @@ def compiled(kcache):
         for t in (1, 8):
             out[f"gemv_{t}", arch] = compile_kernel(spec_of("k3f::kda_in_proj", arch, gemv_args(tokens=t)),
                                                     cache=kcache)
+        for e, k in ((896, 16), (16, 4)):
+            out[f"router_{e}", arch] = compile_kernel(
+                spec_of("k3f::router_topk", arch, router_args(experts=e, top_k=k)), cache=kcache)
     return out
 
 
@@ -259,6 +278,26 @@ def test_gemv_ptx(compiled, arch, tokens):
     assert _count(ptx, "st.global.b16") == rows * tokens * 4  # one store per (row, token), 4 outputs
     assert _count(ptx, "fma.rn.f32") == 8 * vec * tokens * rows  # fp32 accumulation
     assert "ld.global.b16" not in ptx
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("experts,top_k,warps", [(896, 16, 4), (16, 4, 1)])
+def test_router_topk_ptx(compiled, arch, experts, top_k, warps):
+    k = compiled[f"router_{experts}", arch]
+    ptx = k.ptx
+    per_thread = -(-experts // (32 * warps))
+    assert f".target {arch}" in ptx and k.obj
+    # the sigmoid: one exp (ex2 after range reduction) and one IEEE reciprocal per owned expert
+    assert _count(ptx, "ex2.approx") == per_thread and _count(ptx, "rcp.rn.f32") == per_thread
+    assert _count(ptx, "ld.global.b32") == 2 * per_thread  # logits and bias, coalesced fp32
+    # k rounds of a (value, index) butterfly (2 shuffles x 5 steps), then the weight sum
+    assert _count(ptx, "shfl.sync.bfly.b32") == 10 * top_k + 5
+    # one barrier per round across warps (double-buffered winners), one before the outputs
+    assert _count(ptx, "bar.sync") == (top_k if warps > 1 else 0) + 1
+    assert _count(ptx, "div.rn.f32") == 1  # renormalize: w / sum(w)
+    assert _count(ptx, "st.global.b32") == 1 and _count(ptx, "st.global.b64") == 1  # weights fp32, ids int64
+    assert "ld.local" not in ptx and "st.local" not in ptx  # the experts stay in registers
 
 
 @needs_cutedsl
@@ -320,12 +359,14 @@ def test_compile_command(capsys, compiled, kcache):
     out = capsys.readouterr().out
     assert re.search(r"0 attn_res_norm\s+compiled \d+\.\d+s \(cache hit\)", out)
     assert re.search(r"1 attn_in_proj_gemv\s+compiled \d+\.\d+s \(cache hit\)", out)
-    assert len(re.findall("no CuTe DSL template yet", out)) == 7
-    assert "2 compiled (0 cache miss, 2 hit)" in out
+    assert re.search(r"5 router_topk\s+compiled \d+\.\d+s \(cache hit\)", out)
+    assert len(re.findall("no CuTe DSL template yet", out)) == 6
+    assert "3 compiled (0 cache miss, 3 hit)" in out
     assert main([*args, "--json", "--batch", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
     status = {r["kernel"]: r for r in report["kernels"]}
     assert status["attn_res_norm"]["cache"] == "hit"  # tokens are a runtime size there
     assert status["attn_in_proj_gemv"]["cache"] == "miss" and status["attn_in_proj_gemv"]["spec"]["shapes"] == \
         {"k": 7168, "rows": 3216, "tokens": 3}
-    assert status["kda_core"]["status"] == "no_template" and report["compiled"] == 2
+    assert status["router_topk"]["cache"] == "hit"  # tokens are a runtime size there too
+    assert status["kda_core"]["status"] == "no_template" and report["compiled"] == 3

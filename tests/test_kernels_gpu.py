@@ -2,7 +2,8 @@
 
 Each test draws fresh random inputs, fills every output with NaN first (so a value the
 kernel forgets to write fails), runs the compiled kernel, and compares with the fused op's
-CPU reference by relative error (bf16: at most 1e-2). Skipped without CUDA or CuTe DSL.
+CPU reference by relative error (bf16: at most 1e-2; the router's fp32 weights: 1e-5, its
+expert ids exactly). Skipped without CUDA or CuTe DSL.
 Run on the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_gpu.py``.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 import patterns.attention_projection
-import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
+import patterns.layer
+import patterns.router  # noqa: F401  (with the two above: defines the k3f ops used here)
 from codegen import bind
 from codegen.templates import spec_for_call
 
@@ -112,6 +114,49 @@ def test_in_proj_gemv(tokens, shape):
         assert rel_err(y, ref) <= TOL
 
 
+ROUTER_TOL = 1e-5  # fp32 weights
+ROUTER_SHAPES = {  # (experts, top_k, renormalize, scaling)
+    "k3": (896, 16, True, 1.0),  # Kimi K3
+    "tiny": (16, 4, True, 1.0),  # the tiny test config
+    "scaled": (64, 6, False, 2.5),  # no renormalization, a scaling factor (not a Kimi K3 setting)
+}
+
+
+def router_inputs(tokens, experts, top_k, gen, min_gap=1e-5):
+    """fp32 logits and bias whose top_k + 1 largest ``sigmoid(logits) + bias`` per row are at
+    least ``min_gap`` apart (rows redrawn until so): no ties, and no order that a few ulp of
+    sigmoid error could flip (torch documents no order among ties; the kernel takes the lower
+    index first)."""
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    bias = torch.randn(experts, generator=gen) * 0.1
+    while True:
+        top = (torch.sigmoid(logits.double()) + bias.double()).topk(min(top_k + 1, experts), dim=-1).values
+        close = (top[:, :-1] - top[:, 1:]).min(-1).values < min_gap
+        if not close.any():
+            return logits, bias
+        logits[close] = torch.randn(int(close.sum()), experts, generator=gen) * 2
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
+def test_router_topk(tokens, shape):
+    experts, top_k, renormalize, scaling = ROUTER_SHAPES[shape]
+    gen = torch.Generator().manual_seed(100 * tokens + experts)
+    logits, bias = router_inputs(tokens, experts, top_k, gen)
+    ref_w, ref_ids = torch.ops.k3f.router_topk(logits, bias, top_k, renormalize, scaling)
+    assert ref_w.dtype == torch.float32 and ref_ids.dtype == torch.int64
+    args = (logits.cuda(), bias.cuda(), top_k, renormalize, scaling)
+    tpl, spec, fn = compiled("k3f::router_topk", args)
+    out = (torch.full((tokens, top_k), float("nan"), device="cuda"),
+           torch.full((tokens, top_k), -1, dtype=torch.int64, device="cuda"))
+    w, ids = tpl.launch(fn, spec, args, out=out)
+    torch.cuda.synchronize()
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+    assert torch.equal(ids.cpu(), ref_ids)  # the same experts, ordered by descending score + bias
+    assert torch.isfinite(w).all() and rel_err(w, ref_w) <= ROUTER_TOL
+    assert float(((w.cpu() - ref_w).abs() / ref_w.abs()).max()) <= ROUTER_TOL  # every weight, not just the norm
+
+
 def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
     bind.install_cuda_kernels()
     gen = torch.Generator().manual_seed(7)
@@ -137,3 +182,10 @@ def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert rel_err(torch.cat(ys, dim=1), ref) <= TOL
     assert bind.stats()["k3f::kda_in_proj"]["kernel"] >= 2
+
+    logits, bias = router_inputs(5, 896, 16, gen)
+    ref_w, ref_ids = torch.ops.k3f.router_topk(logits, bias, 16, True, 1.0)
+    before = bind.stats().get("k3f::router_topk", {}).get("kernel", 0)
+    w, ids = torch.ops.k3f.router_topk(logits.cuda(), bias.cuda(), 16, True, 1.0)
+    assert bind.stats()["k3f::router_topk"]["kernel"] == before + 1
+    assert torch.equal(ids.cpu(), ref_ids) and rel_err(w, ref_w) <= ROUTER_TOL
