@@ -116,8 +116,6 @@ def test_router_gemm_refuses_a_tp_that_does_not_split_the_experts(tiny):
 
 def test_larger_rules_run_first(tiny):
     """A one-linear user rule registered FIRST still gets no node a larger rule needs."""
-    from patterns.moe import shared_experts_op  # noqa: F401  (any k3f op will do for the replacement)
-
     def variants(ctx):
         def pattern(x, w):
             return torch.nn.functional.linear(x, w)

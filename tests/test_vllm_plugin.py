@@ -7,7 +7,6 @@ import importlib.metadata
 import os
 import socket
 import sys
-from collections import OrderedDict
 from types import SimpleNamespace
 from unittest import mock
 
