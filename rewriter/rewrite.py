@@ -171,7 +171,8 @@ def rewrite(lg: LayerGraph, rules: RuleSet | None = None) -> RewriteResult:
         def decide(im: Any, graph: fx.Graph, pattern: fx.Graph, rule: Rule = rule, variant: int = variant,
                    pg: fx.GraphModule = pg, accepted: list[Accepted] = accepted) -> bool:
             nodes = [n for pn, n in im.nodes_map.items() if pn.op not in ("placeholder", "output")]
-            nodes.sort(key=lambda n: list(graph.nodes).index(n))
+            position = {n: i for i, n in enumerate(graph.nodes)}
+            nodes.sort(key=position.__getitem__)
             m = Match(rule=rule, variant=variant, nodes=nodes, inputs=_inputs(im, pg), ctx=ctx)
             try:
                 reason = rule.guard(m)

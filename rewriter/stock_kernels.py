@@ -567,36 +567,22 @@ def _moe_tail(c: _Ctx) -> list[StockKernel]:
 # ---------------------------------------------------------------------------------------
 # Attention output projection and dense MLP
 # ---------------------------------------------------------------------------------------
-def _o_proj(c: _Ctx) -> list[StockKernel]:
+def _row_parallel_gemm(c: _Ctx, label: str, k: int) -> list[StockKernel]:
+    """A row-parallel projection (o_proj, the dense down_proj): GEMM-AR on Blackwell, else a GEMM."""
     if _gemm_ar_active(c):
-        return [StockKernel("Sm100GemmRsAr (CuTe DSL fused o_proj GEMM + all-reduce)", _GEMM_AR,
+        return [StockKernel(f"Sm100GemmRsAr (CuTe DSL fused {label} GEMM + all-reduce)", _GEMM_AR,
                             f"GEMM-AR for M >= {_GEMM_AR_MIN_TOKENS} (VLLM_KIMI_K3_GEMM_AR=1 default)")]
-    return [_gemm(c, "o_proj", _HIDDEN, c.proj)]
+    return [_gemm(c, label, _HIDDEN, k)]
 
 
-def _o_proj_all_reduce(c: _Ctx) -> list[StockKernel]:
+def _row_parallel_all_reduce(c: _Ctx, label: str) -> list[StockKernel]:
+    """Its reduction: none at TP 1, a copy after GEMM-AR (which reduced already), else an all-reduce."""
     if c.tp == 1:
         return []
     if _gemm_ar_active(c):
         return [StockKernel("copy: partial[:M].clone() after GEMM-AR", _GEMM_AR,
                             "the reduction itself ran inside Sm100GemmRsAr")]
-    return [_all_reduce(c, "o_proj", _HIDDEN)]
-
-
-def _mlp_down(c: _Ctx) -> list[StockKernel]:
-    if _gemm_ar_active(c):
-        return [StockKernel("Sm100GemmRsAr (CuTe DSL fused down_proj GEMM + all-reduce)", _GEMM_AR,
-                            f"GEMM-AR for M >= {_GEMM_AR_MIN_TOKENS}")]
-    return [_gemm(c, "mlp.down_proj", _HIDDEN, _DENSE_INTER // c.tp)]
-
-
-def _mlp_all_reduce(c: _Ctx) -> list[StockKernel]:
-    if c.tp == 1:
-        return []
-    if _gemm_ar_active(c):
-        return [StockKernel("copy: partial[:M].clone() after GEMM-AR", _GEMM_AR,
-                            "the reduction itself ran inside Sm100GemmRsAr")]
-    return [_all_reduce(c, "mlp.down_proj", _HIDDEN)]
+    return [_all_reduce(c, label, _HIDDEN)]
 
 
 _BUILDERS = {
@@ -617,8 +603,8 @@ _BUILDERS = {
                                             "writes attn_out through a transposed view, no copy")],
     "mla.gate": lambda c: [StockKernel("_gate_sigmoid_mul (Inductor-fused Triton: attn_out * sigmoid(g))",
                                        _MLA, "torch.compile(simple_compile_backend) on this one function")],
-    "attn.o_proj": _o_proj,
-    "attn.o_proj_all_reduce": _o_proj_all_reduce,
+    "attn.o_proj": lambda c: _row_parallel_gemm(c, "o_proj", c.proj),
+    "attn.o_proj_all_reduce": lambda c: _row_parallel_all_reduce(c, "o_proj"),
     "attn_res.pre_mlp": lambda c: _attn_res(c, "pre_mlp"),
     "moe.router": _moe_router,
     "moe.down_proj": _moe_down_proj,
@@ -629,8 +615,8 @@ _BUILDERS = {
     "moe.tail": _moe_tail,
     "mlp.gate_up": lambda c: [_gemm(c, "mlp.gate_up_proj", 2 * _DENSE_INTER // c.tp, _HIDDEN)],
     "mlp.act": lambda c: [StockKernel("situ_and_mul_kernel (SiTU)", _ACT, "SituAndMul.forward_cuda")],
-    "mlp.down": _mlp_down,
-    "mlp.all_reduce": _mlp_all_reduce,
+    "mlp.down": lambda c: _row_parallel_gemm(c, "mlp.down_proj", _DENSE_INTER // c.tp),
+    "mlp.all_reduce": lambda c: _row_parallel_all_reduce(c, "mlp.down_proj"),
 }
 
 

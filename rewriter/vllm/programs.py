@@ -151,19 +151,14 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
     batches = tuple(sorted(set(batches)))
     progress = progress or (lambda line: log.info("%s", line))
     out = ProgramSet(batches=batches)
-    graphs: dict[tuple, RewriteResult] = {}
+    built: dict[tuple, tuple[RewriteResult, Schedule] | ProgramError] = {}  # per (structure, batch)
     start = time.perf_counter()
     for i, vllm_layer in enumerate(vllm_layers):
         idx = getattr(vllm_layer, "layer_idx", i)
         try:
             ref = bind_layer(vllm_layer, cfg, idx, tp, rank)
             for b in batches:
-                key = (_structure(ref), b)
-                if key not in graphs:
-                    graphs[key] = rewrite(trace(ref, DecodeShape(batch=b, tp=tp, rank=rank, arch=arch)))
-                result = graphs[key]
-                schedule = build_schedule(result.after)
-                compile_fn(result, schedule)
+                result, schedule = _built(built, (_structure(ref), b), ref, b, tp, rank, arch, compile_fn)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
                 device = next(ref.parameters()).device
@@ -177,6 +172,24 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
         progress(f"rewriter: layer {i + 1}/{len(vllm_layers)} built ({time.perf_counter() - start:.1f} s)")
     agree_across_ranks(out, [getattr(m, "layer_idx", i) for i, m in enumerate(vllm_layers)], group)
     return out
+
+
+def _built(cache: dict, key: tuple, ref: KimiDecoderLayer, batch: int, tp: int, rank: int, arch: str,
+           compile_fn: CompileFn) -> tuple[RewriteResult, Schedule]:
+    """Trace, rewrite, schedule and compile once per layer structure and batch; later layers
+    of the same structure reuse the graph (re-rooted on their own weights) and its kernels."""
+    if key not in cache:
+        result = rewrite(trace(ref, DecodeShape(batch=batch, tp=tp, rank=rank, arch=arch)))
+        schedule = build_schedule(result.after)
+        try:
+            compile_fn(result, schedule)
+            cache[key] = (result, schedule)
+        except ProgramError as e:
+            cache[key] = e
+    entry = cache[key]
+    if isinstance(entry, ProgramError):
+        raise entry
+    return entry
 
 
 def agree_across_ranks(programs: ProgramSet, layer_ids: list[int], group: Any) -> None:
