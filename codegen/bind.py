@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from codegen.spec import KernelSpec
-from codegen.templates import TEMPLATES, Template, spec_for_call
+from codegen.template import Specs, Template
+from codegen.templates import TEMPLATES, spec_for_call
 
 NAMESPACE = "k3f"
 _lock = threading.Lock()
@@ -111,25 +111,25 @@ class TemplateLauncher:
     def __init__(self, op_name: str, arch: str | None = None):
         self.op = _qualify(op_name)
         self.arch = arch
-        self._fns: dict[KernelSpec, tuple[Template, Callable[..., Any]]] = {}
+        self._fns: dict[Specs, tuple[Callable[..., Any], ...]] = {}
 
     def _decline(self, reason: str):
         _stats[self.op][f"declined: {reason}"] += 1
         return NotImplemented
 
-    def resolve(self, args: Sequence[Any]) -> tuple[Template, KernelSpec, Callable[..., Any]] | str:
+    def resolve(self, args: Sequence[Any]) -> tuple[Template, Specs, tuple[Callable[..., Any], ...]] | str:
         arch = self.arch or device_arch(args[0].device)
         if arch is None:
             return f"GPU capability {torch.cuda.get_device_capability(args[0].device)} has no CuTe DSL target here"
-        tpl, spec = spec_for_call(self.op, arch, args)
+        tpl, specs = spec_for_call(self.op, arch, args)
         if tpl is None:
-            return spec
-        hit = self._fns.get(spec)
-        if hit is None:
+            return specs
+        fns = self._fns.get(specs)
+        if fns is None:
             from codegen.compiler import compile_kernel
 
-            hit = self._fns[spec] = (tpl, compile_kernel(spec).load())
-        return tpl, spec, hit[1]
+            fns = self._fns[specs] = tuple(compile_kernel(s).load() for s in specs)
+        return tpl, specs, fns
 
     def prepare(self, *args) -> str | None:
         """Compile and load the kernel for this call's shapes now (before graph capture); the refusal if any."""
@@ -144,11 +144,11 @@ class TemplateLauncher:
         r = self.resolve(args)
         if isinstance(r, str):
             return self._decline(r)
-        tpl, spec, fn = r
+        tpl, specs, fns = r
         reason = tpl.runtime_check(args)
         if reason:
             return self._decline(reason)
-        return tpl.launch(fn, spec, args)
+        return tpl.launch(fns, specs, args)
 
 
 def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = False) -> list[str]:

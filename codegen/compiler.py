@@ -28,7 +28,7 @@ from typing import Any
 
 from codegen.cache import Entry, KernelCache
 from codegen.spec import KernelSpec
-from codegen.templates import Template, template
+from codegen.kernels import module_of, source_files
 
 RECIPE = 1  # bump when how a kernel is compiled or exported changes (options, export format)
 CUTLASS_DIST = "nvidia-cutlass-dsl"
@@ -59,17 +59,18 @@ def available() -> str | None:
     return None
 
 
-def _template_of(spec: KernelSpec) -> Template:
-    t = template(spec.kernel)
-    if t is None:
-        raise CodegenError(f"no CuTe DSL template for kernel {spec.kernel!r}")
-    return t
+def _module_of(spec: KernelSpec) -> str:
+    module = module_of(spec.kernel)
+    if module is None:
+        raise CodegenError(f"no CuTe DSL kernel named {spec.kernel!r} (codegen.kernels.KERNELS)")
+    return module
 
 
 def cache_key(spec: KernelSpec) -> str:
     """sha256 of (template source, CuTe DSL + TVM-FFI versions, recipe, spec)."""
     h = hashlib.sha256()
-    for path in _template_of(spec).source_files():
+    _module_of(spec)
+    for path in source_files(spec.kernel):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     v = versions()
     h.update(f"cutlass_dsl={v['cutlass_dsl']}\0tvm_ffi={v['tvm_ffi']}\0recipe={RECIPE}\0".encode())
@@ -136,7 +137,7 @@ def _import_cute(arch: str):
 def _compile_uncached(spec: KernelSpec, key: str) -> tuple[Entry, float]:
     t0 = time.perf_counter()
     cute = _import_cute(spec.arch)
-    module = importlib.import_module(_template_of(spec).module)
+    module = importlib.import_module(_module_of(spec))
     kernel, args = module.build(spec)
     function = f"k3_{spec.kernel}_{key[:16]}"
     with tempfile.TemporaryDirectory(prefix="k3-compile-") as d:

@@ -42,16 +42,16 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def kernel(op, args):
-    tpl, spec = spec_for_call(op, device_arch(), args)
-    assert tpl is not None, spec
-    return tpl, spec, compile_kernel(spec).load()
+    tpl, specs = spec_for_call(op, device_arch(), args)
+    assert tpl is not None, specs
+    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
 def bench_gemv(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:
     x = torch.randn(t, D, device="cuda").bfloat16()
-    tpl, spec, fn = kernel("k3f::kda_in_proj", (x, ws[0], split))
+    tpl, specs, fns = kernel("k3f::kda_in_proj", (x, ws[0], split))
     outs = [torch.empty(t, s, device="cuda", dtype=torch.bfloat16) for s in split[:4]]
-    us = graph_us(lambda: [tpl.launch(fn, spec, (x, w, split), out=outs) for w in ws]) / len(ws)
+    us = graph_us(lambda: [tpl.launch(fns, specs, (x, w, split), out=outs) for w in ws]) / len(ws)
     ref = graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / len(ws)
     used = sum(split[:4])
     print(f"attn_in_proj_gemv {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s"
@@ -63,9 +63,9 @@ def bench_attn_res(t: int, n: int) -> None:
         return torch.randn(*shape, device="cuda").bfloat16()
 
     args = [rnd(t, D), rnd(t, D), rnd(t, 8, D), rnd(D), rnd(D) * 0.02, rnd(D), n, -1, 1e-5]
-    tpl, spec, fn = kernel("k3f::attn_res_norm", args)
+    tpl, specs, fns = kernel("k3f::attn_res_norm", args)
     out = (torch.empty_like(args[0]), torch.empty_like(args[0]))
-    us = graph_us(lambda: [tpl.launch(fn, spec, args, out=out) for _ in range(10)]) / 10
+    us = graph_us(lambda: [tpl.launch(fns, specs, args, out=out) for _ in range(10)]) / 10
     print(f"attn_res_norm T={t} sources={n + 1}: {us:5.2f} us")
 
 

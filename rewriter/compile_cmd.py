@@ -68,13 +68,13 @@ def plan(result, arch: str) -> list[dict[str, Any]]:
                 row["status"] = "no_template"
                 row["detail"] = "no CuTe DSL template yet"
             else:
-                spec = tpl.make_spec(call[0], arch, call[1])
-                if isinstance(spec, str):
+                specs = tpl.make_specs(call[0], arch, call[1])
+                if isinstance(specs, str):
                     row["status"] = "refused"
-                    row["detail"] = f"refused by the {tpl.kernel} template: {spec}"
+                    row["detail"] = f"refused by the {tpl.kernel} template: {specs}"
                 else:
                     row["status"] = "pending"
-                    row["spec"] = spec
+                    row["specs"] = list(specs)
         rows.append(row)
     return rows
 
@@ -102,24 +102,30 @@ def run_compile(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     failed = 0
     for row in rows:
-        spec = row.get("spec")
-        if spec is not None and args.dry_run:
-            row["status"], row["detail"] = "planned", f"would compile {spec.label()}"
-        elif spec is not None:
-            try:
-                k = compile_kernel(spec, cache=cache, force=args.force)
-            except CodegenError as e:
-                failed += 1
-                row["status"], row["detail"] = "failed", f"compile failed: {e}"
-            else:
-                row.update(status="compiled", cache="miss" if k.cache == "miss" else "hit", seconds=k.seconds,
-                           key=k.key, path=k.path,
-                           detail=f"compiled {k.seconds:.2f}s (cache {'miss' if k.cache == 'miss' else 'hit'})"
-                                  f"  {spec.label()}")
+        specs = row.get("specs")
+        if specs and args.dry_run:
+            row["status"] = "planned"
+            row["detail"] = "; ".join(f"would compile {s.label()}" for s in specs)
+        elif specs:
+            row["stages"] = []
+            for spec in specs:
+                try:
+                    k = compile_kernel(spec, cache=cache, force=args.force)
+                except CodegenError as e:
+                    row["stages"].append({"spec": spec, "status": "failed", "detail": f"compile failed: {e}"})
+                    continue
+                how = "miss" if k.cache == "miss" else "hit"
+                row["stages"].append({"spec": spec, "status": "compiled", "cache": how, "seconds": k.seconds,
+                                      "key": k.key, "path": k.path,
+                                      "detail": f"compiled {k.seconds:.2f}s (cache {how})  {spec.label()}"})
+            bad = [st for st in row["stages"] if st["status"] == "failed"]
+            failed += len(bad)
+            row["status"] = "failed" if bad else "compiled"
+            row["detail"] = "\n".join(f"{'':36}{st['detail']}" for st in row["stages"]).lstrip()
         if not args.json:
             print(f"  {row['index']:>2} {row['kernel']:<32} {row['detail']}", file=out, flush=True)
-    done = [r for r in rows if r["status"] == "compiled"]
-    hits = sum(r["cache"] == "hit" for r in done)
+    done = [st for r in rows for st in r.get("stages", ()) if st["status"] == "compiled"]
+    hits = sum(st["cache"] == "hit" for st in done)
     no_tpl = sum(r["status"] == "no_template" for r in rows)
     planned = sum(r["status"] == "planned" for r in rows)
     summary = (f"{len(done)} compiled ({len(done) - hits} cache miss, {hits} hit){f', {planned} planned (dry run)' if planned else ''} in "
@@ -127,8 +133,10 @@ def run_compile(args: argparse.Namespace) -> int:
                f"{sum(r['status'] == 'stock' for r in rows)} stock; {failed} failed; cache {cache.root}")
     if args.json:
         for r in rows:
-            if "spec" in r:
-                r["spec"] = r["spec"].to_json()
+            if "specs" in r:
+                r["specs"] = [spec.to_json() for spec in r["specs"]]
+            for st in r.get("stages", ()):
+                st["spec"] = st["spec"].to_json()
         print(json.dumps({"model": args.model, "layer": args.layer, "tp": args.tp, "batch": args.batch,
                           "tokens": shape.tokens, "arch": args.arch, "cache": str(cache.root), "kernels": rows,
                           "compiled": len(done), "failed": failed}, indent=1))

@@ -51,9 +51,9 @@ def arch() -> str:
 def compiled(op, args):
     from codegen.compiler import compile_kernel
 
-    tpl, spec = spec_for_call(op, arch(), args)
-    assert tpl is not None, spec
-    return tpl, spec, compile_kernel(spec).load()
+    tpl, specs = spec_for_call(op, arch(), args)
+    assert tpl is not None, specs
+    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
 def attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen):
@@ -81,10 +81,10 @@ def test_attn_res_norm(tokens, num_blocks, write_idx, has_delta):
     gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
     if write_idx >= 0:
         gpu[2][:, write_idx] = float("nan")  # the block the kernel must write
-    tpl, spec, fn = compiled("k3f::attn_res_norm", gpu)
+    tpl, specs, fns = compiled("k3f::attn_res_norm", gpu)
     out = (torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device="cuda"),
            torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device="cuda"))
-    x, new_prefix = tpl.launch(fn, spec, gpu, out=out)
+    x, new_prefix = tpl.launch(fns, specs, gpu, out=out)
     torch.cuda.synchronize()
     assert torch.isfinite(x).all() and torch.isfinite(gpu[2]).all()
     assert rel_err(x, ref_x) <= TOL
@@ -104,9 +104,9 @@ def test_in_proj_gemv(tokens, shape):
     refs = getattr(torch.ops.k3f, op.split("::")[1])(x, w, split)
     w_gpu = w.cuda()
     w_gpu[used:] = float("nan")  # the padding rows must not be read
-    tpl, spec, fn = compiled(op, (x.cuda(), w_gpu, split))
+    tpl, specs, fns = compiled(op, (x.cuda(), w_gpu, split))
     out = [torch.full((tokens, s), float("nan"), dtype=torch.bfloat16, device="cuda") for s in split[:4]]
-    ys = tpl.launch(fn, spec, (x.cuda(), w_gpu, split), out=out)
+    ys = tpl.launch(fns, specs, (x.cuda(), w_gpu, split), out=out)
     torch.cuda.synchronize()
     assert len(ys) == len(refs) == 4
     for y, ref in zip(ys, refs):
@@ -146,10 +146,10 @@ def test_router_topk(tokens, shape):
     ref_w, ref_ids = torch.ops.k3f.router_topk(logits, bias, top_k, renormalize, scaling)
     assert ref_w.dtype == torch.float32 and ref_ids.dtype == torch.int64
     args = (logits.cuda(), bias.cuda(), top_k, renormalize, scaling)
-    tpl, spec, fn = compiled("k3f::router_topk", args)
+    tpl, specs, fns = compiled("k3f::router_topk", args)
     out = (torch.full((tokens, top_k), float("nan"), device="cuda"),
            torch.full((tokens, top_k), -1, dtype=torch.int64, device="cuda"))
-    w, ids = tpl.launch(fn, spec, args, out=out)
+    w, ids = tpl.launch(fns, specs, args, out=out)
     torch.cuda.synchronize()
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == ref_ids.shape
     assert torch.equal(ids.cpu(), ref_ids)  # the same experts, ordered by descending score + bias

@@ -103,12 +103,11 @@ def compile_with_codegen(arch: str) -> CompileFn:
         refused = [r["detail"] for r in rows if r["status"] == "refused"]
         if refused:
             raise ProgramError(refused[0])
-        for row in rows:
-            if "spec" in row:
-                try:
-                    compile_kernel(row["spec"])
-                except CodegenError as e:
-                    raise ProgramError(f"kernel compile failed: {e}") from e
+        for spec in (s for row in rows for s in row.get("specs", ())):
+            try:
+                compile_kernel(spec)
+            except CodegenError as e:
+                raise ProgramError(f"kernel compile failed: {e}") from e
         install_cuda_kernels(arch)
         require_cuda_kernels(result, schedule)
 

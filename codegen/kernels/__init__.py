@@ -1,0 +1,26 @@
+"""The CuTe DSL kernels (importing a module here imports CuTe DSL).
+
+``KERNELS`` maps a spec's kernel name to its source files, first the module that defines
+``build(spec) -> (kernel object, fake compile arguments)``, then what else it imports from
+this folder; with ``common.py`` they are hashed into the disk cache key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+KERNELS_DIR = Path(__file__).parent
+
+KERNELS: dict[str, tuple[str, ...]] = {
+    "attn_res_norm": ("attn_res_norm",),
+    "attn_in_proj_gemv": ("in_proj_gemv",),
+    "router_topk": ("router_topk",),
+}
+
+
+def module_of(kernel: str) -> str | None:
+    files = KERNELS.get(kernel)
+    return f"codegen.kernels.{files[0]}" if files else None
+
+
+def source_files(kernel: str) -> list[Path]:
+    return [KERNELS_DIR / f"{stem}.py" for stem in (*KERNELS[kernel], "common")]

@@ -1,0 +1,76 @@
+"""``attn_in_proj_gemv``: the packed attention input projection for 1..8 tokens, split into
+its 4 outputs (``k3f::kda_in_proj``, ``k3f::mla_in_proj``); one weight-streaming GEMV kernel."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from codegen.spec import KernelSpec
+from codegen.template import Template, aligned, check_tensors
+
+
+GEMV_MAX_TOKENS = 8
+
+
+def gemv_tiling(tokens: int, k: int) -> dict[str, Any]:
+    """The GEMV's tiling for ``tokens`` rows of x, from a sweep on the H200 (2026-11-29, TP 16
+    and TP 8 KDA shapes, CUDA graph replay, weights rotated past L2; docs/CODEGEN.md):
+    1..3 tokens: one row per warp, a plain K loop (4 or 2 vectors per lane in flight);
+    4 tokens: 4 rows per warp; 5..8: 2 rows per warp; both with the K loop unrolled and the
+    next step's weights loaded while the current one is summed (``pipeline``)."""
+    vec_per_lane = k // 8 // 32
+    if tokens == 1:
+        rows, unroll, pipeline = 1, 4, False
+    elif tokens <= 3:
+        rows, unroll, pipeline = 1, 2, False
+    elif tokens == 4:
+        rows, unroll, pipeline = 4, 2, True
+    else:
+        rows, unroll, pipeline = 2, 2, True
+    unroll = next(u for u in (unroll, 2, 1) if vec_per_lane % u == 0)
+    return {"rows_per_warp": rows, "warps_per_cta": 4, "unroll": unroll, "stream_weights": True,
+            "pipeline": pipeline}
+
+
+def _gemv_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
+    x, weight, split_sizes = args
+    if x.dim() != 2 or weight.dim() != 2:
+        return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
+    t, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= t <= GEMV_MAX_TOKENS:
+        return f"{t} tokens outside 1..{GEMV_MAX_TOKENS} (the GEMV template; larger batches need the GEMM)"
+    reason = check_tensors({"x": x, "weight": weight}, torch.bfloat16)
+    if reason:
+        return reason
+    if weight.shape[1] != k:
+        return f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    if k % 256:
+        return f"K {k} is not a multiple of 256 (one 128-bit vector per lane)"
+    sizes = [int(s) for s in split_sizes]
+    if sum(sizes) != n or len(sizes) < 4:
+        return f"split sizes {sizes} must be at least 4 pieces summing to the {n} weight rows"
+    return (KernelSpec.make("attn_in_proj_gemv", op, arch, shapes={"tokens": t, "k": k, "rows": n},
+                           dtypes={"act": "bf16", "weight": "bf16"},
+                           params={"segments": sizes[:4], **gemv_tiling(t, k)}),)
+
+
+def _gemv_runtime(args: Sequence[Any]) -> str | None:
+    x, weight, _ = args
+    return aligned({"x": x, "weight": weight})
+
+
+def _gemv_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (fn,), (spec,) = fns, specs
+    x, weight, _ = args
+    segments = spec.param_dict["segments"]
+    ys = list(out) if out is not None else [x.new_empty((x.shape[0], s)) for s in segments]
+    fn(x, weight, *ys, *[None] * (4 - len(ys)))
+    return tuple(ys)
+
+
+TEMPLATE = Template("attn_in_proj_gemv", ("k3f::kda_in_proj", "k3f::mla_in_proj"), _gemv_spec, _gemv_runtime,
+                    _gemv_launch,
+                    doc="packed input projection for 1..8 tokens, split into its 4 outputs; weight-streaming GEMV")

@@ -1,0 +1,62 @@
+"""``Template``: how one fused op meets its compiled kernels (no CuTe import here).
+
+A template is the cutlass-free half of a fused op's GPU implementation: which schedule
+kernel and fused ops it implements, how a call's arguments (real tensors, or the meta
+values of a traced graph) become the ``KernelSpec`` of each kernel it launches (its
+*stages*: most templates launch one kernel, some two when a dependency across the whole
+output sits between them), or a refusal that says why, and how the compiled functions are
+called from torch. The CuTe DSL half (a kernel class and its fake compile arguments per
+stage) lives in ``codegen/kernels/`` (``codegen.kernels.KERNELS`` maps a spec's kernel name
+to its module), imported only to compile. Each template lives in ``codegen/launchers/``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from codegen.spec import KernelSpec
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+Specs = tuple[KernelSpec, ...]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class Template:
+    kernel: str  # the schedule's kernel name (the rule's kernel)
+    ops: tuple[str, ...]  # fused ops served, "k3f::name"
+    make_specs: Callable[[str, str, Sequence[Any]], Specs | str]  # (op, arch, op args) -> one spec per stage | refusal
+    runtime_check: Callable[[Sequence[Any]], str | None]  # what only real tensors can tell (alignment)
+    launch: Callable[..., Any]  # (fns, specs, op args, out=None) -> the op's outputs; one fn per stage
+    doc: str = ""
+
+
+def check_tensors(named: dict[str, Any], dtype: torch.dtype) -> str | None:
+    """The first tensor of ``named`` that is not ``dtype`` or not contiguous, said in words."""
+    for name, t in named.items():
+        if t.dtype != dtype:
+            return f"{name} is {dtype_name(t.dtype)}; the template is {dtype_name(dtype)} only"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous (strides {tuple(t.stride())})"
+    return None
+
+
+def aligned(named: dict[str, Any], nbytes: int = 16) -> str | None:
+    """The first tensor of ``named`` whose address is not ``nbytes``-aligned (None entries skipped)."""
+    for name, t in named.items():
+        if t is not None and t.data_ptr() % nbytes:
+            return f"{name} is not {nbytes}-byte aligned (128-bit loads)"
+    return None
+
+
+def shape_is(name: str, t: Any, shape: tuple[int, ...]) -> str | None:
+    if tuple(t.shape) != tuple(shape):
+        return f"{name} must be {list(shape)}, got {list(t.shape)}"
+    return None
