@@ -84,10 +84,10 @@ def _tail_variants(ctx: RuleContext):
 
 
 RULES = [
-    Rule("routed_experts", "moe", _routed_variants, common_guard, kernel="routed_experts_grouped",
-         doc="grouped GEMV/GEMM over the selected experts: gate/up, SiTU, down, weighted sum"),
-    Rule("shared_experts", "moe", _shared_variants, common_guard, stream="aux",
-         doc="shared experts' gate_up, SiTU and down (a partial sum), beside the routed experts"),
+    Rule("routed_experts", "moe", _routed_variants, common_guard, kernel="routed_experts_grouped", launches=2,
+         doc="grouped GEMV/GEMM over the selected experts: gate/up + SiTU, then down + weighted sum"),
+    Rule("shared_experts", "moe", _shared_variants, common_guard, stream="aux", launches=2,
+         doc="shared experts' gate_up + SiTU, then down (a partial sum), beside the routed experts"),
     Rule("latent_tail", "moe", _tail_variants, common_guard, communicates=True,
          doc="[latent | shared] cross-GPU reduction, routed_expert_norm, up projection, shared add"),
 ]

@@ -60,5 +60,7 @@ def _variants(ctx: RuleContext):
 
 RULES = [
     Rule("o_proj_all_reduce_attn_res", "output_projection", _variants, common_guard, communicates=True,
-         doc="o_proj GEMM + cross-GPU reduction + AttnRes + post_attention_layernorm"),
+         launches=2,
+         doc="o_proj GEMM + cross-GPU reduction + AttnRes + post_attention_layernorm (2 kernels: the AttnRes "
+             "mix needs whole reduced rows)"),
 ]

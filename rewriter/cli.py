@@ -19,6 +19,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # noqa: E402
 
+from rewriter.bench_cmd import add_bench_parser, run_bench
 from rewriter.compile_cmd import add_compile_parser, run_compile
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
@@ -90,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="render the graphs before and after to PNG (needs Graphviz's dot on PATH)")
     ins.add_argument("--no-rules", action="store_true", help="skip the built-in rules (show the stock layer)")
     add_compile_parser(sub)
+    add_bench_parser(sub)
     return p
 
 
@@ -132,7 +134,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return (run_compile if args.command == "compile" else run_inspect)(args)
+        return {"compile": run_compile, "bench": run_bench, "inspect": run_inspect}[args.command](args)
     except (ConfigError, ShapeError, RuleError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

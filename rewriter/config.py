@@ -123,6 +123,17 @@ class KimiK3Config:
     def shard(self, tp: int) -> TPShapes:
         return TPShapes.of(self, tp)
 
+    def one_rank_of(self, tp: int) -> KimiK3Config:
+        """A TP 1 model whose layers have one rank's shapes at TP ``tp`` (heads and intermediate
+        sizes divided by ``tp``): lets one GPU check a whole rank-sized layer against its
+        reference with no collective. Same shapes as ``shard(tp)`` but for the replicated router
+        (whole) and the expert intermediate (unpadded)."""
+        self.shard(tp)  # raises ConfigError when tp does not divide the model
+        return dataclasses.replace(
+            self, name=f"{self.name}/rank-of-tp{tp}", kda_num_heads=self.kda_num_heads // tp,
+            num_attention_heads=self.num_attention_heads // tp, intermediate_size=self.intermediate_size // tp,
+            moe_intermediate_size=self.moe_intermediate_size // tp)
+
     def unsupported_for_reference(self) -> list[str]:
         """Features the reference layers do not implement (empty for Kimi K3)."""
         reasons = []

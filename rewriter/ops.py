@@ -13,14 +13,37 @@ Conventions shared with vLLM 0.33.0:
   ``num_tokens // num_requests``;
 - a negative state index or slot is a padding row: no state is read or written and
   its output is zero.
+
+On CUDA the KDA steps run batched (``_conv_update_batched``, ``_recurrent_step_batched``:
+gathers and ``index_copy_``, no host sync), so the reference layer can be captured in a
+CUDA graph and compiled; they treat a padding row as vLLM's null block, slot 0.
+
+``collectives_excluded()`` lets one GPU run a TP > 1 rank's graph for timing: the
+all-reduce becomes a copy and the gather repeats the local share (shapes right, values not).
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
+_EXCLUDED = [False]  # collectives_excluded() is active
+
+
+@contextmanager
+def collectives_excluded() -> Iterator[None]:
+    """Run TP > 1 graphs on one GPU with their collectives stood down (benchmarks only): the
+    all-reduce returns a copy of the local partial and the gather repeats the local share."""
+    before = _EXCLUDED[0]
+    _EXCLUDED[0] = True
+    try:
+        yield
+    finally:
+        _EXCLUDED[0] = before
 
 
 def register_group(name: str, group: dist.ProcessGroup) -> None:
@@ -42,7 +65,7 @@ def all_reduce(x: Tensor, group: str, world_size: int) -> Tensor:
     The sum is taken in fp32 and rounded once, the numerics of a one-shot
     all-reduce that accumulates in registers.
     """
-    if world_size == 1:
+    if world_size == 1 or _EXCLUDED[0]:
         return x.clone()
     if group not in _GROUPS:
         raise RuntimeError(
@@ -95,6 +118,32 @@ def _(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> T
     return torch.empty_like(x)
 
 
+def _slots(state_indices: Tensor) -> tuple[Tensor, Tensor]:
+    """(slot per request with padding rows sent to slot 0, mask of real rows)."""
+    valid = state_indices >= 0
+    return torch.where(valid, state_indices, 0).long(), valid
+
+
+@kda_conv_update.register_kernel("cuda")
+def _conv_update_batched(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> Tensor:
+    """``kda_conv_update`` for all requests at once (no host sync); padding rows write slot 0's
+    own values back, so slot 0 must belong to no request (vLLM's null block)."""
+    batch = state_indices.shape[0]
+    q_len = _tokens_per_request(x.shape[0], batch, "k3::kda_conv_update")
+    slots, valid = _slots(state_indices)
+    old = conv_state.index_select(0, slots)  # [B, C, K-1]
+    window, w = old.float(), weight.float()
+    xs = x.view(batch, q_len, -1)
+    outs = []
+    for j in range(q_len):
+        full = torch.cat([window, xs[:, j].float().unsqueeze(-1)], dim=-1)  # [B, C, K]
+        outs.append(torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype))
+        window = full[..., 1:].to(conv_state.dtype).float()
+    keep = valid.view(-1, 1, 1)
+    conv_state.index_copy_(0, slots, torch.where(keep, window.to(conv_state.dtype), old))
+    return (torch.stack(outs, dim=1) * keep).view_as(x)
+
+
 # ---- KDA: gated delta-rule recurrent decode step -----------------------------------
 @torch.library.custom_op("k3::kda_recurrent_step", mutates_args=("state",))
 def kda_recurrent_step(
@@ -124,6 +173,31 @@ def kda_recurrent_step(
             out[t] = torch.einsum("hvk,hk->hv", s, q[t].float()).to(v.dtype)
         state[slot] = s.to(state.dtype)
     return out
+
+
+@kda_recurrent_step.register_kernel("cuda")
+def _recurrent_step_batched(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                            state_indices: Tensor) -> Tensor:
+    """``kda_recurrent_step`` for all requests at once (no host sync); padding rows as in
+    ``_conv_update_batched``."""
+    batch = state_indices.shape[0]
+    q_len = _tokens_per_request(q.shape[0], batch, "k3::kda_recurrent_step")
+    slots, valid = _slots(state_indices)
+    old = state.index_select(0, slots)  # [B, H, V, K]
+    s = old.float()
+    shape = (batch, q_len) + tuple(q.shape[1:])
+    qs, ks, gs = q.float().view(shape), k.float().view(shape), g.float().view(shape)
+    vs, bs = v.float().view((batch, q_len) + tuple(v.shape[1:])), beta.float().view(batch, q_len, -1)
+    outs = []
+    for j in range(q_len):
+        s = s * torch.exp(gs[:, j]).unsqueeze(2)
+        kt = ks[:, j]
+        delta = (vs[:, j] - torch.einsum("bhvk,bhk->bhv", s, kt)) * bs[:, j].unsqueeze(-1)
+        s = s + torch.einsum("bhv,bhk->bhvk", delta, kt)
+        outs.append(torch.einsum("bhvk,bhk->bhv", s, qs[:, j]).to(v.dtype))
+    keep = valid.view(-1, 1, 1, 1)
+    state.index_copy_(0, slots, torch.where(keep, s.to(state.dtype), old))
+    return (torch.stack(outs, dim=1) * keep.view(-1, 1, 1, 1)).view_as(v)
 
 
 @kda_recurrent_step.register_fake
@@ -199,6 +273,8 @@ def gather_last_dim(x: Tensor, group: str, world_size: int) -> Tensor:
     """
     if world_size == 1:
         return x
+    if _EXCLUDED[0]:
+        return x.repeat(*([1] * (x.dim() - 1)), world_size)
     pg = _GROUPS.get(group)
     if pg is None:
         raise RuntimeError(f"gather_last_dim: no process group registered as {group!r}")

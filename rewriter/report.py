@@ -47,7 +47,7 @@ def layer_regions(graph: fx.Graph) -> list[str]:
 
 def _schedule_rows(s: Schedule) -> list[dict[str, Any]]:
     return [{"kernel": k.name, "stream": k.stream, "bytes": k.bytes, "source": k.source,
-             "communicates": k.communicates, "start_us": round(k.start_us, 3), "end_us": round(k.end_us, 3),
+             "communicates": k.communicates, "launches": k.launches, "start_us": round(k.start_us, 3), "end_us": round(k.end_us, 3),
              "after": sorted(s.dag.predecessors(k.name))} for k in s.kernels]
 
 
@@ -86,7 +86,8 @@ def build_report(result: RewriteResult, model: str, hbm_tbps: float = H200_COPY_
         "arch": shape.arch,
         "dtype": _DTYPE_NAMES[shape.dtype],
         "default_kernels": len(stock.kernels),
-        "rewritten_kernels": len(fused.kernels),
+        "rewritten_kernels": sum(k.launches for k in fused.kernels),
+        "fused_ops": sum(k.source.startswith("fused:") for k in fused.kernels),
         "matches": [{"rule": m.rule, "family": m.family, "kernel": m.kernel, "nodes": m.nodes, "bytes": m.bytes}
                     for m in result.matches],
         "refusals": [{"rule": r.rule, "reason": r.reason, "nodes": r.nodes} for r in result.refusals],
@@ -119,7 +120,7 @@ def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
         f"{r['model']} layer {r['layer']} ({r['layer_kind']}), TP {r['tp']} rank {r['rank']}, "
         f"batch {r['batch']} x q {r['q']} = {r['tokens']} tokens, context {r['context']}, {r['dtype']}, {r['arch']}",
         f"kernels: {r['default_kernels']} stock -> {r['rewritten_kernels']} rewritten "
-        f"({len(r['matches'])} matches, {len(r['refusals'])} refusals)",
+        f"({r['fused_ops']} fused ops, {len(r['matches'])} matches, {len(r['refusals'])} refusals)",
         f"HBM floor {r['floor_bytes'] / 1e6:.2f} MB = {r['hbm_floor_us']:.2f} us at {r['hbm_tbps']} TB/s; "
         f"schedule bound {r['schedule_bound_us']:.2f} us (stock {r['stock_bound_us']:.2f} us)",
         "",
@@ -127,6 +128,7 @@ def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
     ]
     for i, k in enumerate(r["schedule"]):
         comm = " +comm" if k["communicates"] else ""
+        comm += f" ({k['launches']} kernels)" if k.get("launches", 1) > 1 else ""
         lines.append(f"{i:>3} {k['kernel'][:33]:<34}{k['stream']:<7}{_mb(k['bytes'])}{k['start_us']:>10.2f}  "
                      f"{k['source']}{comm}")
     for e in r["events"]:

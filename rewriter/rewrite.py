@@ -197,6 +197,7 @@ def rewrite(lg: LayerGraph, rules: RuleSet | None = None) -> RewriteResult:
                 n.meta["region"] = None
                 n.meta["fused"] = {"rule": acc.rule, "family": acc.family, "kernel": acc.kernel,
                                    "stream": rule.stream, "communicates": rule.communicates, "bytes": acc.bytes,
+                                   "launches": rule.launches,
                                    "replaces": acc.nodes, "regions": acc.regions, "weights": acc.weights,
                                    "dynamic_weights": acc.dynamic_weights}
         result.matches.extend(accepted)

@@ -79,12 +79,18 @@ class Rule:
     stream: str = "main"  # "aux": may run beside the main stream (shared experts)
     communicates: bool = False  # holds a cross-GPU reduction (a prefetch point at TP > 1)
     doc: str = ""
+    # kernel launches of the fused op's GPU implementation (> 1 where a dependency across the
+    # whole output sits inside it, e.g. an expert's down projection needs its whole activation);
+    # cross-GPU collectives at TP > 1 not counted
+    launches: int = 1
     # share of the matched weights one rank reads (rules that split a replicated weight: 1/TP)
     weight_fraction: Callable[[RuleContext], float] = lambda ctx: 1.0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise RuleError(f"rule {self.name!r}: unknown family {self.family!r}; families: {', '.join(FAMILIES)}")
+        if not isinstance(self.launches, int) or self.launches < 1:
+            raise RuleError(f"rule {self.name!r}: launches must be an int >= 1, got {self.launches!r}")
         if self.stream not in ("main", "aux"):
             raise RuleError(f"rule {self.name!r}: stream must be 'main' or 'aux', got {self.stream!r}")
 

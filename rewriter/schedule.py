@@ -46,6 +46,7 @@ class Kernel:
     weights: dict[str, int] = field(default_factory=dict)  # parameter name -> bytes read
     dynamic_weights: set[str] = field(default_factory=set)  # read at rows chosen by data (experts)
     communicates: bool = False
+    launches: int = 1  # GPU kernels it takes (a fused op's implementation may take more than one)
     start_us: float = 0.0  # earliest start on the critical-path model
     end_us: float = 0.0
 
@@ -132,7 +133,7 @@ def _kernels_for_group(key: str, nodes: list[fx.Node], lg: LayerGraph, moved: in
     if kind == "fused":
         info = nodes[0].meta["fused"]
         return [Kernel(info["kernel"], info["stream"], moved, f"fused:{info['rule']}", names,
-                       communicates=info["communicates"] and tp > 1)]
+                       communicates=info["communicates"] and tp > 1, launches=info.get("launches", 1))]
     if kind == "stock":
         stock = stock_kernels(rest, tp=tp, tokens=lg.shape.tokens, arch=lg.shape.arch)
         share = moved // max(len(stock), 1)

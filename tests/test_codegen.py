@@ -373,3 +373,23 @@ def test_compile_command(capsys, compiled, kcache):
         {"k": 7168, "rows": 3216, "tokens": 3}
     assert status["router_topk"]["stages"][0]["cache"] == "hit"  # tokens are a runtime size there too
     assert status["kda_core"]["status"] == "no_template" and report["compiled"] == 3
+
+
+@pytest.mark.parametrize("tp,batch", [(16, 1), (8, 8), (16, 64)])
+def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
+    """The schedule's kernel count (rules' ``launches``) is what the templates really launch."""
+    from rewriter.compile_cmd import plan
+    from rewriter.config import KimiK3Config
+    from rewriter.layers import build_layer
+    from rewriter.rewrite import rewrite
+    from rewriter.schedule import build_schedule
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
+
+    shape = DecodeShape(batch=batch, tp=tp, arch="sm_90a")
+    result = rewrite(trace(build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=tp), shape))
+    launches = {k.name: k.launches for k in build_schedule(result.after).kernels}
+    rows = [r for r in plan(result, "sm_90a") if r.get("specs")]
+    assert rows  # some template takes a kernel of this layer
+    for row in rows:
+        assert len(row["specs"]) == launches[row["kernel"]], row["kernel"]

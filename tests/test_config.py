@@ -111,3 +111,13 @@ def test_kimi_linear_layers_are_refused_with_every_reason():
         build_layer(cfg, 1)
     for reason in ("use_full_rank_gate is false", "q_lora_rank is null", "no latent MoE", "no AttnRes"):
         assert reason in str(e.value)
+
+
+def test_one_rank_of_is_a_tp1_model_with_one_ranks_shapes(k3):
+    for tp in (8, 16):
+        one, rank = k3.one_rank_of(tp).shard(1), k3.shard(tp)
+        for field in ("kda_heads", "kda_projection", "in_proj_qkvgfab", "mla_heads", "qkv_a_g",
+                      "shared_intermediate", "dense_intermediate", "expert_intermediate_unpadded"):
+            assert getattr(one, field) == getattr(rank, field), (tp, field)
+    with pytest.raises(ConfigError):
+        k3.one_rank_of(7)

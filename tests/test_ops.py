@@ -92,3 +92,39 @@ def test_fake_impls_give_shapes_on_meta():
 def test_uneven_tokens_are_refused():
     with pytest.raises(ValueError, match="5 tokens do not split evenly over 2 requests"):
         k3.kda_conv_update(torch.zeros(5, 3), torch.zeros(3, 3, 3), torch.zeros(3, 4), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_batched_kda_steps_equal_the_loops(q_len):
+    """The CUDA implementations (batched, no host sync) give the loop references' values and
+    states, padding rows included (slot 0 unowned, as vLLM's null block)."""
+    from rewriter.ops import _conv_update_batched, _recurrent_step_batched
+
+    g = torch.Generator().manual_seed(q_len)
+    idx = torch.tensor([3, -1, 5, 1], dtype=torch.int32)
+    t, c, slots, h, k = 4 * q_len, 24, 7, 2, 8
+    x = torch.randn(t, c, generator=g).bfloat16()
+    conv, w = torch.randn(slots, c, 3, generator=g).bfloat16(), torch.randn(c, 4, generator=g)
+    a_conv, b_conv = conv.clone(), conv.clone()
+    assert torch.equal(torch.ops.k3.kda_conv_update(x, a_conv, w, idx), _conv_update_batched(x, b_conv, w, idx))
+    assert torch.equal(a_conv, b_conv) and torch.equal(b_conv[0], conv[0])
+    q, kk = torch.randn(t, h, k, generator=g), torch.randn(t, h, k, generator=g)
+    v, decay = torch.randn(t, h, k, generator=g).bfloat16(), -torch.rand(t, h, k, generator=g)
+    beta, state = torch.rand(t, h, generator=g), torch.randn(slots, h, k, k, generator=g)
+    a_s, b_s = state.clone(), state.clone()
+    a = torch.ops.k3.kda_recurrent_step(q, kk, v, decay, beta, a_s, idx)
+    b = _recurrent_step_batched(q, kk, v, decay, beta, b_s, idx)
+    assert rel_err(b.float(), a.float()) < 1e-6 and rel_err(b_s, a_s) < 1e-6 and torch.equal(b_s[0], state[0])
+
+
+def test_collectives_excluded_keeps_shapes():
+    from rewriter.ops import collectives_excluded, gather_last_dim
+
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="no process group registered"):
+        torch.ops.k3.all_reduce(x, "nowhere", 4)
+    with collectives_excluded():
+        assert torch.equal(torch.ops.k3.all_reduce(x, "nowhere", 4), x)
+        assert torch.equal(gather_last_dim(x, "nowhere", 4), torch.cat([x] * 4, dim=-1))
+    with pytest.raises(RuntimeError, match="no process group registered"):
+        gather_last_dim(x, "nowhere", 4)

@@ -199,3 +199,8 @@ def test_every_match_and_refusal_is_recorded(k3):
     assert by_rule["routed_experts"].bytes < by_rule["routed_experts"].weights[
         "block_sparse_moe.experts.w13_weight"] * 2  # only the experts batch 64 is expected to touch
     assert "block_sparse_moe.experts.w13_weight" in by_rule["routed_experts"].dynamic_weights
+
+
+def test_rule_launches_must_be_a_positive_int():
+    with pytest.raises(RuleError, match="launches must be an int >= 1"):
+        Rule("zero", "moe", lambda ctx: [], common_guard, launches=0)

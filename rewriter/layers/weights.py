@@ -18,10 +18,10 @@ from rewriter.layers.sharding import zero_padding_
 def _random_like(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     shape, leaf = p.shape, name.rsplit(".", 2)
     def randn(scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(shape, generator=g) * scale
+        return torch.randn(shape, generator=g, device=g.device) * scale
 
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+        return torch.empty(shape, device=g.device).uniform_(1.0, 16.0, generator=g).log()
     if name.endswith("dt_bias"):
         return randn(0.5)
     if name.endswith("conv1d.weight"):
@@ -43,8 +43,10 @@ def _random_like(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor
 
 @torch.no_grad()
 def init_random_(layer: KimiDecoderLayer, seed: int) -> KimiDecoderLayer:
-    """Fill every parameter with seeded random values (padding rows stay zero)."""
-    g = torch.Generator().manual_seed(seed)
+    """Fill every parameter with seeded random values (padding rows stay zero), drawn on the
+    layer's device (a full-size layer's experts initialize in seconds on a GPU)."""
+    device = next(layer.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     shardings = layer.param_shardings()
     for name, p in layer.named_parameters():
         p.copy_(_random_like(name, p, g).to(p.dtype))

@@ -1,0 +1,265 @@
+"""``python -m rewriter bench``: time one layer, rewritten and reference, on this GPU.
+
+For each TP shard shape and batch: the rewritten layer (its schedule run by ``LayerRunner``
+with the CuTe DSL kernels installed) and the reference layer eager, under a CUDA graph and
+under ``torch.compile(mode="max-autotune")`` (which replays CUDA graphs itself). Every row
+gives kernels per layer (counted with the profiler over one un-captured call), the median
+microseconds per layer, and the share of the layer's HBM floor that reaches.
+
+How it is measured, and what it leaves out:
+- one GPU runs rank 0 of the TP shape; collectives are excluded (``rewriter.ops.
+  collectives_excluded``: the all-reduce is a copy, the router's gather repeats the local
+  share), so the figures are one rank's compute without communication;
+- ``copies`` layers with their own random weights and decode state run back to back in one
+  timed call, so each layer reads weights that are not in the L2 (the copies' weights
+  together exceed it several times over); time per layer = median replay / copies;
+- medians over ``reps`` timed replays after warm-up, CUDA events around each replay.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from rewriter.cost import H200_COPY_TBPS, hbm_us
+
+L2_BYTES = 50 * 2**20  # H200: 50 MiB
+PATHS = ("rewritten", "eager", "cuda graph", "torch.compile")
+
+
+@dataclass
+class Row:
+    tp: int
+    batch: int
+    path: str
+    kernels: int | None  # GPU kernels per layer (profiler), None when not counted
+    us: float | None  # median microseconds per layer, None when not run
+    floor_us: float
+    note: str = ""
+
+    @property
+    def floor_pct(self) -> float | None:
+        return None if not self.us else 100.0 * self.floor_us / self.us
+
+
+def copies_for(floor_bytes: int, requested: int | None) -> int:
+    """Layers per timed call: enough that their weights exceed the L2 four times (at least 2)."""
+    if requested is not None:
+        return requested
+    return max(2, math.ceil(4 * L2_BYTES / max(floor_bytes, 1)))
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    b = subparsers.add_parser("bench", help="time a layer rewritten vs reference on this GPU (needs CUDA)")
+    b.add_argument("--model", default="kimi-k3", help="a preset or a config.json (default kimi-k3)")
+    b.add_argument("--layer", type=int, default=1, help="layer index (default 1, a KDA+MoE layer)")
+    b.add_argument("--tp", type=int, nargs="+", default=[16, 8], help="TP shard shapes to run (default 16 8)")
+    b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batches (default 1 8 64)")
+    b.add_argument("--copies", type=int, help="layers per timed call (default: 4x the L2 in weights)")
+    b.add_argument("--reps", type=int, default=30, help="timed replays per row (default 30)")
+    b.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to run (default all)")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return b
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from rewriter.shape import ShapeError
+
+    bad = [f"--tp {t}" for t in args.tp if t < 1] + [f"--batch {b}" for b in args.batch if b < 1]
+    if args.copies is not None and args.copies < 1:
+        bad.append(f"--copies {args.copies}")
+    if args.reps < 3:
+        bad.append(f"--reps {args.reps} (at least 3)")
+    if bad:
+        raise ShapeError(f"bad value: {', '.join(bad)}")
+    if not torch.cuda.is_available():
+        raise ShapeError("bench needs a CUDA GPU (inspect and compile run without one)")
+
+
+def _median_us(run: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def _graph(run: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()  # warm up on a side stream, as capture wants
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    torch.cuda.synchronize()
+    return g
+
+
+def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
+    """GPU kernels one call launches (memcpy/memset not counted) and their names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+             and not e.name.startswith(("Memcpy", "Memset"))]
+    return len(names), names
+
+
+class _Case:
+    """``copies`` layers of one TP shape and batch on the GPU, with their inputs."""
+
+    def __init__(self, cfg, layer_idx: int, tp: int, batch: int, copies: int, arch: str):
+        from rewriter.layers import build_layer
+        from rewriter.layers.state import decode_inputs
+        from rewriter.layers.weights import init_random_
+        from rewriter.shape import DecodeShape
+
+        self.shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch)
+        self.layers = [init_random_(build_layer(cfg, layer_idx, tp=tp, device="cuda"), seed=1000 + i)
+                       for i in range(copies)]
+        self.inputs = [list(decode_inputs(layer, self.shape, device="cuda", seed=i).values())
+                       for i, layer in enumerate(self.layers)]
+
+    def reference(self) -> Callable[[], Any]:
+        def run():
+            for layer, inputs in zip(self.layers, self.inputs):
+                layer(*inputs)
+        return run
+
+
+def _rewritten(case: _Case) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
+    """(all copies, one copy, the rewrite of copy 0): each copy traced, rewritten and run by its schedule."""
+    from rewriter.program import LayerRunner
+    from rewriter.rewrite import rewrite
+    from rewriter.schedule import build_schedule
+    from rewriter.trace import trace
+
+    runners, first = [], None
+    for layer in case.layers:
+        result = rewrite(trace(layer, case.shape))
+        first = first or result
+        runners.append(LayerRunner(result, build_schedule(result.after), device="cuda"))
+
+    def run():
+        for runner, inputs in zip(runners, case.inputs):
+            runner(*inputs)
+
+    return run, (lambda: runners[0](*case.inputs[0])), first
+
+
+def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
+                progress: Callable[[str], None]) -> list[Row]:
+    from codegen import bind
+    from rewriter.cost import floor_bytes
+    from rewriter.layers import build_layer
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
+
+    meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch)
+    floor = floor_bytes(trace(build_layer(cfg, args.layer, tp=tp), meta_shape).graph, meta_shape)
+    floor_us = hbm_us(floor, H200_COPY_TBPS)
+    copies = copies_for(floor, args.copies)
+    progress(f"TP {tp} batch {batch}: {copies} layer copies, HBM floor {floor / 1e6:.1f} MB = {floor_us:.1f} us")
+    case = _Case(cfg, args.layer, tp, batch, copies, arch)
+    rows = []
+    if "rewritten" in args.paths:
+        bind.install_cuda_kernels(arch)
+        before = {op: dict(c) for op, c in bind.stats().items()}
+        run_all, run_one, result = _rewritten(case)
+        run_all()  # compiles or loads every kernel outside the capture
+        torch.cuda.synchronize()
+        fallbacks = sorted({op.split("::")[-1] for op, c in bind.stats().items()
+                            if c.get("reference", 0) > before.get(op, {}).get("reference", 0)})
+        kernels, _ = count_kernels(run_one)
+        g = _graph(run_all)
+        us = _median_us(g.replay, args.reps) / copies
+        note = f"reference ran for: {', '.join(fallbacks)}" if fallbacks else ""
+        rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, note))
+        progress(f"  rewritten: {kernels} kernels, {us:.1f} us {note}")
+        del g
+    ref = case.reference()
+    if "eager" in args.paths:
+        ref()
+        kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
+        rows.append(Row(tp, batch, "eager", kernels, _median_us(ref, args.reps) / copies, floor_us))
+        progress(f"  eager: {rows[-1].kernels} kernels, {rows[-1].us:.1f} us")
+    if "cuda graph" in args.paths:
+        g = _graph(ref)
+        kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
+        rows.append(Row(tp, batch, "cuda graph", kernels, _median_us(g.replay, args.reps) / copies, floor_us))
+        progress(f"  cuda graph: {rows[-1].us:.1f} us")
+        del g
+    if "torch.compile" in args.paths:
+        t0 = time.perf_counter()
+        compiled = [torch.compile(layer, mode="max-autotune") for layer in case.layers]
+
+        def run_compiled():
+            for fn, inputs in zip(compiled, case.inputs):
+                fn(*inputs)
+
+        for _ in range(3):  # compile, autotune, record the CUDA graphs
+            run_compiled()
+        torch.cuda.synchronize()
+        kernels, _ = count_kernels(lambda: compiled[0](*case.inputs[0]))
+        us = _median_us(run_compiled, args.reps) / copies
+        rows.append(Row(tp, batch, "torch.compile", kernels or None, us, floor_us,
+                        f"max-autotune (CUDA graphs), compiled in {time.perf_counter() - t0:.0f}s"))
+        progress(f"  torch.compile: {us:.1f} us ({rows[-1].note})")
+    del case
+    torch.cuda.empty_cache()
+    return rows
+
+
+def render(rows: list[Row], device: str) -> str:
+    lines = [f"{device}; one rank of each TP shape, collectives excluded; weights rotated past the L2",
+             f"{'TP':>3} {'batch':>5}  {'path':<14}{'kernels':>8}{'us/layer':>10}{'floor us':>10}{'% floor':>9}  note"]
+    for r in rows:
+        us = f"{r.us:10.1f}" if r.us else f"{'-':>10}"
+        pct = f"{r.floor_pct:8.0f}%" if r.floor_pct else f"{'-':>9}"
+        k = f"{r.kernels:8d}" if r.kernels is not None else f"{'-':>8}"
+        lines.append(f"{r.tp:>3} {r.batch:>5}  {r.path:<14}{k}{us}{r.floor_us:10.1f}{pct}  {r.note}")
+    return "\n".join(lines)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from codegen.bind import device_arch
+    from rewriter.config import KimiK3Config
+    from rewriter.ops import collectives_excluded
+    from rewriter.shape import ShapeError
+
+    _check_args(args)
+    arch = device_arch()
+    if arch is None:
+        raise ShapeError(f"no CuTe DSL target for this GPU (capability {torch.cuda.get_device_capability()})")
+    cfg = KimiK3Config.load(args.model)
+    device = f"{torch.cuda.get_device_name()} ({arch})"
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    rows: list[Row] = []
+    with torch.no_grad(), collectives_excluded():
+        for tp in args.tp:
+            for batch in args.batch:
+                rows.extend(bench_shape(cfg, args, tp, batch, arch, log))
+    if args.json:
+        print(json.dumps({"device": device, "model": args.model, "layer": args.layer,
+                          "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}, indent=1))
+    else:
+        print(render(rows, device))
+    return 0

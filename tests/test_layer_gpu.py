@@ -1,0 +1,105 @@
+"""The whole rewritten KDA+MoE layer on the GPU against the reference layer (marked ``gpu``).
+
+The layer is Kimi K3's at one rank's shapes (``KimiK3Config.one_rank_of``: TP 16 or 8 sizes
+as a TP 1 model, so one GPU runs it with no collective), full size, random weights. The
+rewritten layer runs its schedule (``LayerRunner``: aux stream, events) with every fused op
+on its CuTe DSL kernels; the reference layer runs plain PyTorch on the same GPU. Outputs
+and the updated KDA states are compared by relative error.
+
+Routing is a discontinuity: a token whose 16th and 17th expert scores are closer than the
+rounding differences between the two paths may pick another expert. The router bias is
+scaled up (selection is spread over the experts but with wide gaps) and inputs whose
+smallest top-k margin is under ``MARGIN`` are redrawn, so a failure is the kernels' fault.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import rel_err
+from rewriter.config import KimiK3Config
+from rewriter.layers import build_layer
+from rewriter.layers import moe as moe_module
+from rewriter.layers.state import decode_inputs
+from rewriter.layers.weights import init_random_
+from rewriter.program import LayerRunner
+from rewriter.rewrite import rewrite
+from rewriter.schedule import build_schedule
+from rewriter.shape import DecodeShape
+from rewriter.trace import trace
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
+                       reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
+]
+
+MARGIN = 1e-2  # least gap between a token's k-th and (k+1)-th selection score
+BF16_TOL, STATE_TOL = 1e-2, 2e-3
+
+
+def _layer(tp: int):
+    from codegen import bind
+
+    cfg = KimiK3Config.preset("kimi-k3").one_rank_of(tp)
+    layer = init_random_(build_layer(cfg, 1, tp=1, device="cuda"), seed=tp)
+    layer.block_sparse_moe.gate.e_score_correction_bias.mul_(100.0)  # wide gaps between experts
+    bind.install_cuda_kernels()
+    return layer
+
+
+def _reference(layer, inputs):
+    """The reference layer's outputs and the smallest top-k selection margin of its router."""
+    margins = []
+    real_route = moe_module.route
+
+    def route(logits, bias, *, top_k, renormalize, scaling):
+        ranked = (torch.sigmoid(logits) + bias).topk(top_k + 1, dim=-1).values
+        margins.append(float((ranked[:, top_k - 1] - ranked[:, top_k]).min()))
+        return real_route(logits, bias, top_k=top_k, renormalize=renormalize, scaling=scaling)
+
+    moe_module.route = route
+    try:
+        out = layer(*inputs)
+    finally:
+        moe_module.route = real_route
+    return out, min(margins)
+
+
+@pytest.mark.parametrize("tp,batch", [(16, 1), (16, 8), (16, 64), (8, 1), (8, 8)])
+def test_rewritten_layer_matches_the_reference(tp, batch):
+    from codegen import bind
+
+    layer = _layer(tp)
+    shape = DecodeShape(batch=batch, arch=bind.device_arch())
+    for seed in range(10):
+        inputs = list(decode_inputs(layer, shape, device="cuda", seed=seed).values())
+        ref_inputs = [t.clone() for t in inputs]
+        with torch.no_grad():
+            ref_out, margin = _reference(layer, ref_inputs)
+        if margin >= MARGIN:
+            break
+    else:
+        pytest.fail(f"no inputs with a top-k margin >= {MARGIN} in 10 draws")
+    result = rewrite(trace(layer, shape))
+    runner = LayerRunner(result, build_schedule(result.after), device="cuda")
+    before = {op: c.get("reference", 0) for op, c in bind.stats().items()}
+    rw_inputs = [t.clone() for t in inputs]
+    with torch.no_grad():
+        out = runner(*rw_inputs)
+    torch.cuda.synchronize()
+    fallbacks = {op for op, c in bind.stats().items() if c.get("reference", 0) > before.get(op, 0)}
+    assert not fallbacks, f"fused ops that ran their reference instead of a kernel: {sorted(fallbacks)}"
+    for name, a, e in zip(("hidden", "prefix", "blocks"), out, ref_out):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, e) <= BF16_TOL, name
+    names = list(decode_inputs(layer, shape).keys())
+    states = {n: (a, e) for n, a, e in zip(names, rw_inputs, ref_inputs) if n in ("conv_state", "recurrent_state")}
+    assert rel_err(*states["conv_state"]) <= BF16_TOL
+    assert rel_err(*states["recurrent_state"]) <= STATE_TOL
+    # the states of slots no request owns (slot 0) are untouched
+    for n, (a, _) in states.items():
+        assert torch.equal(a[0], inputs[names.index(n)][0]), n
