@@ -2,7 +2,8 @@
 
 - ``attn_in_proj.small`` / ``attn_in_proj.large``: the layer's input projection
   (KDA ``in_proj_qkvgfab``, MLA ``fused_qkv_a_g_proj``) with its split, as one kernel;
-  GEMV-style for 1..8 tokens, GEMM-style for 9..64 (separate guards, same semantics).
+  a weight-streaming GEMV for one token, a tensor-core GEMM for 2..64 (separate guards, same
+  semantics; on the H200 the GEMM streams the weights faster from 2 tokens on: BENCHMARKS.md).
 - ``kda_core``: KDA after the projection. ``f_b_proj`` cannot join the projection
   kernel (it needs all of f_a first), but per head it is a 128x128 GEMV, so it runs in
   the head's core kernel with the conv update, gates, recurrent update and gated norm.
@@ -18,7 +19,7 @@ from rewriter.layers.kda import kda_core, kda_in_proj
 from rewriter.layers.mla import mla_in_proj, mla_q_front
 from rewriter.rules import Rule, RuleContext, common_guard, fused_op, token_range_guard
 
-SMALL_MAX = 8
+SMALL_MAX = 1
 
 
 @fused_op("kda_in_proj")
@@ -107,11 +108,11 @@ def _mla_q_front_variants(ctx: RuleContext):
 
 RULES = [
     Rule("attn_in_proj.small", "attention_projection", _in_proj_variants,
-         token_range_guard(1, SMALL_MAX, "the GEMV rule takes 1..8 tokens"), kernel="attn_in_proj_gemv",
-         doc="attention input projection for 1..8 tokens: weight-streaming GEMV"),
+         token_range_guard(1, SMALL_MAX, "the GEMV rule takes 1 token"), kernel="attn_in_proj_gemv",
+         doc="attention input projection for one token: weight-streaming GEMV"),
     Rule("attn_in_proj.large", "attention_projection", _in_proj_variants,
-         token_range_guard(SMALL_MAX + 1, 64, "the GEMM rule takes 9..64 tokens"), kernel="attn_in_proj_gemm",
-         doc="attention input projection for 9..64 tokens: tiled GEMM"),
+         token_range_guard(SMALL_MAX + 1, 64, "the GEMM rule takes 2..64 tokens"), kernel="attn_in_proj_gemm",
+         doc="attention input projection for 2..64 tokens: tensor-core GEMM"),
     Rule("kda_core", "attention_projection", _kda_core_variants, common_guard,
          doc="f_b_proj + short conv + gates + delta-rule update + gated RMSNorm, per head"),
     Rule("mla_q_front", "attention_projection", _mla_q_front_variants, common_guard,

@@ -17,7 +17,12 @@ Work split (decode is bound by reading W once from HBM):
   read once), x with ``ld.global.nc.v4`` (read-only path; x, at most 8 x 14 KB, stays in
   L1 and is shared by every warp of the SM);
 - each lane accumulates ``rows_per_warp x T`` fp32 partial dot products; a butterfly of
-  ``shfl.sync.bfly`` sums them over the warp, and lane ``t`` stores token ``t``'s value.
+  ``shfl.sync.bfly`` sums them over the warp, and lane ``t`` stores token ``t``'s value;
+- programmatic dependent launch: the kernel launches with PDL and every warp issues the
+  weights of the K steps it keeps in flight (step 0; steps 0 and 1 with ``pipeline``) before
+  ``griddepcontrol.wait`` (W is written by no kernel), so that DRAM latency and the launch
+  gap overlap the previous kernel's tail; x is read and the outputs written only after the
+  wait, and ``launch_dependents`` follows it at once.
 """
 from __future__ import annotations
 
@@ -68,7 +73,7 @@ class InProjGemv:
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
                  mY2: cute.Tensor | None, mY3: cute.Tensor | None, stream: cuda.CUstream):
         self.kernel(mX, mW, mY0, mY1, mY2, mY3).launch(
-            grid=[self.grid, 1, 1], block=[32 * self.warps_per_cta, 1, 1], stream=stream)
+            grid=[self.grid, 1, 1], block=[32 * self.warps_per_cta, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
@@ -84,6 +89,16 @@ class InProjGemv:
         outs = (mY0, mY1, mY2, mY3)
 
         first = (bidx * self.warps_per_cta + warp) * R
+        # the weights of the K steps the loop keeps in flight (0, and 1 when pipelined) are issued
+        # before the wait (PDL): W is never written by a kernel, so their DRAM latency overlaps the
+        # previous kernel's tail; a warp past the last row loads the last row again, never used
+        ahead = const_expr(min(2, self.chunks) if self.pipeline else 1)
+        bufs = [cute.make_rmem_tensor((VEC, U, R), BFloat16) for _ in range(2 if self.pipeline else 1)]
+        for c in cutlass.range_constexpr(ahead):
+            self.load_w(mW, bufs[c], c, first, lane, ld_w)
+        # x is the previous kernel's output: read it (and write anything) only after the wait
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         if first < self.rows_out:
             rX = cute.make_rmem_tensor((VEC,), BFloat16)
             rAcc = cute.make_rmem_tensor((R, T), Float32)
@@ -91,17 +106,16 @@ class InProjGemv:
             if const_expr(self.pipeline):
                 # fully unrolled K loop, two register buffers: step c + 1's weights are in flight
                 # while step c is summed
-                bufs = (cute.make_rmem_tensor((VEC, U, R), BFloat16), cute.make_rmem_tensor((VEC, U, R), BFloat16))
-                self.load_w(mW, bufs[0], 0, first, lane, ld_w)
                 for c in cutlass.range_constexpr(self.chunks):
-                    if const_expr(c + 1 < self.chunks):
+                    if const_expr(ahead <= c + 1 < self.chunks):
                         self.load_w(mW, bufs[(c + 1) % 2], c + 1, first, lane, ld_w)
                     self.accumulate(mX, bufs[c % 2], rX, rAcc, c, lane, ld_x)
             else:
-                rW = cute.make_rmem_tensor((VEC, U, R), BFloat16)
+                # one buffer: step c is summed, then step c + 1's weights are issued
                 for c in cutlass.range(self.chunks, unroll=1):
-                    self.load_w(mW, rW, c, first, lane, ld_w)
-                    self.accumulate(mX, rW, rX, rAcc, c, lane, ld_x)
+                    self.accumulate(mX, bufs[0], rX, rAcc, c, lane, ld_x)
+                    if c + 1 < self.chunks:
+                        self.load_w(mW, bufs[0], c + 1, first, lane, ld_w)
             for r in cutlass.range_constexpr(R):
                 n = first + r
                 for t in cutlass.range_constexpr(T):

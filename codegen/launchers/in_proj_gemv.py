@@ -1,4 +1,6 @@
-"""``attn_in_proj_gemv``: the packed attention input projection for 1..8 tokens, split into
+"""``attn_in_proj_gemv``: the packed attention input projection for 1..8 tokens (the kernel's
+range; rule ``attn_in_proj.small`` gives it one token, the GEMM template is tried first and
+takes 2..64), split into
 its 4 outputs (``k3f::kda_in_proj``, ``k3f::mla_in_proj``); one weight-streaming GEMV kernel."""
 from __future__ import annotations
 
@@ -57,12 +59,14 @@ def _gemv_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
                            params={"segments": sizes[:4], **gemv_tiling(t, k)}),)
 
 
-def _gemv_runtime(args: Sequence[Any]) -> str | None:
+def in_proj_runtime(args: Sequence[Any]) -> str | None:
+    """x and the packed weight 16-byte aligned (both input-projection templates)."""
     x, weight, _ = args
     return aligned({"x": x, "weight": weight})
 
 
-def _gemv_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+def in_proj_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    """One kernel writing the projection's 4 outputs (both input-projection templates)."""
     (fn,), (spec,) = fns, specs
     x, weight, _ = args
     segments = spec.param_dict["segments"]
@@ -71,6 +75,6 @@ def _gemv_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=No
     return tuple(ys)
 
 
-TEMPLATE = Template("attn_in_proj_gemv", ("k3f::kda_in_proj", "k3f::mla_in_proj"), _gemv_spec, _gemv_runtime,
-                    _gemv_launch,
+TEMPLATE = Template("attn_in_proj_gemv", ("k3f::kda_in_proj", "k3f::mla_in_proj"), _gemv_spec, in_proj_runtime,
+                    in_proj_launch,
                     doc="packed input projection for 1..8 tokens, split into its 4 outputs; weight-streaming GEMV")

@@ -1,0 +1,287 @@
+"""``attn_in_proj_gemm``: the attention input projection for 9..64 tokens, tensor-core skinny GEMM.
+
+Computes ``y[T, n] = sum_k x[T, k] * W[n, k]`` (``torch.nn.functional.linear(x, W)``, fp32
+accumulation, bf16 result) and writes it split like ``attn_in_proj_gemv``: rows
+``[start_i, start_i + size_i)`` of the packed weight go to output ``i``; the padding rows after
+the last segment are neither read nor written.
+
+Work split (decode is bound by reading W once from HBM; x is small and stays in L2):
+- the MMA's M is the weight rows, its N the tokens (padded to ``token_tile``, a multiple of 16;
+  the real count T is a runtime size), K is streamed. One CTA of 4 warps owns ``rows_per_cta``
+  rows (128) and a ``1 / split_k`` slice of K; the ``split_k`` CTAs of one row tile form a
+  cluster. A whole CTA tile reads x's K slice once, so x costs ``token_tile / rows_per_cta`` of
+  the weight bytes in L2 traffic whatever the split; the split only fills the SMs
+  (3206 rows / 128 = 26 tiles at TP 16);
+- W and x tiles of 64 K (128-byte rows) go global -> shared with ``cp.async.cg`` (16 bytes, L2
+  only: W is read once) through a ``stages``-deep ring (``stages - 1`` tiles in flight), into
+  a 128-byte XOR swizzle so that ``ldmatrix.x4`` reads them without bank conflicts; each warp
+  owns 32 rows x all tokens and issues ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate),
+  the next 16-K fragments loaded while the current ones multiply;
+- the last row tile starts at ``rows - rows_per_cta`` (it overlaps its neighbour and stores
+  only its own rows) so no weight load needs a bound; x rows past T are not loaded (their
+  MMA columns hold whatever shared memory held, and are never stored);
+- epilogue: each CTA writes its fp32 partial tile to its own shared memory; after a cluster
+  barrier, CTA r of the cluster sums rows ``[r, r + 1) * rows_per_cta / split_k`` of all the
+  cluster's partials (128-bit ``ld.shared::cluster``, rank order: deterministic), rounds to
+  bf16 and stores them into the outputs; a second cluster barrier keeps every CTA's shared
+  memory alive until its peers have read it. No atomics, no global workspace;
+- programmatic dependent launch: the kernel launches with PDL; the prologue's ``stages - 1``
+  weight tiles are issued before ``griddepcontrol.wait`` (no kernel writes W), x and every
+  global write only after it, and ``launch_dependents`` follows the wait at once.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, const_expr, cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator
+
+from codegen.kernels.common import BITS, VEC
+
+MAX_TOKENS = 64
+MAX_SEGMENTS = 4
+WARPS = 4  # along M: each warp owns rows_per_cta / 4 rows and every token
+THREADS = 32 * WARPS
+MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16: bf16 A (weights, row) x bf16 B (tokens, col) -> fp32
+TILE_K = 64  # K per pipeline stage: 128-byte rows, one XOR-swizzle atom wide
+PAD = 4  # fp32 partial tile: column stride rows + 4 words keeps the accumulator stores conflict-free
+ACC_VEC = 4  # fp32 partials summed per 128-bit shared::cluster load
+
+
+class InProjGemm:
+    """Compile-time configuration: token tile (tokens padded to a multiple of 16), K, weight
+    rows, output segments, rows per CTA, the K split (= cluster size), pipeline stages."""
+
+    def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
+                 split_k: int = 1, stages: int = 4):
+        if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:
+            raise ValueError(f"token tile {token_tile}: a multiple of 16 in 16..{MAX_TOKENS}")
+        if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or sum(segments) > rows:
+            raise ValueError(f"segments {segments}: 1..{MAX_SEGMENTS} positive sizes summing to at most {rows}")
+        if rows_per_cta % (WARPS * MMA_SHAPE[0]):
+            raise ValueError(f"rows per CTA {rows_per_cta} must be a multiple of {WARPS * MMA_SHAPE[0]}")
+        if split_k not in (1, 2, 4, 8) or rows_per_cta % (split_k * ACC_VEC):
+            raise ValueError(f"split_k {split_k}: 1, 2, 4 or 8 (a portable cluster), dividing the rows per CTA by 4s")
+        if k % (split_k * TILE_K):
+            raise ValueError(f"K {k} is not a multiple of split_k x {TILE_K}")
+        self.tile_n, self.k, self.rows = token_tile, k, rows
+        self.segments = tuple(segments)
+        self.starts = tuple(sum(segments[:i]) for i in range(len(segments)))
+        self.rows_out = sum(segments)
+        if self.rows_out < rows_per_cta:
+            raise ValueError(f"{self.rows_out} rows < {rows_per_cta} rows per CTA")
+        self.tile_m = rows_per_cta
+        self.split_k = split_k
+        self.k_tiles = k // split_k // TILE_K
+        if not 2 <= stages <= self.k_tiles:
+            raise ValueError(f"stages {stages} outside 2..{self.k_tiles} (K tiles per CTA)")
+        self.stages = stages
+        self.row_tiles = -(-self.rows_out // rows_per_cta)
+        self.grid = self.row_tiles * split_k
+        self.slice_m = rows_per_cta // split_k  # rows each CTA of a cluster sums and stores
+        self.w_stage_bytes = rows_per_cta * TILE_K * 2
+        self.x_stage_bytes = token_tile * TILE_K * 2
+        self.partial_bytes = token_tile * (rows_per_cta + PAD) * 4
+        self.smem_bytes = max(stages * (self.w_stage_bytes + self.x_stage_bytes), self.partial_bytes)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
+                 mY2: cute.Tensor | None, mY3: cute.Tensor | None, stream: cuda.CUstream):
+        # K-major tiles in shared memory: 8 rows x 128 bytes per atom, the 16-byte chunks XOR-ed with
+        # the row (Swizzle<3,4,3> on byte addresses), so ldmatrix's 8 row reads hit 8 distinct banks
+        atom = cute.make_layout((8, TILE_K), stride=(TILE_K, 1))
+        sW_layout = cute.tile_to_shape(atom, (self.tile_m, TILE_K, self.stages), (0, 1, 2))
+        sX_layout = cute.tile_to_shape(atom, (self.tile_n, TILE_K, self.stages), (0, 1, 2))
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=BITS)
+        # 8 threads per 128-byte row, 16 rows per pass
+        tiled_g2s = cute.make_tiled_copy_tv(g2s, cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
+                                            cute.make_layout((1, VEC)))
+        # 4 warps along M; N permuted to 16 so one ldmatrix.x4 feeds two n8 MMAs
+        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, MMA_SHAPE),
+                                        cute.make_layout((WARPS, 1, 1)),
+                                        permutation_mnk=(WARPS * MMA_SHAPE[0], 16, MMA_SHAPE[2]))
+        cluster = [self.split_k, 1, 1] if const_expr(self.split_k > 1) else None
+        self.kernel(mX, mW, mY0, mY1, mY2, mY3, sW_layout, sX_layout, tiled_g2s, tiled_mma).launch(
+            grid=[self.grid, 1, 1], block=[THREADS, 1, 1], cluster=cluster, stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
+               mY2: cute.Tensor | None, mY3: cute.Tensor | None, sW_layout: cute.Layout, sX_layout: cute.Layout,
+               tiled_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        C = const_expr(self.split_k)
+        S = const_expr(self.stages)
+        NK = const_expr(self.k_tiles)
+        KB = const_expr(TILE_K // MMA_SHAPE[2])  # 16-K MMA steps per tile
+        BM = const_expr(self.tile_m)
+        tokens = mX.shape[0]
+        rank = bidx % C  # clusters are C consecutive CTAs along x: rank = %cluster_ctarank
+        first = (bidx // C) * BM  # the tile's own rows start here
+        row0 = cutlass.min(first, self.rows_out - BM)  # the last tile reaches back to stay in bounds
+        k0 = rank * (NK * TILE_K)
+
+        # this CTA's W rows and x, K slice cut into (rows, TILE_K, NK) tiles
+        gW = cute.local_tile(cute.domain_offset((row0, k0), mW), (BM, TILE_K), (0, None))
+        gX = cute.local_tile(cute.domain_offset((0, k0), mX), (self.tile_n, TILE_K), (0, None))
+        gW = cute.make_tensor(gW.iterator.align(16), gW.layout)
+        gX = cute.make_tensor(gX.iterator.align(16), gX.layout)
+        cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.tile_n, TILE_K), (0, None))
+
+        smem = SmemAllocator()
+        base = smem.allocate(self.smem_bytes, byte_alignment=1024)
+        swizzle = cute.make_swizzle(3, 4, 3)
+        sW = cute.make_tensor(cute.recast_ptr(base, swizzle, dtype=BFloat16), sW_layout)
+        sX = cute.make_tensor(cute.recast_ptr(base + S * self.w_stage_bytes, swizzle, dtype=BFloat16), sX_layout)
+        # after the main loop the same bytes hold the fp32 partial tile, (rows, tokens), rows contiguous
+        sP = cute.make_tensor(cute.recast_ptr(base, dtype=Float32),
+                              cute.make_layout((BM, self.tile_n), stride=(1, BM + PAD)))
+
+        thr_g2s = tiled_g2s.get_slice(tidx)
+        tWgW = thr_g2s.partition_S(gW)
+        tWsW = thr_g2s.partition_D(sW)
+        tXgX = thr_g2s.partition_S(gX)
+        tXsX = thr_g2s.partition_D(sX)
+        tXcX = thr_g2s.partition_S(cX)
+        XR = const_expr(cute.size(tXgX, mode=[1]))  # x rows per thread and stage
+        x_ok = cute.make_rmem_tensor((XR,), cutlass.Boolean)
+        for j in cutlass.range_constexpr(XR):
+            x_ok[j] = tXcX[0, j, 0, 0][0] < tokens
+
+        # prologue: tiles 0 .. S-2 in flight, their weights first, before the wait (PDL): no kernel
+        # writes W, so their DRAM latency overlaps the previous kernel's tail; x is that kernel's
+        # output, read only after the wait. All of it is commit group 0 (groups complete in order,
+        # so the first fragments wait for every prologue weight tile anyway); groups 1 .. S-2 are
+        # empty and keep group kt = tile kt for the main loop's waits.
+        for s in cutlass.range_constexpr(S - 1):
+            cute.copy(tiled_g2s, tWgW[None, None, None, s], tWsW[None, None, None, s])
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        for j in cutlass.range_constexpr(XR):
+            if x_ok[j]:
+                for s in cutlass.range_constexpr(S - 1):
+                    cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
+        for s in cutlass.range_constexpr(S - 1):
+            cute.arch.cp_async_commit_group()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsW = thr_mma.partition_A(sW)
+        tCsX = thr_mma.partition_B(sX)
+        tCrW = tiled_mma.make_fragment_A(tCsW[None, None, None, 0])
+        tCrX = tiled_mma.make_fragment_B(tCsX[None, None, None, 0])
+        tCsP = thr_mma.partition_C(sP)
+        acc = tiled_mma.make_fragment_C(tCsP)
+        acc.fill(0.0)
+
+        ldm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
+        s2r_W = cute.make_tiled_copy_A(ldm, tiled_mma)
+        s2r_X = cute.make_tiled_copy_B(ldm, tiled_mma)
+        thr_s2r_W = s2r_W.get_slice(tidx)
+        thr_s2r_X = s2r_X.get_slice(tidx)
+        tLsW = thr_s2r_W.partition_S(sW)
+        tLrW = thr_s2r_W.retile(tCrW)
+        tLsX = thr_s2r_X.partition_S(sX)
+        tLrX = thr_s2r_X.retile(tCrX)
+
+        # the first K step's fragments
+        cute.arch.cp_async_wait_group(S - 2)
+        cute.arch.sync_threads()
+        cute.copy(s2r_W, tLsW[None, None, 0, 0], tLrW[None, None, 0])
+        cute.copy(s2r_X, tLsX[None, None, 0, 0], tLrX[None, None, 0])
+
+        read = cutlass.Int32(0)  # stage holding tile kt
+        write = cutlass.Int32(S - 1)  # stage receiving tile kt + S - 1
+        for kt in cutlass.range(NK, unroll=1):
+            for kb in cutlass.range_constexpr(KB):
+                if const_expr(kb == KB - 1):
+                    # tile kt + 1 must be resident (and every warp done with tile kt's last
+                    # fragments, issued one step ago) before its first fragments are read
+                    cute.arch.cp_async_wait_group(S - 2)
+                    cute.arch.sync_threads()
+                nxt = const_expr((kb + 1) % KB)
+                stage = read if const_expr(kb < KB - 1) else (read + 1) % S
+                cute.copy(s2r_W, tLsW[None, None, nxt, stage], tLrW[None, None, nxt])
+                cute.copy(s2r_X, tLsX[None, None, nxt, stage], tLrX[None, None, nxt])
+                if const_expr(kb == 0):
+                    # refill the stage freed by tile kt - 1 (empty groups at the end keep the count)
+                    if kt + (S - 1) < NK:
+                        self.load_tile(tiled_g2s, tWgW, tWsW, tXgX, tXsX, x_ok, kt + (S - 1), write)
+                    cute.arch.cp_async_commit_group()
+                cute.gemm(tiled_mma, acc, tCrW[None, None, kb], tCrX[None, None, kb], acc)
+            write = read
+            read = (read + 1) % S
+
+        # epilogue: partial tile -> shared memory, reduce across the cluster, store bf16
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        cute.autovec_copy(acc, tCsP)
+        if const_expr(C > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        self.reduce_store(sP, mY0, mY1, mY2, mY3, tidx, rank, row0, first, tokens)
+        if const_expr(C > 1):
+            # peers may still be reading this CTA's partials
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    # helpers inlined into the kernel
+    @cute.jit
+    def load_tile(self, tiled_g2s, tWgW, tWsW, tXgX, tXsX, x_ok, kt, stage):
+        """Issue the cp.async copies of K tile ``kt`` (W tile, x rows < T) into ``stage``."""
+        cute.copy(tiled_g2s, tWgW[None, None, None, kt], tWsW[None, None, None, stage])
+        for j in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+            if x_ok[j]:
+                cute.copy(tiled_g2s, tXgX[None, j, None, kt], tXsX[None, j, None, stage])
+
+    @cute.jit
+    def reduce_store(self, sP, mY0, mY1, mY2, mY3, tidx, rank, row0, first, tokens):
+        """Sum rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4 rows per
+        128-bit load) and store them, rounded to bf16, into their output segments; rows below
+        ``first`` (the last tile's overlap) are its neighbour's to store."""
+        C = self.split_k
+        per_token = self.slice_m // ACC_VEC
+        nvec = per_token * self.tile_n
+        outs = (mY0, mY1, mY2, mY3)
+        part = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
+        total = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
+        for j in cutlass.range_constexpr(-(-nvec // THREADS)):
+            v = tidx + j * THREADS
+            t = v // per_token
+            mv = rank * per_token + v % per_token  # 4-row group inside the CTA tile
+            if (const_expr(nvec % THREADS == 0) or v < nvec) and t < tokens:
+                total.fill(0.0)
+                for r in cutlass.range_constexpr(C):
+                    src = sP
+                    if const_expr(C > 1):
+                        src = cute.make_tensor(cute.arch.map_dsmem_ptr(sP.iterator, r), sP.layout)
+                    cute.autovec_copy(cute.local_tile(src, (ACC_VEC, 1), (mv, t)), part)
+                    total.store(total.load() + part.load())
+                for e in cutlass.range_constexpr(ACC_VEC):
+                    n = row0 + mv * ACC_VEC + e
+                    val = total[e, 0].to(BFloat16)
+                    for i in cutlass.range_constexpr(len(self.segments)):
+                        lo = const_expr(self.starts[i])
+                        hi = const_expr(lo + self.segments[i])
+                        if n >= lo and n < hi and n >= first:
+                            outs[i][t, n - lo] = val
+
+
+def build(spec) -> tuple[InProjGemm, tuple]:
+    """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token
+    count is a runtime size up to the token tile)."""
+    s, p = spec.shape_dict, spec.param_dict
+    tile_n, k, n = s["token_tile"], s["k"], s["rows"]
+    segments = tuple(p["segments"])
+    kernel = InProjGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
+                        stages=p["stages"])
+    tokens = cute.sym_int32()
+    # outputs: 2-byte scalar stores, any alignment torch gives a fresh [T, size] tensor
+    ys = [make_fake_tensor(BFloat16, (tokens, size), (size, 1), assumed_align=2) for size in segments]
+    ys += [None] * (MAX_SEGMENTS - len(ys))
+    return kernel, (make_fake_tensor(BFloat16, (tokens, k), (k, 1), assumed_align=16),
+                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys,
+                    make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -1,0 +1,72 @@
+"""``attn_in_proj_gemm``: the packed attention input projection for 2..64 tokens (rule
+``attn_in_proj.large``; one token goes to the GEMV), split into its
+4 outputs (``k3f::kda_in_proj``, ``k3f::mla_in_proj``); one tensor-core (mma.sync) kernel,
+split-K across a thread-block cluster."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from codegen.spec import KernelSpec
+from codegen.launchers.in_proj_gemv import in_proj_launch, in_proj_runtime
+from codegen.template import Template, check_tensors
+
+GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 2, 64  # patterns.attention_projection.SMALL_MAX + 1 .. 64; tried before the GEMV
+GEMM_ROWS_PER_CTA = 128
+GEMM_TILE_K = 64  # codegen/kernels/in_proj_gemm.py: K per pipeline stage
+GEMM_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs fit an SM's 228 KB (sm_90a, sm_100a)
+SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
+
+
+def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str) -> dict[str, Any]:
+    """The GEMM's tiling (not yet measured on the GPU): tokens padded to a multiple of 16;
+    128 weight rows per CTA (x then costs at most half the weight bytes in L2 traffic);
+    the largest K split (cluster of 8, 4, 2 CTAs) that keeps the grid within 1.6 CTAs per SM,
+    so every SM streams weights and the clusters stay resident in one wave (two CTAs per SM
+    by shared memory, less where a GPC's SM count is not a multiple of the cluster); as many
+    pipeline stages (at most 6) as fit two CTAs per SM."""
+    token_tile = -(-tokens // 16) * 16
+    tiles = -(-rows_out // GEMM_ROWS_PER_CTA)
+    k_tiles = k // GEMM_TILE_K
+    limit = int(1.6 * SM_COUNT.get(arch, 132))
+    split = next(c for c in (8, 4, 2, 1)
+                 if k_tiles % c == 0 and k_tiles // c >= 2 and (tiles * c <= limit or c == 1))
+    stage_bytes = (GEMM_ROWS_PER_CTA + token_tile) * GEMM_TILE_K * 2
+    stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
+    return {"rows_per_cta": GEMM_ROWS_PER_CTA, "split_k": split, "stages": stages, "token_tile": token_tile}
+
+
+def _gemm_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
+    x, weight, split_sizes = args
+    if x.dim() != 2 or weight.dim() != 2:
+        return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
+    t, k = x.shape
+    n = weight.shape[0]
+    if not GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
+        return f"{t} tokens outside {GEMM_MIN_TOKENS}..{GEMM_MAX_TOKENS} (the GEMM template)"
+    reason = check_tensors({"x": x, "weight": weight}, torch.bfloat16)
+    if reason:
+        return reason
+    if weight.shape[1] != k:
+        return f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
+        return f"K {k} is not a multiple of {GEMM_TILE_K} of at least two tiles (the pipeline's K tile)"
+    sizes = [int(s) for s in split_sizes]
+    if sum(sizes) != n or len(sizes) < 4 or min(sizes[:4]) < 1 or min(sizes) < 0:
+        return f"split sizes {sizes} must be 4 positive pieces (then padding) summing to the {n} weight rows"
+    rows_out = sum(sizes[:4])
+    if rows_out < GEMM_ROWS_PER_CTA:
+        return f"{rows_out} output rows < {GEMM_ROWS_PER_CTA} (one CTA tile)"
+    tiling = gemm_tiling(t, k, rows_out, arch)
+    return (KernelSpec.make("attn_in_proj_gemm", op, arch,
+                            shapes={"token_tile": tiling.pop("token_tile"), "k": k, "rows": n},
+                            dtypes={"act": "bf16", "weight": "bf16"},
+                            params={"segments": sizes[:4], **tiling}),)
+
+
+TEMPLATE = Template("attn_in_proj_gemm", ("k3f::kda_in_proj", "k3f::mla_in_proj"), _gemm_spec, in_proj_runtime,
+                    in_proj_launch,
+                    doc="packed input projection for 2..64 tokens, split into its 4 outputs; mma.sync GEMM, "
+                        "cp.async pipeline, split-K over a cluster")
