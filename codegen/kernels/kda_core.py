@@ -1,0 +1,336 @@
+"""``kda_core``: the KDA decode core, one CTA per (request, head).
+
+The math is ``rewriter/layers/kda.py:kda_core`` with ``rewriter/ops.py``'s
+``kda_conv_update`` and ``kda_recurrent_step`` (the CPU reference of ``k3f::kda_core``),
+per request ``b`` (slot ``s = state_indices[b]``), head ``h`` and each of its ``q`` tokens
+in order (D = 128 channels per head, P = H * D):
+
+    g1     = bf16(f_a[t] @ f_b_weight[h*D : (h+1)*D]^T)                    (the f_b_proj GEMV)
+    q|k|v  = bf16(silu(<[conv_state[s, c], x[t, c]], conv_weight[c]>))     (width-4 causal conv)
+    conv_state[s, c] = the last 3 inputs                                    (in place)
+    q      = q * rsqrt(|q|^2 + 1e-6) * D^-0.5,  k = k * rsqrt(|k|^2 + 1e-6)
+    g      = lb * sigmoid(e^A_log[h] * (g1 + dt_bias))   (lb = lower_bound; or -e^A softplus(.))
+    S      = S * exp(g)  (per K column);  S += sigmoid(beta[t, h]) * (v - S k) k^T;  o = bf16(S q)
+    out[t] = bf16(o * rsqrt(mean(o^2) + eps) * norm_weight * sigmoid(g_out[t]))
+
+``S`` is ``recurrent_state[s, h]``, fp32 [V = D, K = D], updated in place. A request with a
+negative slot reads and writes no state and its output rows are 0.
+
+Work split: grid (B, H), 512 threads, launched with programmatic dependent launch (PDL).
+Before ``griddepcontrol.wait`` a CTA loads only weights, which no kernel writes: the conv
+taps and, at q = 1, the f_b_proj rows below (at q > 1 holding them too across the state
+loads would spill registers); state_indices, the activations and the states are read, and
+anything written, only after it (``launch_dependents`` follows at once).
+Thread ``i`` owns state row ``v = i // 4`` and, of its 32 128-bit vectors (4 fp32), the 8
+with ``vector % 4 == i % 4``: a warp reads 8 rows x 64 contiguous bytes per load, and the
+64 KB of the head's state are all in flight (8 loads per thread,
+``ld.global.L1::no_allocate``) right after the wait, before the prologue. The prologue:
+- the f_b_proj GEMV: the same (row, quarter) split over the head's 128 x 128 bf16 weight
+  rows (4 streamed 128-bit loads per thread; f_a by ``ld.global.nc.v4``),
+  a 4-lane butterfly (the row's 4 threads all hold g1 then), and exp(g) goes to shared
+  memory;
+- the conv: 48 threads of 8 channels each (16 per q, k, v): the fp32 conv taps (8 streamed
+  128-bit loads, before the wait), the conv state (3 x 128-bit, bf16) and x in 128-bit
+  loads, the tokens in order, the new conv state written back as 3 x 128-bit stores; q and
+  k (warp 0, 16 lanes each) get their L2 norms from a 16-lane butterfly; q, k, v go to
+  shared memory (fp32);
+- sigmoid(beta) per token.
+One barrier, then each thread runs the tokens' delta-rule updates on its registers (two
+4-lane butterflies per token: S k and S q) and writes its row of o (bf16) and, per warp,
+the sum of o^2 over its 8 rows to shared memory. The state goes back with 8 128-bit stores
+per thread; after a second barrier 16 threads per token gate and normalize 8 channels each
+and store them with one 128-bit store.
+"""
+from __future__ import annotations
+
+import operator
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, Int32, const_expr, cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2g_atom, r2s_atom
+
+HEAD_DIM = 128
+CONV_WIDTH = 4
+MAX_Q = 8  # tokens per request: the per-token smem vectors and the output threads (16 per token)
+THREADS = 512  # 4 per state row
+F32_VEC = 4  # fp32 per 128-bit vector
+ROW_VECS = HEAD_DIM // F32_VEC // 4  # state vectors per thread (8)
+CONV_CH = 8  # conv channels per conv thread (3 x 128-bit of bf16 state)
+CONV_THREADS = 3 * HEAD_DIM // CONV_CH  # 48
+OUT_THREADS = HEAD_DIM // VEC  # 16 per token
+QK_EPS = 1e-6  # rewriter.layers.common.l2_normalize
+
+
+class KdaCore:
+    """Compile-time configuration: heads H, tokens per request q, the decay's lower bound
+    (None: the softplus form), the gated norm's eps. head_dim is 128, conv width 4."""
+
+    def __init__(self, heads: int, q_len: int, lower_bound: float | None, eps: float):
+        if heads < 1:
+            raise ValueError(f"heads {heads} must be >= 1")
+        if not 1 <= q_len <= MAX_Q:
+            raise ValueError(f"q_len {q_len} outside 1..{MAX_Q}")
+        self.heads = heads
+        self.proj = heads * HEAD_DIM
+        self.q_len = q_len
+        self.lower_bound = None if lower_bound is None else float(lower_bound)
+        self.eps = float(eps)
+
+    @cute.jit
+    def __call__(self, mQKV: cute.Tensor, mGOut: cute.Tensor, mFa: cute.Tensor, mBeta: cute.Tensor,
+                 mFbW: cute.Tensor, mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+                 mNormW: cute.Tensor, mConvS: cute.Tensor, mState: cute.Tensor, mIdx: cute.Tensor,
+                 mOut: cute.Tensor, stream: cuda.CUstream):
+        self.kernel(mQKV, mGOut, mFa, mBeta, mFbW, mConvW, mALog, mDtBias, mNormW, mConvS, mState, mIdx,
+                    mOut).launch(grid=[mIdx.shape[0], self.heads, 1], block=[THREADS, 1, 1], stream=stream,
+                                 use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, mQKV: cute.Tensor, mGOut: cute.Tensor, mFa: cute.Tensor, mBeta: cute.Tensor,
+               mFbW: cute.Tensor, mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+               mNormW: cute.Tensor, mConvS: cute.Tensor, mState: cute.Tensor, mIdx: cute.Tensor,
+               mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        req, head, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        Q = const_expr(self.q_len)
+        D = const_expr(HEAD_DIM)
+        row = tidx // 4  # state row v; also the GEMV's weight row (channel k of g)
+        part = tidx % 4
+
+        smem = cutlass.memory.SmemAllocator()
+        sG = smem.allocate_tensor(Float32, cute.make_layout((D, Q)), byte_alignment=16)  # exp(g)
+        sQKV = smem.allocate_tensor(Float32, cute.make_layout((D, 3, Q)), byte_alignment=16)  # normalized q, k; v
+        sBeta = smem.allocate_tensor(Float32, cute.make_layout((Q,)), byte_alignment=16)
+        sO = smem.allocate_tensor(BFloat16, cute.make_layout((D, Q)), byte_alignment=16)
+        sSq = smem.allocate_tensor(Float32, cute.make_layout((THREADS // 32, Q)), byte_alignment=16)
+
+        # 0. before the wait (PDL), weights only (no kernel writes them): the conv threads' taps and,
+        # with one token per request (registers allow holding them across the state loads, not
+        # with more), this thread's f_b_proj row quarter. Plain loads, not ld.global.nc: ptxas
+        # sinks those below griddepcontrol.wait, plain ones stay above it
+        n = head * D + row
+        rFbW = cute.make_rmem_tensor((VEC, 4), BFloat16)
+        if const_expr(Q == 1):
+            self.load_fb(mFbW, rFbW, n, part)
+        rConvW = cute.make_rmem_tensor((F32_VEC, CONV_CH), Float32)
+        if tidx < CONV_THREADS:
+            ch0 = self.conv_channel(head, tidx)
+            for c in cutlass.range_constexpr(CONV_CH):
+                cute.copy(g2r_stream_atom(Float32), cute.local_tile(mConvW[ch0 + c, None], (F32_VEC,), (0,)),
+                          rConvW[None, c])
+        # the activations, the states and state_indices are written by earlier kernels (the outputs
+        # may reuse their memory): every read of them and every global write comes after the wait
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        slot = mIdx[req]
+        if slot >= 0:
+            # 1. the head's state rows: every load issued before any other work
+            ld_state = g2r_stream_atom(Float32)
+            gRow = mState[slot, head, row, None]
+            rS = cute.make_rmem_tensor((F32_VEC, ROW_VECS), Float32)
+            for j in cutlass.range_constexpr(ROW_VECS):
+                cute.copy(ld_state, cute.local_tile(gRow, (F32_VEC,), (j * 4 + part,)), rS[None, j])
+
+            # 2. prologue: conv (48 threads), f_b_proj GEMV + decay (all), sigmoid(beta)
+            if tidx < CONV_THREADS:
+                self.conv(mQKV, rConvW, mConvS, sQKV, slot, req, head, tidx, warp)
+            if const_expr(Q > 1):
+                self.load_fb(mFbW, rFbW, n, part)
+            self.gate(mFa, rFbW, mALog, mDtBias, sG, req, head, n, row, part)
+            if tidx < Q:
+                b = mBeta[req * Q + tidx, head].to(Float32)
+                sBeta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
+            cute.arch.barrier()
+
+            # 3. the delta-rule steps of the q tokens on this thread's 32 state values
+            rA = cute.make_rmem_tensor((F32_VEC,), Float32)
+            for j in cutlass.range_constexpr(Q):
+                pred = Float32(0.0)
+                for u in cutlass.range_constexpr(ROW_VECS):
+                    vec = u * 4 + part
+                    cute.autovec_copy(cute.local_tile(sG[None, j], (F32_VEC,), (vec,)), rA)
+                    s = rS[None, u].load() * rA.load()
+                    rS[None, u].store(s)
+                    cute.autovec_copy(cute.local_tile(sQKV[None, 1, j], (F32_VEC,), (vec,)), rA)
+                    pred = pred + (s * rA.load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                pred = cute.arch.warp_reduction(pred, operator.add, threads_in_group=4)
+                delta = (sQKV[row, 2, j] - pred) * sBeta[j]
+                o = Float32(0.0)
+                for u in cutlass.range_constexpr(ROW_VECS):
+                    vec = u * 4 + part
+                    cute.autovec_copy(cute.local_tile(sQKV[None, 1, j], (F32_VEC,), (vec,)), rA)
+                    s = rS[None, u].load() + delta * rA.load()
+                    rS[None, u].store(s)
+                    cute.autovec_copy(cute.local_tile(sQKV[None, 0, j], (F32_VEC,), (vec,)), rA)
+                    o = o + (s * rA.load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                o = cute.arch.warp_reduction(o, operator.add, threads_in_group=4).to(BFloat16)
+                if part == 0:
+                    sO[row, j] = o
+                # sum of o^2 over the warp's 8 rows (lanes of one row hold the same o)
+                of = o.to(Float32)
+                sq = of * of
+                for step in cutlass.range_constexpr(3):
+                    sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=4 << step)
+                if lane == 0:
+                    sSq[warp, j] = sq
+            st_state = r2g_atom(Float32)
+            for u in cutlass.range_constexpr(ROW_VECS):
+                cute.copy(st_state, rS[None, u], cute.local_tile(gRow, (F32_VEC,), (u * 4 + part,)))
+            cute.arch.barrier()
+
+            # 4. sigmoid-gated RMSNorm: 16 threads per token, 8 channels each
+            if tidx < OUT_THREADS * Q:
+                self.gated_norm(mGOut, mNormW, mOut, sO, sSq, req, head, tidx)
+        else:
+            if tidx < OUT_THREADS * Q:
+                rZ = cute.make_rmem_tensor((VEC,), BFloat16)
+                rZ.fill(0.0)
+                c8 = tidx % OUT_THREADS
+                cute.copy(r2g_atom(BFloat16), rZ,
+                          cute.local_tile(mOut[req * Q + tidx // OUT_THREADS, None], (VEC,),
+                                          (head * OUT_THREADS + c8,)))
+
+    # helpers, inlined into the kernel (dynamic ifs allowed: @cute.jit)
+    def conv_channel(self, head, tidx):
+        """The first of conv thread ``tidx``'s 8 global channels: segment ``tidx // 16`` (q, k, v),
+        channels [8c, 8c + 8) of the head, c = ``tidx % 16``."""
+        return tidx // 16 * self.proj + head * HEAD_DIM + tidx % 16 * CONV_CH
+
+    @cute.jit
+    def conv(self, mQKV, rW, mConvS, sQKV, slot, req, head, tidx, warp):
+        """Thread ``tidx`` < 48: channels [8c, 8c + 8) of segment ``seg`` (q, k, v) of the head
+        (conv taps ``rW``, loaded before the wait): the causal conv + SiLU of the q tokens, the
+        conv state written back, q and k L2-normalized (warp 0: lanes 0-15 q, 16-31 k), results
+        to ``sQKV[:, seg, token]``."""
+        Q, D = self.q_len, HEAD_DIM
+        seg = tidx // 16
+        c8 = tidx % 16
+        ch0 = self.conv_channel(head, tidx)  # first global channel
+        # the 8 channels' conv state: 24 contiguous bf16 (channel-major, oldest first)
+        rCS = cute.make_rmem_tensor((VEC, 3), BFloat16)
+        gCS = mConvS[slot, None]
+        for u in cutlass.range_constexpr(3):
+            cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(gCS, (VEC,), (ch0 // CONV_CH * 3 + u,)),
+                      rCS[None, u])
+        rX = cute.make_rmem_tensor((VEC, Q), BFloat16)
+        for j in cutlass.range_constexpr(Q):
+            cute.copy(g2r_atom(BFloat16), cute.local_tile(mQKV[req * Q + j, None], (VEC,), (ch0 // VEC,)),
+                      rX[None, j])
+        window = [[rCS[(3 * c + i) % VEC, (3 * c + i) // VEC] for i in range(3)]
+                  for c in range(CONV_CH)]
+        scale = Float32(1.0)
+        rY = cute.make_rmem_tensor((CONV_CH,), Float32)
+        st_s = r2s_atom(Float32)
+        for j in cutlass.range_constexpr(Q):
+            for c in cutlass.range_constexpr(CONV_CH):
+                x = rX[c, j]
+                w = window[c]
+                acc = w[0].to(Float32) * rW[0, c] + w[1].to(Float32) * rW[1, c]
+                acc = acc + w[2].to(Float32) * rW[2, c] + x.to(Float32) * rW[3, c]
+                silu = acc * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-acc)))
+                rY[c] = silu.to(BFloat16).to(Float32)
+                window[c] = [w[1], w[2], x]
+            if warp == 0:  # q and k: L2 norm over the head's 128 channels (16 lanes x 8)
+                y = rY.load()
+                sq = cute.arch.warp_reduction((y * y).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), operator.add,
+                                              threads_in_group=16)
+                qk_scale = Float32(cutlass.select_(seg == 0, Float32(D ** -0.5), Float32(1.0)))
+                scale = cute.math.rsqrt(sq + Float32(QK_EPS)) * qk_scale
+            rY.store(rY.load() * scale)
+            for half in cutlass.range_constexpr(CONV_CH // F32_VEC):
+                cute.copy(st_s, cute.local_tile(rY, (F32_VEC,), (half,)),
+                          cute.local_tile(sQKV[None, seg, j], (F32_VEC,), (c8 * 2 + half,)))
+        rOut = cute.make_rmem_tensor((VEC, 3), BFloat16)
+        for c in cutlass.range_constexpr(CONV_CH):
+            for i in cutlass.range_constexpr(3):
+                rOut[(3 * c + i) % VEC, (3 * c + i) // VEC] = window[c][i]
+        for u in cutlass.range_constexpr(3):
+            cute.copy(r2g_atom(BFloat16), rOut[None, u], cute.local_tile(gCS, (VEC,), (ch0 // CONV_CH * 3 + u,)))
+
+    def load_fb(self, mFbW, rW, n, part):
+        """This thread's quarter of f_b_proj weight row ``n``: 4 streamed 128-bit loads."""
+        for u in range(4):
+            cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(mFbW[n, None], (VEC,), (u * 4 + part,)), rW[None, u])
+
+    @cute.jit
+    def gate(self, mFa, rW, mALog, mDtBias, sG, req, head, n, row, part):
+        """g1 = f_a @ f_b_weight^T for channel ``row`` of the head (global channel ``n``; 4
+        threads per row, 4 vectors each, ``rW``), rounded to bf16 as the reference's linear is,
+        then exp(decay) into ``sG`` (the row's 4 threads store the same value)."""
+        Q = self.q_len
+        a = cute.math.exp(mALog[head])
+        dt = mDtBias[n]
+        rX = cute.make_rmem_tensor((VEC,), BFloat16)
+        for j in cutlass.range_constexpr(Q):
+            acc = Float32(0.0)
+            for u in cutlass.range_constexpr(4):
+                cute.copy(g2r_atom(BFloat16), cute.local_tile(mFa[req * Q + j, None], (VEC,), (u * 4 + part,)), rX)
+                acc = acc + (rW[None, u].load().to(Float32) * rX.load().to(Float32)).reduce(
+                    cute.ReductionOp.ADD, Float32(0.0), 0)
+            g1 = cute.arch.warp_reduction(acc, operator.add, threads_in_group=4)
+            x = g1.to(BFloat16).to(Float32) + dt
+            if const_expr(self.lower_bound is not None):
+                decay = Float32(self.lower_bound) / (Float32(1.0) + cute.math.exp(-(a * x)))
+            else:  # softplus with torch's threshold 20
+                soft = Float32(cutlass.select_(x > Float32(20.0), x, cute.math.log1p(cute.math.exp(x))))
+                decay = -a * soft
+            sG[row, j] = cute.math.exp(decay)
+
+    @cute.jit
+    def gated_norm(self, mGOut, mNormW, mOut, sO, sSq, req, head, tidx):
+        """Thread ``tidx`` < 16 q: token ``tidx // 16``, channels [8c, 8c + 8):
+        o * rsqrt(mean(o^2) + eps) * norm_weight * sigmoid(g_out), one 128-bit store."""
+        D = HEAD_DIM
+        j = tidx // OUT_THREADS
+        c8 = tidx % OUT_THREADS
+        t = req * self.q_len + j
+        rG = cute.make_rmem_tensor((VEC,), BFloat16)
+        rN = cute.make_rmem_tensor((VEC,), BFloat16)
+        cute.copy(g2r_atom(BFloat16), cute.local_tile(mGOut[t, None], (VEC,), (head * OUT_THREADS + c8,)), rG)
+        cute.copy(g2r_atom(BFloat16), cute.local_tile(mNormW, (VEC,), (c8,)), rN)
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(THREADS // 32):
+            total = total + sSq[w, j]
+        r = cute.math.rsqrt(total * Float32(1.0 / D) + Float32(self.eps))
+        rO = cute.make_rmem_tensor((VEC,), BFloat16)
+        cute.autovec_copy(cute.local_tile(sO[None, j], (VEC,), (c8,)), rO)
+        g = rG.load().to(Float32)
+        gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
+        y = rO.load().to(Float32) * r * rN.load().to(Float32) * gate
+        rY = cute.make_rmem_tensor((VEC,), BFloat16)
+        rY.store(y.to(BFloat16))
+        cute.copy(r2g_atom(BFloat16), rY, cute.local_tile(mOut[t, None], (VEC,), (head * OUT_THREADS + c8,)))
+
+
+def build(spec) -> tuple[KdaCore, tuple]:
+    """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
+    s, p = spec.shape_dict, spec.param_dict
+    h, q = s["heads"], s["q_len"]
+    kernel = KdaCore(h, q, p["lower_bound"], p["eps"])
+    d, pr = HEAD_DIM, h * HEAD_DIM
+    tokens, requests, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()  # runtime sizes
+
+    def t(dtype, shape, stride, align=16):
+        return make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+    args = (t(BFloat16, (tokens, 3 * pr), (3 * pr, 1)),  # mixed_qkv
+            t(BFloat16, (tokens, pr), (pr, 1)),  # g_out
+            t(BFloat16, (tokens, d), (d, 1)),  # f_a
+            t(BFloat16, (tokens, h), (h, 1), 2),  # beta
+            t(BFloat16, (pr, d), (d, 1)),  # f_b_weight
+            t(Float32, (3 * pr, CONV_WIDTH), (CONV_WIDTH, 1)),  # conv_weight [3P, 1, 4] viewed [3P, 4]
+            t(Float32, (h,), (1,), 4),  # A_log
+            t(Float32, (pr,), (1,), 4),  # dt_bias
+            t(BFloat16, (d,), (1,)),  # norm_weight
+            t(BFloat16, (slots, 3 * pr * (CONV_WIDTH - 1)), (3 * pr * (CONV_WIDTH - 1), 1)),  # conv_state, flat
+            t(Float32, (slots, h, d, d), (h * d * d, d * d, d, 1)),  # recurrent_state
+            t(Int32, (requests,), (1,), 4),  # state_indices
+            t(BFloat16, (tokens, pr), (pr, 1)),  # out
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return kernel, args

@@ -1,0 +1,91 @@
+"""``kda_core``: f_b_proj + short conv + gates + delta-rule update + sigmoid-gated RMSNorm
+(``k3f::kda_core``); one kernel, one CTA per (request, head), the tokens of a request in order."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from codegen.spec import KernelSpec
+from codegen.template import Template, aligned, check_tensors, shape_is
+
+KDA_HEAD_DIM = 128  # codegen/kernels/kda_core.py: 4 threads x 32 fp32 per state row, 512 threads
+KDA_CONV_WIDTH = 4
+KDA_MAX_Q = 8  # tokens per request
+
+
+def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
+    if len(args) != 16:
+        return f"{op} takes 16 arguments, got {len(args)}"
+    (mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state, recurrent_state,
+     state_indices, heads, head_dim, lower_bound, eps) = args
+    h, d = int(heads), int(head_dim)
+    if d != KDA_HEAD_DIM:
+        return f"head_dim {d}: the kernel is built for {KDA_HEAD_DIM} (4 threads x 32 state values per row)"
+    if h < 1:
+        return f"heads {h} must be >= 1"
+    reason = (check_tensors({"mixed_qkv": mixed_qkv, "g_out": g_out, "f_a": f_a, "beta": beta,
+                             "f_b_weight": f_b_weight, "norm_weight": norm_weight, "conv_state": conv_state},
+                            torch.bfloat16)
+              or check_tensors({"conv_weight": conv_weight, "a_log": a_log, "dt_bias": dt_bias,
+                                "recurrent_state": recurrent_state}, torch.float32)
+              or check_tensors({"state_indices": state_indices}, torch.int32))
+    if reason:
+        return reason
+    if mixed_qkv.dim() != 2:
+        return f"mixed_qkv must be [tokens, 3 x heads x head_dim], got {tuple(mixed_qkv.shape)}"
+    t, p = mixed_qkv.shape[0], h * d
+    if conv_weight.dim() == 3 and conv_weight.shape[2] != KDA_CONV_WIDTH:
+        return f"conv width {conv_weight.shape[2]}: the kernel takes {KDA_CONV_WIDTH}"
+    if state_indices.dim() != 1:
+        return f"state_indices must be [requests], got {tuple(state_indices.shape)}"
+    b = state_indices.shape[0]
+    if conv_state.dim() != 3 or recurrent_state.dim() != 4:
+        return (f"conv_state must be [slots, 3P, 3] and recurrent_state [slots, H, V, K], got "
+                f"{tuple(conv_state.shape)} and {tuple(recurrent_state.shape)}")
+    slots = conv_state.shape[0]
+    reason = (shape_is("mixed_qkv", mixed_qkv, (t, 3 * p)) or shape_is("g_out", g_out, (t, p))
+              or shape_is("f_a", f_a, (t, d)) or shape_is("beta", beta, (t, h))
+              or shape_is("f_b_weight", f_b_weight, (p, d))
+              or shape_is("conv_weight", conv_weight, (3 * p, 1, KDA_CONV_WIDTH))
+              or shape_is("a_log", a_log, (h,)) or shape_is("dt_bias", dt_bias, (p,))
+              or shape_is("norm_weight", norm_weight, (d,))
+              or shape_is("conv_state", conv_state, (slots, 3 * p, KDA_CONV_WIDTH - 1))
+              or shape_is("recurrent_state", recurrent_state, (slots, h, d, d)))
+    if reason:
+        return reason
+    if recurrent_state.numel() >= 2**31:
+        return f"recurrent_state has {recurrent_state.numel()} elements: the kernel indexes it with 32-bit offsets"
+    if b < 1 or t % b:
+        return f"{t} tokens do not split evenly over {b} requests"
+    q = t // b
+    if not 1 <= q <= KDA_MAX_Q:
+        return f"{q} tokens per request outside 1..{KDA_MAX_Q}"
+    return (KernelSpec.make("kda_core", op, arch, shapes={"heads": h, "head_dim": d, "q_len": q},
+                            dtypes={"act": "bf16", "weight": "bf16", "conv_state": "bf16", "state": "fp32"},
+                            params={"lower_bound": None if lower_bound is None else float(lower_bound),
+                                    "eps": float(eps)}),)
+
+
+def _kda_core_runtime(args: Sequence[Any]) -> str | None:
+    names = ("mixed_qkv", "g_out", "f_a", None, "f_b_weight", "conv_weight", None, None, "norm_weight", "conv_state",
+             "recurrent_state")  # the tensors read or written with 128-bit accesses
+    return aligned({n: a for n, a in zip(names, args) if n})
+
+
+def _kda_core_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (fn,) = fns
+    (mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state, recurrent_state,
+     state_indices) = args[:12]
+    out = out if out is not None else g_out.new_empty(g_out.shape)
+    # flat 2-D views: 128-bit accesses over a channel group's conv state and a channel's taps
+    conv_w = conv_weight.view(conv_weight.shape[0], conv_weight.shape[2])
+    conv_s = conv_state.view(conv_state.shape[0], conv_state.shape[1] * conv_state.shape[2])
+    fn(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_w, a_log, dt_bias, norm_weight, conv_s, recurrent_state,
+       state_indices, out)
+    return out
+
+
+TEMPLATE = Template("kda_core", ("k3f::kda_core",), _kda_core_spec, _kda_core_runtime, _kda_core_launch,
+                    doc="f_b_proj + conv + gates + delta-rule update + gated RMSNorm; one CTA per (request, head)")

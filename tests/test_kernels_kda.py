@@ -1,0 +1,301 @@
+"""The ``kda_core`` template (``k3f::kda_core``): specs and refusals (everywhere), compile and
+PTX checks for sm_90a and sm_100a (with CuTe DSL), and the kernel on a GPU against the op's
+CPU reference (marked ``gpu``; skipped without CUDA or CuTe DSL).
+
+On the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_kda.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+from conftest import pdl_flags
+import torch
+
+import patterns.attention_projection  # noqa: F401  (defines k3f::kda_core)
+import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
+from codegen import bind
+from codegen.cache import KernelCache
+from codegen.templates import spec_for_call, template
+
+HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
+needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
+]
+ARCHS = ("sm_90a", "sm_100a")
+D = 128
+HEADS = {"tp16": 6, "tp8": 12}  # Kimi K3 KDA heads per rank (P = 768, 1536)
+LB = -5.0  # Kimi K3's gate lower bound
+EPS = 1e-5
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def kda_args(heads=6, requests=1, q=1, slots=8, head_dim=D, width=4, lower_bound=LB, tokens=None,
+             dtypes=None, make=meta):
+    """The 16 arguments of ``k3f::kda_core`` (meta tensors unless ``make`` says otherwise)."""
+    p, t = heads * head_dim, requests * q if tokens is None else tokens
+    dt = {"act": torch.bfloat16, "idx": torch.int32, **(dtypes or {})}
+    return (make(t, 3 * p, dtype=dt["act"]), make(t, p), make(t, head_dim), make(t, heads), make(p, head_dim),
+            make(3 * p, 1, width, dtype=torch.float32), make(heads, dtype=torch.float32),
+            make(p, dtype=torch.float32), make(head_dim), make(slots, 3 * p, width - 1),
+            make(slots, heads, head_dim, head_dim, dtype=torch.float32), make(requests, dtype=dt["idx"]),
+            heads, head_dim, lower_bound, EPS)
+
+
+def kda_spec(arch, args):
+    tpl, specs = spec_for_call("k3f::kda_core", arch, args)
+    assert tpl is not None, specs
+    (spec,) = specs
+    return spec
+
+
+# ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
+
+@pytest.mark.parametrize("shape", list(HEADS))
+def test_specs_at_kimi_k3_shapes(shape):
+    h = HEADS[shape]
+    spec = kda_spec("sm_90a", kda_args(heads=h))
+    assert spec.kernel == "kda_core" and spec.op == "k3f::kda_core"
+    assert spec.shape_dict == {"heads": h, "head_dim": D, "q_len": 1}
+    assert spec.param_dict == {"lower_bound": LB, "eps": EPS}
+    assert spec.label() == f"kda_core head_dim=128 heads={h} q_len=1 lower_bound=-5.0 sm_90a"
+    # requests and slots are runtime sizes: one compile serves every batch of q = 1
+    assert kda_spec("sm_90a", kda_args(heads=h, requests=64, slots=300)) == spec
+    assert kda_spec("sm_100a", kda_args(heads=h)) == spec.with_arch("sm_100a")
+    two = kda_spec("sm_90a", kda_args(heads=h, requests=3, q=2))
+    assert two.shape_dict["q_len"] == 2 and two != spec
+    assert kda_spec("sm_90a", kda_args(heads=h, lower_bound=None)).param_dict["lower_bound"] is None
+    assert template("kda_core").ops == ("k3f::kda_core",)
+
+
+def _noncontiguous_conv_state():
+    args = list(kda_args())
+    args[9] = meta(8, 3, 3 * 768).transpose(1, 2)
+    return tuple(args)
+
+
+def _replace(i, value, **kw):
+    args = list(kda_args(**kw))
+    args[i] = value
+    return tuple(args)
+
+
+@pytest.mark.parametrize("args,reason", [
+    (kda_args(heads=8, head_dim=16), "head_dim 16: the kernel is built for 128"),  # the tiny preset
+    (kda_args(dtypes={"act": torch.float32}), "mixed_qkv is fp32; the template is bf16 only"),
+    (kda_args(dtypes={"idx": torch.int64}), "state_indices is int64; the template is int32 only"),
+    (_noncontiguous_conv_state(), "conv_state is not contiguous"),
+    (kda_args(width=3), "conv width 3: the kernel takes 4"),
+    (kda_args(requests=3, tokens=4), "4 tokens do not split evenly over 3 requests"),
+    (kda_args(requests=2, q=9), "9 tokens per request outside 1..8"),
+    (_replace(4, meta(768, 64)), "f_b_weight must be [768, 128]"),
+    (_replace(10, meta(8, 6, 128, 64, dtype=torch.float32)), "recurrent_state must be [8, 6, 128, 128]"),
+    (_replace(6, meta(6)), "a_log is bf16; the template is fp32 only"),
+    (kda_args(slots=30000), "32-bit offsets"),
+])
+def test_refusals_say_why(args, reason):
+    tpl, why = spec_for_call("k3f::kda_core", "sm_90a", args)
+    assert tpl is None and reason in why, why
+
+
+def test_launcher_declines_cpu_tensors():
+    launcher = bind.TemplateLauncher("kda_core", arch="sm_90a")
+    args = kda_args(make=lambda *s, dtype=torch.bfloat16: torch.zeros(*s, dtype=dtype))
+    assert launcher(*args) is NotImplemented
+    assert any("CUDA" in r for r in bind.stats()["k3f::kda_core"])
+
+
+# ---------------------------------------------------------------- compile-only (CuTe DSL)
+
+COMPILES = {  # name -> (arch, heads, q, lower_bound)
+    **{("tp16_q1", a): (a, 6, 1, LB) for a in ARCHS},
+    ("tp8_q4_unbounded", "sm_90a"): ("sm_90a", 12, 4, None),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    from codegen.compiler import clear_memory_cache, compile_kernel
+
+    clear_memory_cache()
+    cache = KernelCache(tmp_path_factory.mktemp("kda-kernel-cache"))
+    return {key: compile_kernel(kda_spec(arch, kda_args(heads=h, requests=2, q=q, lower_bound=lb)), cache=cache)
+            for key, (arch, h, q, lb) in COMPILES.items()}
+
+
+def _count(ptx: str, instr: str) -> int:
+    return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(instr)}", ptx, re.MULTILINE))
+
+
+def _count128(ptx: str, op: str) -> int:
+    """128-bit accesses ``op`` (``st.global``, ``ld.shared``...): 4 x b32, or 2 x b64 as sm_100a writes fp32 ones."""
+    return _count(ptx, f"{op}.v4.b32") + _count(ptx, f"{op}.v2.b64")
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("key", list(COMPILES))
+def test_kda_core_ptx(compiled, key):
+    k = compiled[key]
+    arch, _, q, lb = COMPILES[key]
+    ptx = k.ptx
+    assert f".target {arch}" in ptx and k.cache == "miss" and k.obj
+    assert ".reqntid 512, 1, 1" in ptx  # 4 threads per state row: at most 128 registers each
+    # streamed: the head's fp32 state (8 x 128-bit per thread), the f_b_proj rows (4 per thread) and
+    # the conv taps (8 fp32 rows per conv thread)
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8
+    # PDL: weights (the conv taps; the f_b_proj rows at q = 1) are all that comes before
+    # griddepcontrol.wait; launch_dependents right after it, both once
+    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
+    before, after = ptx.split("griddepcontrol.wait;")
+    assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + (4 if q == 1 else 0)
+    assert _count(before, "ld.global.b32") == 0 and _count(before, "ld.global.nc") == 0
+    assert _count(before, "ld.global.v4") == 0 and _count(before, "st.") == 0
+    assert "griddepcontrol.launch_dependents" in after
+    # read-only 128-bit: x per token (conv threads), f_a per token (4 vectors), g_out and
+    # norm_weight (output threads)
+    assert _count(ptx, "ld.global.nc.v4.b32") == q + 4 * q + 2
+    assert _count(ptx, "ld.global.v4.b32") == 3  # the conv state (coherent: it is written back)
+    # state, conv state, the output (and the zero rows of a skipped request), all 128-bit
+    assert _count128(ptx, "st.global") == 8 + 3 + 1 + 1
+    # per token: GEMV row sums (2), q/k norms (4), S k and S q (2 + 2), sum of o^2 over 8 rows (3)
+    assert _count(ptx, "shfl.sync.bfly.b32") == 13 * q
+    assert _count(ptx, "bar.sync") == 2
+    assert _count128(ptx, "st.shared") == 2 * q  # conv outputs (fp32) staged per token
+    assert _count128(ptx, "ld.shared") >= 3 * 8 * q  # exp(g), k, q vectors per token
+    assert _count(ptx, "fma.rn.f32") >= 2 * 32 * q  # the rank-1 update and S q (fp32)
+    if lb is not None:  # exps: A_log, beta, 2 per decay and 8 SiLU per token, 8 output gates
+        assert _count(ptx, "ex2.approx") == 10 + 10 * q
+    else:
+        assert len(re.findall(r"setp.gt.f32\s+%p\d+, %r\d+, 0f41A00000;", ptx)) == q  # softplus: x > 20
+    assert _count(ptx, "ld.global.b16") == 1 and _count(ptx, "ld.global.b32") == 3  # beta; slot, A_log, dt_bias
+    assert "st.global.b16" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_cutedsl
+def test_kda_core_launches_with_pdl(compiled):
+    assert pdl_flags(compiled["tp16_q1", "sm_90a"].spec) == [1]
+
+
+# ---------------------------------------------------------------- on the GPU (marked gpu)
+
+TOL = 1e-2  # bf16 outputs
+STATE_TOL = 1e-3  # the fp32 recurrent state
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.double().cpu(), expected.double().cpu()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def kda_inputs(heads, requests, q, gen, lower_bound=LB, skip=()):
+    """CPU inputs with realistic magnitudes (gates away from saturation), ``requests`` random
+    distinct slots out of ``requests + 3`` (``skip``: requests given slot -1), every slot no
+    request uses filled with NaN (the kernel must neither read nor write it)."""
+    p, t, slots = heads * D, requests * q, requests + 3
+
+    def rnd(*shape, scale=1.0, shift=0.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
+
+    idx = torch.randperm(slots, generator=gen)[:requests].to(torch.int32)
+    for r in skip:
+        idx[r] = -1
+    conv_state = rnd(slots, 3 * p, 3)
+    state = rnd(slots, heads, D, D, scale=0.1, dtype=torch.float32)
+    unused = torch.ones(slots, dtype=torch.bool)
+    unused[idx[idx >= 0].long()] = False
+    conv_state[unused] = float("nan")
+    state[unused] = float("nan")
+    return (rnd(t, 3 * p), rnd(t, p), rnd(t, D), rnd(t, heads), rnd(p, D, scale=0.05),
+            rnd(3 * p, 1, 4, scale=0.3, dtype=torch.float32), rnd(heads, scale=0.2, dtype=torch.float32),
+            rnd(p, scale=0.5, shift=-3.0, dtype=torch.float32), rnd(D, scale=0.1, shift=1.0), conv_state, state, idx,
+            heads, D, lower_bound, EPS), unused
+
+
+def reference(cpu):
+    """The op's CPU reference on copies of the states: (out, conv_state, recurrent_state)."""
+    args = list(cpu)
+    args[9], args[10] = cpu[9].clone(), cpu[10].clone()
+    out = torch.ops.k3f.kda_core(*args)
+    return out, args[9], args[10]
+
+
+def check(out, conv_state, state, ref, unused, idx, q):
+    ref_out, ref_conv, ref_state = ref
+    used = ~unused
+    assert out.shape == ref_out.shape and torch.isfinite(out).all()
+    assert rel_err(out, ref_out) <= TOL
+    skipped = (idx < 0).repeat_interleave(q)
+    assert (out.cpu()[skipped] == 0).all()  # a request without a slot: rows of 0
+    conv_state, state = conv_state.cpu(), state.cpu()
+    assert torch.equal(conv_state[used], ref_conv[used])  # the last 3 inputs, bf16: exact
+    assert rel_err(state[used], ref_state[used]) <= STATE_TOL
+    assert conv_state[unused].isnan().all() and state[unused].isnan().all()  # no other slot touched
+
+
+def arch() -> str:
+    a = bind.device_arch()
+    if a is None:
+        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
+    return a
+
+
+class TestKdaCoreOnGpu:
+    pytestmark = GPU
+
+    @pytest.mark.parametrize("requests,q,skip,lower_bound", [
+        (1, 1, (), LB),
+        (5, 1, (3,), LB),  # a padding request (slot -1) in the middle
+        (64, 1, (), LB),
+        (3, 2, (0,), LB),
+        (4, 4, (), LB),
+        (2, 8, (), LB),
+        (4, 1, (), None),  # the unbounded (softplus) decay
+    ])
+    @pytest.mark.parametrize("shape", list(HEADS))
+    def test_kda_core(self, shape, requests, q, skip, lower_bound):
+        from codegen.compiler import compile_kernel
+
+        heads = HEADS[shape]
+        gen = torch.Generator().manual_seed(1000 * heads + 10 * requests + q)
+        cpu, unused = kda_inputs(heads, requests, q, gen, lower_bound, skip)
+        ref = reference(cpu)
+        gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+        tpl, specs = spec_for_call("k3f::kda_core", arch(), gpu)
+        assert tpl is not None, specs
+        assert tpl.runtime_check(gpu) is None
+        fns = tuple(compile_kernel(s).load() for s in specs)
+        out = torch.full_like(gpu[1], float("nan"))
+        assert tpl.launch(fns, specs, gpu, out=out) is out
+        torch.cuda.synchronize()
+        check(out, gpu[9], gpu[10], ref, unused, cpu[11], q)
+
+    def test_op_dispatches_to_the_kernel_and_replays_in_a_cuda_graph(self):
+        bind.install_cuda_kernels()
+        gen = torch.Generator().manual_seed(11)
+        cpu, unused = kda_inputs(HEADS["tp16"], 4, 1, gen, skip=(2,))
+        ref = reference(cpu)
+        gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+        conv0, state0 = gpu[9].clone(), gpu[10].clone()
+        before = bind.stats().get("k3f::kda_core", {}).get("kernel", 0)
+        out = torch.ops.k3f.kda_core(*gpu)  # compiles and loads outside the capture
+        torch.cuda.synchronize()
+        assert bind.stats()["k3f::kda_core"]["kernel"] == before + 1
+        check(out, gpu[9], gpu[10], ref, unused, cpu[11], 1)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch.ops.k3f.kda_core(*gpu)
+        gpu[9].copy_(conv0)
+        gpu[10].copy_(state0)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, gpu[9], gpu[10], ref, unused, cpu[11], 1)
+        assert bind.stats()["k3f::kda_core"]["kernel"] == before + 2
