@@ -1,0 +1,273 @@
+"""``gemv``: the skinny GEMV of the fused ops that are a projection with extras
+(``k3f::router_down``, ``k3f::latent_tail``, ``k3f::o_proj_attn_res``), 1..64 tokens.
+
+Computes ``y[t, n] = <x[t], W[n]>`` (bf16 x and W, fp32 accumulation) with compile-time
+options:
+- two weights: rows ``0..N0`` from ``W0``, then ``N1`` rows from ``W1`` (two separate
+  tensors, e.g. row slices of the router gate and of the down projection), each segment
+  written to its own output in its own dtype (fp32 or bf16);
+- an RMSNorm prologue: ``x_n = bf16(x * rsqrt(mean(x^2) + eps) * norm_weight)`` per token,
+  in fp32 as ``rewriter/layers/common.py:rms_norm``; each CTA computes it from the whole x
+  row and stages ``x_n`` in shared memory;
+- a residual epilogue: ``y = bf16(bf16(acc) + r[t, n])`` (a bf16 linear, then a bf16 add).
+x and r may have a row stride other than their width (views of a wider tensor).
+
+Work split (decode is bound by reading W once from HBM):
+- a row group of ``rows_per_warp`` rows is owned by ``ksplit`` warps of a CTA, each taking
+  a contiguous K slice of ``S = K / 256 / ksplit`` 128-bit vectors per lane (a warp reads
+  512 contiguous bytes of a row per vector step); ``warps_per_cta / ksplit`` groups per CTA;
+- each lane issues all ``rows_per_warp x S`` weight loads of its slice at once
+  (``ld.global.L1::no_allocate.L2::256B.v4``) and keeps them in registers for the whole
+  kernel: W is read from HBM once, however many tokens there are;
+- tokens are processed in chunks of at most 8 (the fp32 accumulators, ``rows x chunk``
+  per lane, stay in registers); x is read with ``ld.global.nc.v4`` (a chunk, at most 8 x
+  14 KB, stays in L1) or, with the norm prologue, from shared memory (``ld.shared.v4``);
+- per (row, token) a 5-step ``shfl.sync.bfly`` butterfly sums the lanes; with ``ksplit > 1``
+  the warps' partial sums meet in shared memory (one barrier); one lane per (row, token)
+  applies the epilogue and stores;
+- the norm prologue (per chunk): every thread stages its x vectors in shared memory and sums
+  their squares (butterfly, then one barrier across warps), then normalizes them in place
+  (one more barrier before the GEMV reads them).
+
+Programmatic dependent launch: the kernel is launched with PDL and issues its weight loads
+(weights are never written by the layer) before ``griddepcontrol.wait``, so their DRAM latency
+overlaps the previous kernel's tail; x, the norm weight, the residual and the outputs come
+after the wait, which is followed at once by ``griddepcontrol.launch_dependents``.
+"""
+from __future__ import annotations
+
+import operator
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, Int64, const_expr, cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
+
+MAX_TOKENS = 64
+MAX_CHUNK = 8
+MAX_SLICE = 16  # weight vectors per lane and row held in registers
+DTYPES = {"fp32": Float32, "bf16": BFloat16}
+
+
+class Gemv:
+    """Compile-time configuration: tokens, K, the two segments' rows and output dtypes, the
+    norm prologue (eps), the residual epilogue, x / r row strides, the token chunk and the
+    tiling (rows per warp, warps per CTA, K slices per row group)."""
+
+    def __init__(self, tokens: int, k: int, rows0: int, rows1: int = 0, *, out0: str = "bf16", out1: str = "bf16",
+                 norm: bool = False, eps: float = 1e-6, residual: bool = False, x_stride: int | None = None,
+                 r_stride: int | None = None, chunk: int = MAX_CHUNK, rows_per_warp: int = 1,
+                 warps_per_cta: int = 4, ksplit: int = 1):
+        if not 1 <= tokens <= MAX_TOKENS:
+            raise ValueError(f"tokens {tokens} outside 1..{MAX_TOKENS}")
+        if not 1 <= chunk <= min(MAX_CHUNK, tokens):
+            raise ValueError(f"token chunk {chunk} outside 1..{min(MAX_CHUNK, tokens)}")
+        if k % (VEC * 32 * ksplit):
+            raise ValueError(f"K {k} is not {ksplit} slices of whole 128-bit vectors per lane")
+        if warps_per_cta % ksplit:
+            raise ValueError(f"{warps_per_cta} warps per CTA do not split into groups of {ksplit}")
+        if rows0 < 1 or rows1 < 0:
+            raise ValueError(f"rows {rows0} + {rows1}: the first weight needs rows")
+        self.tokens, self.k, self.rows0, self.rows1 = tokens, k, rows0, rows1
+        self.rows = rows0 + rows1
+        self.out0, self.out1 = DTYPES[out0], DTYPES[out1]
+        self.norm, self.eps, self.residual = norm, float(eps), residual
+        self.x_stride = x_stride or k
+        self.r_stride = r_stride or self.rows
+        self.chunk = chunk
+        self.num_chunks = -(-tokens // chunk)
+        self.padded = self.num_chunks * chunk != tokens  # the last chunk re-reads token T-1, stores nothing for it
+        self.rows_per_warp, self.warps_per_cta, self.ksplit = rows_per_warp, warps_per_cta, ksplit
+        self.slice = k // VEC // 32 // ksplit
+        if self.slice > MAX_SLICE:
+            raise ValueError(f"{self.slice} vectors per lane and row exceed {MAX_SLICE} (use more K slices)")
+        self.groups = warps_per_cta // ksplit
+        self.threads = 32 * warps_per_cta
+        self.grid = -(-self.rows // (self.groups * rows_per_warp))
+        if rows_per_warp * chunk > 32:
+            raise ValueError("rows_per_warp x chunk must fit in a warp (one storing lane each)")
+        self.x_vectors = k // VEC  # norm prologue: vectors per x row, spread over the CTA
+        self.x_per_thread = -(-self.x_vectors // self.threads)
+        self.x_even = self.x_vectors % self.threads == 0
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor | None, mNormW: cute.Tensor | None,
+                 mR: cute.Tensor | None, mY0: cute.Tensor, mY1: cute.Tensor | None, stream: cuda.CUstream):
+        self.kernel(mX, mW0, mW1, mNormW, mR, mY0, mY1).launch(
+            grid=[self.grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor | None, mNormW: cute.Tensor | None,
+               mR: cute.Tensor | None, mY0: cute.Tensor, mY1: cute.Tensor | None):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        T = const_expr(self.tokens)
+        TC = const_expr(self.chunk)
+        R = const_expr(self.rows_per_warp)
+        S = const_expr(self.slice)
+        KS = const_expr(self.ksplit)
+        N = const_expr(self.rows)
+        N0 = const_expr(self.rows0)
+        ld_w = g2r_stream_atom(BFloat16)
+        ld_x = g2r_atom(BFloat16)
+        st_s = r2s_atom(BFloat16)
+
+        group = warp // KS
+        ks = warp % KS
+        first = (bidx * self.groups + group) * R
+
+        smem = cutlass.memory.SmemAllocator()
+        if const_expr(KS > 1):
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((KS, self.groups, R, TC)), byte_alignment=16)
+        if const_expr(self.norm):
+            sX = smem.allocate_tensor(BFloat16, cute.make_layout((TC, self.k), stride=(self.k, 1)),
+                                      byte_alignment=16)
+            sSq = smem.allocate_tensor(Float32, cute.make_layout((TC, self.warps_per_cta)), byte_alignment=16)
+
+        # this warp's weight slice: R rows x S vectors per lane, loaded once, kept for every chunk;
+        # a row past the end (last CTA) re-reads the last row and stores nothing
+        rW = cute.make_rmem_tensor((VEC, S, R), BFloat16)
+        for r in cutlass.range_constexpr(R):
+            n = cutlass.min(first + r, N - 1)
+            if const_expr(self.rows1 > 0):
+                # two weights: the row's address from whichever tensor holds it
+                a0 = mW0.iterator.toint() + Int64(cutlass.min(n, N0 - 1)) * (self.k * 2)
+                a1 = mW1.iterator.toint() + Int64(cutlass.max(n - N0, 0)) * (self.k * 2)
+                addr = Int64(cutlass.select_(n < N0, a0, a1))
+                gRow = cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16),
+                                        cute.make_layout(self.k))
+            else:
+                gRow = mW0[n, None]
+            for s in cutlass.range_constexpr(S):
+                v = (ks * S + s) * 32 + lane
+                cute.copy(ld_w, cute.local_tile(gRow, (VEC,), (v,)), rW[None, s, r])
+
+        # PDL: the weight loads above are in flight while the previous kernel finishes; x, the
+        # residual and every output are touched only after its writes are visible
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        rX = cute.make_rmem_tensor((VEC,), BFloat16)
+        rAcc = cute.make_rmem_tensor((R, TC), Float32)
+        rOut = cute.make_rmem_tensor((R, TC), Float32)
+        for ch in cutlass.range(self.num_chunks, unroll=1):
+            base = ch * TC
+            if const_expr(self.norm):
+                # RMSNorm prologue: x staged in shared memory (each thread its own vectors) with
+                # per-token sums of squares over the whole row, reduced over the CTA ...
+                rSq = cute.make_rmem_tensor((TC,), Float32)
+                rSq.fill(0.0)
+                for t in cutlass.range_constexpr(TC):
+                    gX = mX[self.x_row(base, t), None]
+                    for j in cutlass.range_constexpr(self.x_per_thread):
+                        v = tidx + j * self.threads
+                        if const_expr(self.x_even) or v < self.x_vectors:
+                            cute.copy(ld_x, cute.local_tile(gX, (VEC,), (v,)), rX)
+                            cute.copy(st_s, rX, cute.local_tile(sX[t, None], (VEC,), (v,)))
+                            xf = rX.load().to(Float32)
+                            rSq[t] = rSq[t] + (xf * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                for t in cutlass.range_constexpr(TC):
+                    sq = cute.arch.warp_reduction(rSq[t], operator.add)
+                    if lane == 0:
+                        sSq[t, warp] = sq
+                cute.arch.barrier()
+                rInv = cute.make_rmem_tensor((TC,), Float32)
+                for t in cutlass.range_constexpr(TC):
+                    sq = Float32(0.0)
+                    for w in cutlass.range_constexpr(self.warps_per_cta):
+                        sq = sq + sSq[t, w]
+                    rInv[t] = cute.math.rsqrt(sq / Float32(self.k) + Float32(self.eps))
+                # ... then x_n = bf16((x * inv_rms) * norm_weight), in place (no register holds x across)
+                rNw = cute.make_rmem_tensor((VEC,), BFloat16)
+                for j in cutlass.range_constexpr(self.x_per_thread):
+                    v = tidx + j * self.threads
+                    if const_expr(self.x_even) or v < self.x_vectors:
+                        cute.copy(ld_x, cute.local_tile(mNormW, (VEC,), (v,)), rNw)
+                        nw = rNw.load().to(Float32)
+                        for t in cutlass.range_constexpr(TC):
+                            sXv = cute.local_tile(sX[t, None], (VEC,), (v,))
+                            cute.autovec_copy(sXv, rX)
+                            rX.store(((rX.load().to(Float32) * rInv[t]) * nw).to(BFloat16))
+                            cute.copy(st_s, rX, sXv)
+                cute.arch.barrier()
+
+            # rAcc[r, t] = this lane's share of <W[row r], x[token t]> over the warp's K slice (fp32)
+            rAcc.fill(0.0)
+            for s in cutlass.range_constexpr(S):
+                v = (ks * S + s) * 32 + lane
+                w = [rW[None, s, r].load().to(Float32) for r in range(R)]
+                for t in cutlass.range_constexpr(TC):
+                    if const_expr(self.norm):
+                        cute.autovec_copy(cute.local_tile(sX[t, None], (VEC,), (v,)), rX)
+                    else:
+                        cute.copy(ld_x, cute.local_tile(mX[self.x_row(base, t), None], (VEC,), (v,)), rX)
+                    xf = rX.load().to(Float32)
+                    for r in cutlass.range_constexpr(R):
+                        rAcc[r, t] = rAcc[r, t] + (w[r] * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+            # sums over the warp (butterfly), then over the K slices (shared memory)
+            for r in cutlass.range_constexpr(R):
+                for t in cutlass.range_constexpr(TC):
+                    rOut[r, t] = cute.arch.warp_reduction(rAcc[r, t], operator.add)
+            if const_expr(KS > 1):
+                if lane == 0:
+                    for r in cutlass.range_constexpr(R):
+                        for t in cutlass.range_constexpr(TC):
+                            sRed[ks, group, r, t] = rOut[r, t]
+                cute.arch.barrier()
+                for r in cutlass.range_constexpr(R):
+                    for t in cutlass.range_constexpr(TC):
+                        total = sRed[0, group, r, t]
+                        for q in cutlass.range_constexpr(1, KS):
+                            total = total + sRed[q, group, r, t]
+                        rOut[r, t] = total
+
+            # epilogue: lane r * TC + t (of the first K slice's warp) stores (row r, token t)
+            for r in cutlass.range_constexpr(R):
+                n = first + r
+                for t in cutlass.range_constexpr(TC):
+                    tg = base + t
+                    if lane == r * TC + t and ks == 0 and n < N and tg < T:
+                        val = rOut[r, t]
+                        if const_expr(self.residual):
+                            val = val.to(BFloat16).to(Float32) + mR[tg, n].to(Float32)
+                        if const_expr(self.rows1 > 0):
+                            if n < N0:
+                                mY0[tg, n] = val.to(self.out0)
+                            else:
+                                mY1[tg, n - N0] = val.to(self.out1)
+                        else:
+                            mY0[tg, n] = val.to(self.out0)
+            if const_expr(self.num_chunks > 1 and (KS > 1 or self.norm)):
+                cute.arch.barrier()  # shared memory is reused by the next chunk
+
+    def x_row(self, base, t):
+        """The x row of token ``t`` of the chunk at ``base`` (trace-time helper): a padded last
+        chunk re-reads token T-1 for its empty slots."""
+        return cutlass.min(base + t, self.tokens - 1) if self.padded else base + t
+
+
+def build(spec) -> tuple[Gemv, tuple]:
+    """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
+    s, d, p = spec.shape_dict, spec.dtype_dict, spec.param_dict
+    t, k, n0, n1 = s["tokens"], s["k"], s["rows0"], s["rows1"]
+    kernel = Gemv(t, k, n0, n1, out0=d["out0"], out1=d.get("out1", "bf16"), norm=p["norm"], eps=p.get("eps", 1e-6),
+                  residual=p["residual"], x_stride=p["x_stride"], r_stride=p.get("r_stride"), chunk=p["chunk"],
+                  rows_per_warp=p["rows_per_warp"], warps_per_cta=p["warps_per_cta"], ksplit=p["ksplit"])
+
+    def weight(rows):
+        return make_fake_tensor(BFloat16, (rows, k), (k, 1), assumed_align=16)
+
+    def out(dtype, cols):  # scalar stores: any alignment torch gives a fresh [T, cols] tensor
+        return make_fake_tensor(DTYPES[dtype], (t, cols), (cols, 1), assumed_align=DTYPES[dtype].width // 8)
+
+    x = make_fake_tensor(BFloat16, (t, k), (kernel.x_stride, 1), assumed_align=16)
+    norm_w = make_fake_tensor(BFloat16, (k,), (1,), assumed_align=16) if kernel.norm else None
+    res = make_fake_tensor(BFloat16, (t, kernel.rows), (kernel.r_stride, 1), assumed_align=2) if kernel.residual \
+        else None
+    return kernel, (x, weight(n0), weight(n1) if n1 else None, norm_w, res, out(d["out0"], n0),
+                    out(d["out1"], n1) if n1 else None, make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -1,0 +1,61 @@
+"""``latent_tail``: the MoE tail (``k3f::latent_tail``): at TP > 1 the all-reduce of [routed |
+shared] partials as the reference does it, then one skinny GEMV: ``routed_expert_norm`` as its
+prologue, ``routed_expert_up_proj``, and the shared add as its epilogue."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rewriter import ops
+from codegen.launchers.router_down import GEMV_MAX_TOKENS, gemv_spec
+from codegen.spec import KernelSpec
+from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
+
+
+def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    routed, shared, norm_weight, up_weight, latent, hidden, _, tp, eps = args
+    if routed.dim() != 2:
+        return f"routed must be [tokens, {latent}], got {tuple(routed.shape)}"
+    t = routed.shape[0]
+    named = {"norm_weight": norm_weight, "up_weight": up_weight}
+    if not ops.reduces(tp):  # read in place; at TP > 1 the kernel reads views of the all-reduced [routed | shared]
+        named.update(routed=routed, shared=shared)
+    reason = check_tensors(named, torch.bfloat16)
+    if reason:
+        return reason
+    for name, tensor in (("routed", routed), ("shared", shared)):
+        if tensor.dtype != torch.bfloat16:
+            return f"{name} is {dtype_name(tensor.dtype)}; the template is bf16 only"
+    reason = (shape_is("routed", routed, (t, latent)) or shape_is("shared", shared, (t, hidden))
+              or shape_is("norm_weight", norm_weight, (latent,)) or shape_is("up_weight", up_weight, (hidden, latent)))
+    if reason:
+        return reason
+    stride = latent + hidden if ops.reduces(tp) else None
+    spec = gemv_spec(op, arch, tokens=t, k=latent, rows0=hidden, out0="bf16", x_stride=stride or latent, norm=True,
+                     eps=eps, residual=True, r_stride=stride or hidden)
+    return spec if isinstance(spec, str) else (spec,)
+
+
+def _latent_tail_runtime(args: Sequence[Any]) -> str | None:
+    routed, _, norm_weight, up_weight = args[:4]
+    tp = args[7]
+    return aligned({"routed": None if ops.reduces(tp) else routed, "norm_weight": norm_weight, "up_weight": up_weight})
+
+
+def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (fn,) = fns
+    routed, shared, norm_weight, up_weight, latent, hidden, group, tp, _ = args
+    if ops.reduces(tp):
+        reduced = torch.ops.k3.all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
+        routed, shared = reduced.split([latent, hidden], dim=-1)
+    y = out if out is not None else shared.new_empty((shared.shape[0], hidden))
+    fn(routed, up_weight, None, norm_weight, shared, y, None)
+    return y
+
+
+TEMPLATE = Template("latent_tail", ("k3f::latent_tail",), _latent_tail_spec, _latent_tail_runtime,
+                    _latent_tail_launch,
+                    doc=f"[routed | shared] all-reduce (TP > 1), then RMSNorm + up projection + shared add, "
+                        f"1..{GEMV_MAX_TOKENS} tokens: one skinny GEMV")

@@ -1,0 +1,521 @@
+"""The skinny ``gemv`` kernel and its three templates: ``router_down_gemv`` (``k3f::router_down``),
+``latent_tail`` (``k3f::latent_tail``) and ``o_proj_all_reduce_attn_res`` (``k3f::o_proj_attn_res``).
+
+Three layers, like the other kernels: specs, refusals and the launchers' plumbing (with
+stand-in kernels that check what the compiled ones check) from CPU tensors (everywhere); the
+kernel compiled for sm_90a and sm_100a with its PTX checked (needs CuTe DSL); the kernels run
+on a GPU against the ``k3f::`` CPU references (marked ``gpu``, skipped without CUDA).
+On the GPU machine: ``python -m pytest -q tests/test_kernels_gemv.py`` (or ``-m gpu``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import patterns.moe
+import patterns.output_projection
+import patterns.router  # with the two above: defines the k3f ops used here
+import rewriter.ops
+from codegen import bind
+from codegen.cache import KernelCache
+from codegen.kernels import KERNELS, source_files
+from codegen.launchers.router_down import gemv_tiling, token_chunk
+from codegen.templates import spec_for_call, template
+from rewriter.layers.attn_res import attn_res
+from rewriter.layers.common import rms_norm
+
+HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
+needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
+GPU_MARKS = (
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
+)
+
+
+def on_gpu(test):
+    """Marked ``gpu``, skipped without CUDA or CuTe DSL (only these tests: the rest run everywhere)."""
+    for mark in GPU_MARKS:
+        test = mark(test)
+    return test
+
+
+D, E, L = 7168, 896, 3584  # Kimi K3: hidden, routed experts, MoE latent
+EPS = 1e-5
+O_IN = {16: 768, 8: 1536}  # o_proj input width per rank
+TOKENS = (1, 2, 5, 8, 13, 64)
+TOL, LOGIT_TOL = 1e-2, 1e-4  # bf16 results; the router's fp32 logits
+ARCHS = ("sm_90a", "sm_100a")
+GROUP = "tp"
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def router_args(tokens=1, tp=16, rank=0, make=meta):
+    return (make(tokens, D), make(E, D), make(L, D), GROUP, tp, rank)
+
+
+def tail_args(tokens=1, tp=16, make=meta):
+    return (make(tokens, L), make(tokens, D), make(L), make(D, L), L, D, GROUP, tp, EPS)
+
+
+def o_proj_args(tokens=1, tp=16, prefix=True, num_blocks=2, make=meta):
+    return (make(tokens, O_IN[tp]), make(D, O_IN[tp]), make(tokens, D) if prefix else None, make(tokens, 8, D),
+            make(D), make(D), make(D), GROUP, tp, num_blocks, EPS)
+
+
+def specs_of(op, args, arch="sm_90a"):
+    tpl, specs = spec_for_call(op, arch, args)
+    assert tpl is not None, specs
+    return tpl, specs
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.double().cpu(), expected.double().cpu()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
+
+def test_registered():
+    assert template("router_down_gemv").ops == ("k3f::router_down",)
+    assert template("latent_tail").ops == ("k3f::latent_tail",)
+    assert template("o_proj_all_reduce_attn_res").ops == ("k3f::o_proj_attn_res",)
+    assert KERNELS["gemv"][0] == "gemv" and all(p.is_file() for p in source_files("gemv"))
+
+
+def test_token_chunks_and_tiling():
+    # chunks of at most 8 tokens, as equal as possible
+    assert [token_chunk(t) for t in (1, 5, 8, 9, 13, 16, 17, 64)] == [1, 5, 8, 5, 7, 8, 6, 8]
+    # K slices so that a lane holds <= 8 vectors per row and ~1024 warps stream
+    assert gemv_tiling(1, D, 280) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 4}
+    assert gemv_tiling(8, D, 560) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 4}
+    assert gemv_tiling(8, D, 4480) == {"rows_per_warp": 2, "warps_per_cta": 4, "ksplit": 4}
+    assert gemv_tiling(8, L, D, norm=True) == {"rows_per_warp": 2, "warps_per_cta": 8, "ksplit": 2}
+    assert gemv_tiling(1, 768, D) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 1}
+    assert gemv_tiling(5, 1536, D) == {"rows_per_warp": 2, "warps_per_cta": 4, "ksplit": 1}
+    assert gemv_tiling(1, D, 100)["ksplit"] == 7  # few rows: more K slices
+    assert "vectors per lane" in gemv_tiling(1, 256 * 17 * 2, 4096)  # no slice of <= 16 vectors
+
+
+@pytest.mark.parametrize("tp,gate_rows,down_rows", [(16, 56, 224), (8, 112, 448), (1, E, L)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_router_down_spec(tp, gate_rows, down_rows, tokens):
+    for rank in {0, tp - 1}:
+        _, (spec,) = specs_of("k3f::router_down", router_args(tokens, tp, rank))
+        assert spec.kernel == "gemv" and spec.op == "k3f::router_down"
+        assert spec.shape_dict == {"tokens": tokens, "k": D, "rows0": gate_rows, "rows1": down_rows}
+        assert spec.dtype_dict == {"act": "bf16", "weight": "bf16", "out0": "fp32", "out1": "bf16"}
+        p = spec.param_dict
+        assert not p["norm"] and not p["residual"] and p["x_stride"] == D and p["chunk"] == token_chunk(tokens)
+        assert p["ksplit"] == 4 and p["rows_per_warp"] == (2 if tp == 1 and tokens >= 4 else 1)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_latent_tail_spec(tokens):
+    _, (spec,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=16))
+    assert spec.shape_dict == {"tokens": tokens, "k": L, "rows0": D, "rows1": 0}
+    p = spec.param_dict
+    # at TP > 1 the kernel reads views of the all-reduced [routed | shared]: row stride L + D
+    assert p["norm"] and p["residual"] and p["eps"] == EPS and p["x_stride"] == p["r_stride"] == L + D
+    assert spec == specs_of("k3f::latent_tail", tail_args(tokens, tp=8))[1][0]  # the tail is not sharded
+    (tp1,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=1))[1]
+    assert tp1.param_dict["x_stride"] == L and tp1.param_dict["r_stride"] == D
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_o_proj_specs(tp, prefix):
+    _, (gemv, res) = specs_of("k3f::o_proj_attn_res", o_proj_args(5, tp, prefix, num_blocks=3))
+    assert gemv.kernel == "gemv" and gemv.shape_dict == {"tokens": 5, "k": O_IN[tp], "rows0": D, "rows1": 0}
+    assert gemv.dtype_dict["out0"] == "bf16" and gemv.param_dict["ksplit"] == 1
+    assert res.kernel == "attn_res_norm" and res.op == "k3f::o_proj_attn_res"
+    # a given prefix gets attn as its delta; without one attn is the new block's prefix (no delta)
+    assert res.param_dict == {"num_blocks": 3, "write_idx": -1, "has_delta": prefix, "eps": EPS}
+
+
+@pytest.mark.parametrize("op,args,reason", [
+    ("k3f::router_down", router_args(tokens=65), "65 tokens outside 1..64"),
+    ("k3f::router_down", (meta(1, D, dtype=torch.float32), *router_args()[1:]), "x is fp32"),
+    ("k3f::router_down", (meta(1, D), meta(D, E).t(), *router_args()[2:]), "gate_weight is not contiguous"),
+    ("k3f::router_down", router_args(tp=16, rank=16), "rank 16 outside 0..15"),
+    ("k3f::router_down", router_args(tp=3), "TP 3 does not divide"),
+    ("k3f::router_down", (meta(1, 7000), meta(E, 7000), meta(L, 7000), GROUP, 8, 0), "not a multiple of 256"),
+    ("k3f::router_down", (meta(1, D), meta(E, D - 256), meta(L, D), GROUP, 8, 0), "do not match x"),
+    ("k3f::latent_tail", tail_args(tokens=65), "65 tokens outside 1..64"),
+    ("k3f::latent_tail", (*tail_args()[:2], meta(D), *tail_args()[3:]), f"norm_weight must be [{L}]"),
+    ("k3f::latent_tail", (*tail_args()[:3], meta(D, L, dtype=torch.float16), *tail_args()[4:]),
+     "up_weight is fp16"),
+    ("k3f::latent_tail", (meta(2, 2 * L)[:, :L], *tail_args(2, tp=1)[1:]), "routed is not contiguous"),
+    ("k3f::latent_tail", (meta(1, L, dtype=torch.float32), *tail_args()[1:]), "routed is fp32"),
+    ("k3f::o_proj_attn_res", o_proj_args(tokens=65), "65 tokens outside 1..64"),
+    ("k3f::o_proj_attn_res", (meta(1, 700), meta(D, 700), *o_proj_args()[2:]), "not a multiple of 256"),
+    ("k3f::o_proj_attn_res", o_proj_args(num_blocks=9), "attn_res_norm stage: num_blocks 9"),
+    ("k3f::o_proj_attn_res", (meta(1, 768), meta(D, 768, dtype=torch.float32), *o_proj_args()[2:]),
+     "weight is fp32"),
+])
+def test_refusals(op, args, reason):
+    tpl, why = spec_for_call(op, "sm_90a", args)
+    assert tpl is None and reason in why, why
+
+
+# ---------------------------------------------------------------- the launchers' plumbing, on the CPU
+
+def stand_in_gemv(spec):
+    """The ``gemv`` kernel in torch, checking the shapes and strides the compiled one checks."""
+    s, p, d = spec.shape_dict, spec.param_dict, spec.dtype_dict
+    t, k, n0, n1 = s["tokens"], s["k"], s["rows0"], s["rows1"]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+    def fn(x, w0, w1, norm_w, r, y0, y1):
+        assert x.shape == (t, k) and x.stride() == (p["x_stride"], 1)
+        assert w0.shape == (n0, k) and w0.is_contiguous() and y0.shape == (t, n0) and y0.is_contiguous()
+        assert y0.dtype == dtypes[d["out0"]]
+        assert (w1 is None) == (y1 is None) == (n1 == 0) and (norm_w is None) != p["norm"]
+        assert (r is None) != p["residual"]
+        if n1:
+            assert w1.shape == (n1, k) and w1.is_contiguous() and y1.shape == (t, n1) and y1.dtype == dtypes[d["out1"]]
+        if p["residual"]:
+            assert r.shape == (t, n0 + n1) and r.stride() == (p["r_stride"], 1)
+        xn = rms_norm(x, norm_w, p["eps"]) if p["norm"] else x
+        acc = xn.float() @ torch.cat([w0, w1] if n1 else [w0]).float().t()
+        if p["residual"]:
+            acc = acc.to(torch.bfloat16) + r
+        y0.copy_(acc[:, :n0])
+        if n1:
+            y1.copy_(acc[:, n0:])
+    return fn
+
+
+def stand_in_attn_res(spec):
+    def fn(prefix, delta, blocks, norm_w, qk_w, out_w, x, new_prefix):
+        assert (delta is not None) == spec.param_dict["has_delta"] and blocks.shape[1:] == (8, D)
+        mix, p, _ = attn_res(prefix, delta, blocks, norm_w, qk_w, out_w, spec.param_dict["num_blocks"], -1, EPS, EPS)
+        x.copy_(mix)
+        new_prefix.copy_(p)
+    return fn
+
+
+def stand_ins(specs):
+    return tuple(stand_in_gemv(s) if s.kernel == "gemv" else stand_in_attn_res(s) for s in specs)
+
+
+def rnd(*shape, gen, scale=1.0, shift=0.0):
+    return (torch.randn(*shape, generator=gen) * scale + shift).to(torch.bfloat16)
+
+
+def router_inputs(tokens, gen):
+    return rnd(tokens, D, gen=gen), rnd(E, D, gen=gen, scale=0.02), rnd(L, D, gen=gen, scale=0.02)
+
+
+def tail_inputs(tokens, gen):
+    return (rnd(tokens, L, gen=gen), rnd(tokens, D, gen=gen), rnd(L, gen=gen, scale=0.1, shift=1.0),
+            rnd(D, L, gen=gen, scale=0.02))
+
+
+def o_proj_inputs(tokens, tp, prefix, gen):
+    """o, weight, prefix, blocks and the three AttnRes weights (the delta keeps the scale of the prefix)."""
+    return (rnd(tokens, O_IN[tp], gen=gen), rnd(D, O_IN[tp], gen=gen, scale=0.05),
+            rnd(tokens, D, gen=gen) if prefix else None, rnd(tokens, 8, D, gen=gen),
+            rnd(D, gen=gen, scale=0.1, shift=1.0), rnd(D, gen=gen, scale=0.02), rnd(D, gen=gen, scale=0.1, shift=1.0))
+
+
+@pytest.fixture
+def fake_collectives(monkeypatch):
+    """TP > 1 on one process: the all-reduce doubles (as if a second rank held the same partial),
+    the gather repeats this rank's part (``patterns.router`` holds its own reference to it)."""
+    def gather(x, group, world_size):
+        return x if world_size == 1 else torch.cat([x] * world_size, dim=-1)
+
+    monkeypatch.setattr(torch.ops.k3, "all_reduce", lambda x, group, world_size: x * world_size)
+    monkeypatch.setattr(rewriter.ops, "gather_last_dim", gather)
+    monkeypatch.setattr(patterns.router, "gather_last_dim", gather)
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (16, 3), (8, 7)])
+def test_router_down_launch_plumbing(fake_collectives, tp, rank):
+    gen = torch.Generator().manual_seed(tp * 100 + rank)
+    args = (*router_inputs(3, gen), GROUP, tp, rank)
+    tpl, specs = specs_of("k3f::router_down", args)
+    assert tpl.runtime_check(args) is None
+    logits, latent = tpl.launch(stand_ins(specs), specs, args)
+    ref_logits, ref_latent = torch.ops.k3f.router_down(*args)
+    assert logits.dtype == torch.float32 and logits.shape == ref_logits.shape == (3, E)
+    assert latent.dtype == torch.bfloat16 and latent.shape == ref_latent.shape == (3, L)
+    assert rel_err(logits, ref_logits) <= LOGIT_TOL and rel_err(latent, ref_latent) <= TOL
+
+
+@pytest.mark.parametrize("tp", [1, 16])
+def test_latent_tail_launch_plumbing(fake_collectives, tp):
+    gen = torch.Generator().manual_seed(tp)
+    args = (*tail_inputs(13, gen), L, D, GROUP, tp, EPS)
+    tpl, specs = specs_of("k3f::latent_tail", args)
+    assert tpl.runtime_check(args) is None
+    y = tpl.launch(stand_ins(specs), specs, args)
+    assert rel_err(y, torch.ops.k3f.latent_tail(*args)) <= TOL
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_o_proj_launch_plumbing(fake_collectives, tp, prefix):
+    gen = torch.Generator().manual_seed(tp + prefix)
+    o, w, p, blocks, nw, qw, ow = o_proj_inputs(5, tp, prefix, gen)
+    args = (o, w, p, blocks, nw, qw, ow, GROUP, tp, 2, EPS)
+    tpl, specs = specs_of("k3f::o_proj_attn_res", args)
+    assert tpl.runtime_check(args) is None
+    x, new_prefix = tpl.launch(stand_ins(specs), specs, args)
+    ref_x, ref_prefix = torch.ops.k3f.o_proj_attn_res(*args)
+    assert rel_err(x, ref_x) <= TOL and rel_err(new_prefix, ref_prefix) <= TOL
+
+
+# ---------------------------------------------------------------- compile-only (CuTe DSL)
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Router (TP 16, 1 token), latent tail (TP 16, 13 tokens: 2 chunks of 7, one padded slot)
+    and o_proj (TP 16, 1 token, both stages), for sm_90a and sm_100a."""
+    from codegen.compiler import clear_memory_cache, compile_kernel
+
+    cache = KernelCache(tmp_path_factory.mktemp("gemv-kernel-cache"))
+    clear_memory_cache()
+    out = {}
+    for arch in ARCHS:
+        for name, op, args in (("router", "k3f::router_down", router_args(1, 16, 0)),
+                               ("tail", "k3f::latent_tail", tail_args(13, 16)),
+                               ("o_proj", "k3f::o_proj_attn_res", o_proj_args(1, 16, prefix=False))):
+            _, specs = specs_of(op, args, arch)
+            out[name, arch] = [compile_kernel(s, cache=cache) for s in specs]
+    return out
+
+
+def _count(ptx: str, instr: str) -> int:
+    return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(instr)}", ptx, re.MULTILINE))
+
+
+STREAM = "ld.global.L1::no_allocate.L2::256B.v4.b32"
+
+
+def _common_ptx(k, arch):
+    ptx = k.ptx
+    assert f".target {arch}" in ptx and k.obj and k.cache == "miss"
+    assert "ld.local" not in ptx and "st.local" not in ptx  # accumulators and weights stay in registers
+    assert "ld.global.b32" not in ptx and "ld.global.nc.b16" not in ptx  # no scalar x / W loads
+    _check_pdl(ptx)
+    return ptx
+
+
+def _check_pdl(ptx: str):
+    """Programmatic dependent launch: one wait, then at once one trigger; before the wait the
+    weight loads (all of them: they are issued up front) and no other global access, no store.
+    (The launch attribute itself is host code, not in the PTX.)"""
+    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    gap = after.split("griddepcontrol.launch_dependents", 1)[0].splitlines()
+    assert all(line.strip() in ("", ";") or line.strip().startswith("//") for line in gap)  # nothing between
+    assert _count(before, STREAM) >= 1 and _count(after, STREAM) == 0
+    assert _count(before, "ld.global") == _count(before, STREAM)  # x, norm weight, residual: after the wait
+    assert _count(before, "st.") == 0 and _count(before, "bar.sync") == 0
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_router_ptx(compiled, arch):
+    (k,) = compiled["router", arch]
+    ptx, p = _common_ptx(k, arch), k.spec.param_dict
+    s = D // 256 // p["ksplit"]  # 7 vectors per lane: the whole slice in flight at once
+    assert p["ksplit"] == 4 and p["rows_per_warp"] == 1
+    assert _count(ptx, STREAM) == s  # W streamed once, 128-bit
+    assert _count(ptx, "ld.global.nc.v4.b32") == s  # x: read-only path, 128-bit
+    assert _count(ptx, "fma.rn.f32") == 8 * s  # fp32 accumulation
+    assert _count(ptx, "shfl.sync.bfly.b32") == 5  # one butterfly
+    assert _count(ptx, "bar.sync") == 1  # the K slices meet in shared memory
+    assert "selp.b64" in ptx  # the row's weight: gate or down projection
+    assert _count(ptx, "st.global.b32") == 1 and _count(ptx, "st.global.b16") == 1  # fp32 logits, bf16 latent
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_latent_tail_ptx(compiled, arch):
+    (k,) = compiled["tail", arch]
+    ptx, p = _common_ptx(k, arch), k.spec.param_dict
+    tc, r = p["chunk"], p["rows_per_warp"]
+    s = L // 256 // p["ksplit"]
+    per_thread = -(-(L // 8) // (32 * p["warps_per_cta"]))  # x vectors per thread in the norm prologue
+    assert (tc, r, p["ksplit"]) == (7, 2, 2)
+    assert _count(ptx, STREAM) == r * s  # loaded once, before the chunk loop
+    assert _count(ptx, "ld.global.nc.v4.b32") == tc * per_thread + per_thread  # x once, norm weight once
+    assert _count(ptx, "st.shared.v4.b32") == 2 * tc * per_thread  # x staged, then normalized in place
+    assert _count(ptx, "ld.shared.v4.b32") >= tc * per_thread + tc * s  # normalize + the GEMV's x
+    assert _count(ptx, "rsqrt.approx") == tc
+    assert _count(ptx, "shfl.sync.bfly.b32") == 5 * (tc + r * tc)  # norm sums + (row, token) sums
+    assert _count(ptx, "bar.sync") == 4  # norm sums, x_n staged, K slices, chunk end
+    assert _count(ptx, "ld.global.b16") == r * tc and _count(ptx, "st.global.b16") == r * tc  # residual, y
+    assert _count(ptx, "fma.rn.f32") >= 8 * s * tc * r
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_o_proj_ptx(compiled, arch):
+    gemv, res = compiled["o_proj", arch]
+    ptx = _common_ptx(gemv, arch)
+    s = O_IN[16] // 256
+    assert _count(ptx, STREAM) == s and _count(ptx, "ld.global.nc.v4.b32") == s
+    assert _count(ptx, "shfl.sync.bfly.b32") == 5 and _count(ptx, "st.global.b16") == 1
+    assert "bar.sync" not in ptx and "ld.shared" not in ptx and "st.shared" not in ptx  # one warp per row
+    assert res.spec.kernel == "attn_res_norm" and f".target {arch}" in res.ptx
+
+
+@needs_cutedsl
+def test_launch_asks_for_pdl(tmp_path):
+    """The host side of programmatic dependent launch, which the PTX cannot show: CuTe DSL's IR
+    of the launch (dumped by a fresh process, as ``CUTE_DSL_KEEP`` is read at import) sets the
+    launch's programmatic stream serialization flag."""
+    _, (spec, _) = specs_of("k3f::o_proj_attn_res", o_proj_args(1, 16, prefix=False))
+    code = ("import json, sys\nfrom codegen.cache import KernelCache\nfrom codegen.compiler import compile_kernel\n"
+            "from codegen.spec import KernelSpec\ns = json.loads(sys.argv[1])\n"
+            "compile_kernel(KernelSpec.make(s['kernel'], s['op'], s['arch'], shapes=s['shapes'], dtypes=s['dtypes'], "
+            "params=s['params']), cache=KernelCache(sys.argv[2]))")
+    env = dict(os.environ, CUTE_DSL_KEEP="ir", CUTE_DSL_DUMP_DIR=str(tmp_path / "ir"))
+    subprocess.run([sys.executable, "-c", code, json.dumps(spec.to_json()), str(tmp_path / "cache")],
+                   cwd=Path(__file__).resolve().parents[1], env=env, check=True, capture_output=True)
+    ir = "".join(p.read_text() for p in (tmp_path / "ir").glob("*.mlir"))
+    assert re.search(r"programmatic_stream_serialization_allowed\[%\w+\] %c1_i32", ir)
+
+
+# ---------------------------------------------------------------- on the GPU
+
+def arch() -> str:
+    a = bind.device_arch()
+    if a is None:
+        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
+    return a
+
+
+def compiled_fns(op, args):
+    from codegen.compiler import compile_kernel
+
+    tpl, specs = specs_of(op, args, arch())
+    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
+
+
+def cuda(args):
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def nan(*shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+@pytest.fixture
+def identity_gather(monkeypatch):
+    """TP > 1 on one GPU: no gather, so the op returns this rank's parts (the kernel's work)."""
+    def gather(x, group, world_size):
+        return x
+
+    monkeypatch.setattr(rewriter.ops, "gather_last_dim", gather)
+    monkeypatch.setattr(patterns.router, "gather_last_dim", gather)
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("tp,ranks", [(1, (0,)), (16, (0, 3, 15)), (8, (0, 7))])
+def test_router_down_gpu(identity_gather, tokens, tp, ranks):
+    """tp 1: the full weights; tp 16 / 8: this rank's rows (gate 56 / 112, down 224 / 448), gather mocked."""
+    gen = torch.Generator().manual_seed(1000 * tp + tokens)
+    cpu = router_inputs(tokens, gen)
+    for rank in ranks:
+        args = (*cpu, GROUP, tp, rank)
+        ref_logits, ref_latent = torch.ops.k3f.router_down(*args)
+        gpu = cuda(args)
+        tpl, specs, fns = compiled_fns("k3f::router_down", gpu)
+        assert tpl.runtime_check(gpu) is None
+        out = (nan(tokens, E // tp, dtype=torch.float32), nan(tokens, L // tp))
+        logits, latent = tpl.launch(fns, specs, gpu, out=out)
+        torch.cuda.synchronize()
+        assert logits.shape == ref_logits.shape and latent.shape == ref_latent.shape
+        assert torch.isfinite(logits).all() and torch.isfinite(latent).all()
+        assert rel_err(logits, ref_logits) <= LOGIT_TOL and rel_err(latent, ref_latent) <= TOL
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("tp", [1, 16])
+def test_latent_tail_gpu(monkeypatch, tokens, tp):
+    """tp 1: routed and shared read in place; tp 16 (the all-reduce mocked as the identity, on
+    both sides): the kernel reads row-strided views of the reduced [routed | shared]."""
+    if tp > 1:
+        monkeypatch.setattr(torch.ops.k3, "all_reduce", lambda x, group, world_size: x.clone())
+    gen = torch.Generator().manual_seed(10 * tokens + tp)
+    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS)
+    ref = torch.ops.k3f.latent_tail(*args)
+    gpu = cuda(args)
+    tpl, specs, fns = compiled_fns("k3f::latent_tail", gpu)
+    assert tpl.runtime_check(gpu) is None
+    y = tpl.launch(fns, specs, gpu, out=nan(tokens, D))
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("tp", [16, 8])
+def test_o_proj_attn_res_gpu(tokens, tp):
+    """TP 16 / 8 shapes on one GPU (tp = 1: no all-reduce); prefix given or not by token count."""
+    prefix = tokens % 2 == 1
+    gen = torch.Generator().manual_seed(100 * tokens + tp)
+    o, w, p, blocks, nw, qw, ow = o_proj_inputs(tokens, tp, prefix, gen)
+    args = (o, w, p, blocks, nw, qw, ow, GROUP, 1, 3, EPS)
+    ref_x, ref_prefix = torch.ops.k3f.o_proj_attn_res(*args)
+    gpu = cuda(args)
+    tpl, specs, fns = compiled_fns("k3f::o_proj_attn_res", gpu)
+    assert tpl.runtime_check(gpu) is None
+    # the GEMV stage alone (its output is the launcher's intermediate)
+    attn = nan(tokens, D)
+    fns[0](gpu[0], gpu[1], None, None, None, attn, None)
+    torch.cuda.synchronize()
+    assert torch.isfinite(attn).all() and rel_err(attn, torch.nn.functional.linear(o, w)) <= TOL
+    x, new_prefix = tpl.launch(fns, specs, gpu, out=(nan(tokens, D), nan(tokens, D)))
+    torch.cuda.synchronize()
+    assert torch.isfinite(x).all() and torch.isfinite(new_prefix).all()
+    assert rel_err(x, ref_x) <= TOL and rel_err(new_prefix, ref_prefix) <= TOL
+    assert torch.equal(gpu[3].cpu(), blocks)  # no block write
+
+
+@on_gpu
+def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
+    bind.install_cuda_kernels()
+    gen = torch.Generator().manual_seed(5)
+    calls = {
+        "router_down": (*router_inputs(5, gen), GROUP, 1, 0),
+        "latent_tail": (*tail_inputs(5, gen), L, D, GROUP, 1, EPS),
+        "o_proj_attn_res": (*o_proj_inputs(5, 16, True, gen), GROUP, 1, 2, EPS),
+    }
+    for name, args in calls.items():
+        op = getattr(torch.ops.k3f, name)
+        refs = op(*args)
+        refs = refs if isinstance(refs, tuple) else (refs,)
+        gpu = cuda(args)
+        before = bind.stats().get(f"k3f::{name}", {}).get("kernel", 0)
+        op(*gpu)  # compiles and loads outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = op(*gpu)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        for y in outs:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bind.stats()[f"k3f::{name}"]["kernel"] == before + 2, bind.stats()[f"k3f::{name}"]
+        tol = [LOGIT_TOL, TOL] if name == "router_down" else [TOL] * len(refs)
+        for y, ref, t in zip(outs, refs, tol):
+            assert y.shape == ref.shape and torch.isfinite(y).all() and rel_err(y, ref) <= t, name
