@@ -1,0 +1,185 @@
+"""The MoE experts: ``routed_experts_grouped`` (``k3f::routed_experts``) and ``shared_experts``
+(``k3f::shared_experts``), 1..64 tokens; two kernels each: ``expert_up`` (gate/up projection
+and activation into a bf16 scratch [T, k, I]) then ``expert_down`` (down projection and the
+routing-weighted fp32 sum), because the down projection needs an expert's whole activation.
+The shared experts are the same kernels with one expert, one slot and weight 1."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from codegen.spec import KernelSpec
+from codegen.template import Template, aligned, check_tensors, shape_is
+
+EXPERTS_MAX_TOKENS = 64  # decode batches; larger ones want a grouped GEMM
+MAX_CHUNK = 8  # tokens per chunk: fp32 accumulators per row and lane (codegen/kernels/expert_up.py, expert_down.py)
+ROUTED_ROWS_LANES = 8  # lanes sharing one w2 row in the routed down projection
+SHARED_ROW_LANES = 16  # lanes sharing one down_weight row in the shared down projection
+MAX_LOADS = 16  # 128-bit weight loads a lane of the routed down projection keeps in flight
+MAX_SLICES = 16  # warps sharing a channel along L in the up projection
+
+
+def _slices(latent: int, cap: int = 7) -> int:
+    """Warps sharing a channel along L (``k_slices``) in the up projection: the fewest that
+    leave a lane at most ``cap`` 128-bit vectors per row (2 at L = 3584, 4 at 7168: 7 each);
+    a lane loads its whole slice at once and keeps it in registers."""
+    vec_per_lane = latent // 256
+    return min(d for d in range(1, vec_per_lane + 1) if vec_per_lane % d == 0 and vec_per_lane // d <= cap)
+
+
+def _act_params(beta: Any, linear_beta: Any) -> dict[str, Any] | str:
+    for name, v in (("beta", beta), ("linear_beta", linear_beta)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            return f"{name} must be a float or None, got {v!r}"
+    return {"beta": None if beta is None else float(beta),
+            "linear_beta": None if beta is None or linear_beta is None else float(linear_beta)}
+
+
+def _common_refusal(t: int, name: str, k_dim: int) -> str | None:
+    if not 1 <= t <= EXPERTS_MAX_TOKENS:
+        return f"{t} tokens outside 1..{EXPERTS_MAX_TOKENS} (the experts GEMV; larger batches need a grouped GEMM)"
+    if k_dim % 256 or not k_dim:
+        return f"{name} {k_dim} is not a multiple of 256 (one 128-bit vector per lane)"
+    if _slices(k_dim) > MAX_SLICES:
+        return (f"{name} {k_dim}: its {k_dim // 256} vectors per lane do not split into at most {MAX_SLICES} "
+                "warps of <= 7")
+    return None
+
+
+def routed_tiling(top_k: int, latent: int, inter: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(up, down) tiling of the routed experts. Up: 4 warps per CTA, L split over
+    ``_slices`` of them (2 channels per CTA, 2 warps of 7 vectors per lane and row at L =
+    3584: 14 loads in flight). Down: 8 lanes per w2 row (4 rows per warp), the k slots over
+    the fewest warps that leave a lane at most 16 weight loads (4 warps of 4 experts x 4
+    vectors at I = 256, 8 warps of 2 x 6 at I = 384), all of them in flight at once."""
+    slices = _slices(latent)
+    up = {"routed": True, "channels_per_warp": 1, "warps_per_cta": slices * max(1, 4 // slices), "k_slices": slices,
+          "chunk": 1}
+    vec = inter // 8 // ROUTED_ROWS_LANES
+    warps = [w for w in range(1, min(top_k, 32) + 1) if top_k % w == 0]
+    slot_warps = next((w for w in warps if top_k // w * vec <= MAX_LOADS), warps[-1])
+    per_warp = top_k // slot_warps
+    step = max(s for s in range(1, per_warp + 1) if per_warp % s == 0 and s * vec <= max(MAX_LOADS, vec))
+    down = {"routed": True, "lanes_per_row": ROUTED_ROWS_LANES, "rows_per_lane": 1, "slot_warps": slot_warps,
+            "row_warps": 1, "slots_per_step": step, "chunk": 1}
+    return up, down
+
+
+def shared_tiling(tokens: int, hidden: int, inter: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(up, down) tiling of the shared experts: tokens in chunks of up to 8, each lane's
+    weights loaded once (before the PDL wait) and held in registers across the chunks. Up:
+    one channel per CTA, H split over ``_slices`` warps (4 warps of 7 vectors per lane and
+    row at H = 7168: 384 CTAs with their whole 28 KB in flight at Is = 384); with one slice,
+    as many channels (warps) per CTA as keep >= 264 CTAs. Down: 16 lanes per row, 2 rows
+    per lane, 4 warps per CTA (16 rows)."""
+    chunk = min(tokens, MAX_CHUNK)
+    slices = _slices(hidden)
+    warps = slices if slices > 1 else next(w for w in (4, 2, 1) if inter % w == 0 and inter // w >= 264 or w == 1)
+    up = {"routed": False, "channels_per_warp": 1, "warps_per_cta": warps, "k_slices": slices, "chunk": chunk}
+    down = {"routed": False, "lanes_per_row": SHARED_ROW_LANES, "rows_per_lane": 2, "slot_warps": 1, "row_warps": 4,
+            "slots_per_step": 1, "chunk": chunk}
+    return up, down
+
+
+def _routed_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    x, weights, ids, w13, w2, beta, linear_beta = args
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or weights.dim() != 2 or ids.dim() != 2:
+        return (f"x [T, L], weights and ids [T, k], w13 [E, 2I, L], w2 [E, L, I] expected, got "
+                f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(ids.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    t, latent = x.shape
+    e, two_i, _ = w13.shape
+    k = ids.shape[1]
+    inter = two_i // 2
+    reason = (check_tensors({"x": x, "w13": w13, "w2": w2}, torch.bfloat16)
+              or check_tensors({"weights": weights}, torch.float32)
+              or check_tensors({"ids": ids}, torch.int64)
+              or shape_is("w13", w13, (e, 2 * inter, latent)) or shape_is("w2", w2, (e, latent, inter))
+              or shape_is("weights", weights, (t, k)) or shape_is("ids", ids, (t, k))
+              or _common_refusal(t, "L", latent))
+    if reason:
+        return reason
+    if not 1 <= k <= e:
+        return f"top_k {k} outside 1..{e} experts"
+    if inter % (8 * ROUTED_ROWS_LANES):
+        return f"I {inter} is not a multiple of {8 * ROUTED_ROWS_LANES} ({ROUTED_ROWS_LANES} lanes x 8 per w2 row)"
+    act = _act_params(beta, linear_beta)
+    if isinstance(act, str):
+        return act
+    up, down = routed_tiling(k, latent, inter)
+    shapes = {"experts": e, "top_k": k, "inter": inter}
+    dtypes = {"act": "bf16", "weight": "bf16", "routing": "fp32"}
+    return (KernelSpec.make("expert_up", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
+                            params={**up, **act}),
+            KernelSpec.make("expert_down", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes, params=down))
+
+
+def _shared_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    x, gate_up, down_w, beta, linear_beta = args
+    if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
+        return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
+                f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
+    t, hidden = x.shape
+    inter = gate_up.shape[0] // 2
+    reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
+              or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
+              or shape_is("down_weight", down_w, (hidden, inter)) or _common_refusal(t, "H", hidden))
+    if reason:
+        return reason
+    if inter % (8 * SHARED_ROW_LANES):
+        return f"I {inter} is not a multiple of {8 * SHARED_ROW_LANES} ({SHARED_ROW_LANES} lanes x 8 per row)"
+    act = _act_params(beta, linear_beta)
+    if isinstance(act, str):
+        return act
+    up, down = shared_tiling(t, hidden, inter)
+    shapes = {"experts": 1, "top_k": 1, "inter": inter, "tokens": t}
+    dtypes = {"act": "bf16", "weight": "bf16"}
+    return (KernelSpec.make("expert_up", op, arch, shapes={**shapes, "latent": hidden}, dtypes=dtypes,
+                            params={**up, **act}),
+            KernelSpec.make("expert_down", op, arch, shapes={**shapes, "rows": hidden}, dtypes=dtypes, params=down))
+
+
+def _routed_runtime(args: Sequence[Any]) -> str | None:
+    x, _, _, w13, w2 = args[:5]
+    return aligned({"x": x, "w13": w13, "w2": w2})
+
+
+def _shared_runtime(args: Sequence[Any]) -> str | None:
+    x, gate_up, down_w = args[:3]
+    return aligned({"x": x, "gate_up_weight": gate_up, "down_weight": down_w})
+
+
+def _outputs(x: torch.Tensor, rows: int, scratch: tuple[int, int, int], out) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [T, rows], the activation scratch): ``out`` is None, y, or (y, scratch)."""
+    y, act = (out, None) if isinstance(out, torch.Tensor) else (out or (None, None))
+    y = y if y is not None else x.new_empty((x.shape[0], rows))
+    act = act if act is not None else x.new_empty(scratch)
+    return y, act
+
+
+def _routed_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (up, down), x = fns, args[0]
+    weights, ids, w13, w2 = args[1:5]
+    y, act = _outputs(x, x.shape[1], (x.shape[0], ids.shape[1], w2.shape[2]), out)
+    up(x, ids, w13, act)
+    down(act, ids, weights, w2, y)
+    return y
+
+
+def _shared_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (up, down), x = fns, args[0]
+    gate_up, down_w = args[1:3]
+    inter = down_w.shape[1]
+    y, act = _outputs(x, x.shape[1], (x.shape[0], 1, inter), out)
+    up(x, None, gate_up.view(1, *gate_up.shape), act)
+    down(act, None, None, down_w.view(1, *down_w.shape), y)
+    return y
+
+
+TEMPLATES = (
+    Template("routed_experts_grouped", ("k3f::routed_experts",), _routed_specs, _routed_runtime, _routed_launch,
+             doc="routed experts for 1..64 tokens: gate/up + SiTU per (token, slot), then down + weighted sum"),
+    Template("shared_experts", ("k3f::shared_experts",), _shared_specs, _shared_runtime, _shared_launch,
+             doc="shared experts for 1..64 tokens: gate/up + SiTU, then down; tokens in chunks of 8"),
+)
