@@ -157,8 +157,10 @@ def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = 
     Imports ``patterns`` (which defines the ``k3f`` ops). Ops without a template keep
     running their reference on the GPU."""
     import patterns.attention_projection
-    import patterns.layer  # noqa: F401
-    import patterns.router  # noqa: F401  (defines k3f::router_topk)
+    import patterns.layer
+    import patterns.moe
+    import patterns.output_projection
+    import patterns.router  # noqa: F401  (with the four above: defines every k3f op)
 
     ops = sorted({op for t in TEMPLATES.values() for op in t.ops})
     for op in ops:

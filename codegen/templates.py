@@ -13,11 +13,17 @@ from typing import Any
 
 from codegen.template import Specs, Template
 
-LAUNCHERS = ("attn_res_norm", "in_proj_gemv", "router_topk")
+LAUNCHERS = ("attn_res_norm", "in_proj_gemm", "in_proj_gemv", "router_topk", "kda_core",
+             "router_down", "latent_tail", "o_proj", "experts")
 
-TEMPLATES: dict[str, Template] = {
-    t.kernel: t for t in (importlib.import_module(f"codegen.launchers.{name}").TEMPLATE for name in LAUNCHERS)
-}
+
+def _templates_of(name: str) -> tuple[Template, ...]:
+    """A launcher module's ``TEMPLATE``, or its ``TEMPLATES`` when it holds several."""
+    module = importlib.import_module(f"codegen.launchers.{name}")
+    return getattr(module, "TEMPLATES", None) or (module.TEMPLATE,)
+
+
+TEMPLATES: dict[str, Template] = {t.kernel: t for name in LAUNCHERS for t in _templates_of(name)}
 
 
 def template(kernel: str) -> Template | None:

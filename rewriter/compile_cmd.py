@@ -91,7 +91,8 @@ def run_compile(args: argparse.Namespace) -> int:
     out = sys.stdout
     head = (f"{args.model} layer {args.layer} ({result.before.kind}), TP {args.tp} "
             f"rank {args.rank}, batch {args.batch} x q {args.q} = {shape.tokens} tokens, {args.dtype}, "
-            f"{args.arch}: {len(rows)} kernels, {len(pending)} with a CuTe DSL template")
+            f"{args.arch}: {len(rows)} scheduled ops, {len(pending)} with a CuTe DSL template "
+            f"({sum(len(r['specs']) for r in pending)} kernels)")
     reason = None if args.dry_run or not pending else available()
     if reason:
         print(f"error: cannot compile CuTe DSL kernels: {reason}", file=sys.stderr)
@@ -105,7 +106,7 @@ def run_compile(args: argparse.Namespace) -> int:
         specs = row.get("specs")
         if specs and args.dry_run:
             row["status"] = "planned"
-            row["detail"] = "; ".join(f"would compile {s.label()}" for s in specs)
+            row["detail"] = f"\n{'':38}".join(f"would compile {s.label()}" for s in specs)
         elif specs:
             row["stages"] = []
             for spec in specs:
@@ -121,7 +122,7 @@ def run_compile(args: argparse.Namespace) -> int:
             bad = [st for st in row["stages"] if st["status"] == "failed"]
             failed += len(bad)
             row["status"] = "failed" if bad else "compiled"
-            row["detail"] = "\n".join(f"{'':36}{st['detail']}" for st in row["stages"]).lstrip()
+            row["detail"] = "\n".join(f"{'':38}{st['detail']}" for st in row["stages"]).lstrip()
         if not args.json:
             print(f"  {row['index']:>2} {row['kernel']:<32} {row['detail']}", file=out, flush=True)
     done = [st for r in rows for st in r.get("stages", ()) if st["status"] == "compiled"]

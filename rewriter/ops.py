@@ -34,6 +34,12 @@ _GROUPS: dict[str, dist.ProcessGroup] = {}
 _EXCLUDED = [False]  # collectives_excluded() is active
 
 
+def reduces(world_size: int) -> bool:
+    """Whether a collective over ``world_size`` ranks really runs (not at TP 1, nor when
+    excluded): launchers that fuse one skip its staging when it does not."""
+    return world_size > 1 and not _EXCLUDED[0]
+
+
 @contextmanager
 def collectives_excluded() -> Iterator[None]:
     """Run TP > 1 graphs on one GPU with their collectives stood down (benchmarks only): the

@@ -1,5 +1,7 @@
-"""Shared helpers: the tiny config, seeded layers and inputs, relative error."""
+"""Shared helpers: the tiny config, seeded layers and inputs, relative error, a kernel's PDL launch flag."""
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -36,3 +38,26 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64."""
     a, e = actual.double(), expected.double()
     return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def pdl_flags(spec) -> list[int]:
+    """Per kernel launch of ``spec``'s host code, its programmatic stream serialization launch
+    attribute (CUDA launch attribute 6): 1 where the kernel launches with PDL. Compiled again,
+    as ``compile_kernel`` keeps no host IR; read from the lowered host IR, where each attribute
+    is stored as (id, value)."""
+    import importlib
+
+    from cutlass import cute
+
+    from codegen.kernels import module_of
+
+    kernel, args = importlib.import_module(module_of(spec.kernel)).build(spec)
+    ir = str(cute.compile(kernel, *args, options=f"--gpu-arch {spec.arch} --enable-tvm-ffi").ir_module)
+    flags = []
+    for func in ir.split("llvm.func ")[1:]:
+        consts = dict(re.findall(r"(%\d+) = llvm\.mlir\.constant\((-?\d+) : i32\) : i32", func))
+        for attr, value in re.findall(r"llvm\.store (%\d+), %\d+ : i32, !llvm\.ptr\n\s*%\d+ = llvm\.getelementptr "
+                                      r"%\d+\[0, 2\][^\n]*\n\s*llvm\.store (%\d+), %\d+ : i32, !llvm\.ptr", func):
+            if consts.get(attr) == "6":
+                flags.append(int(consts[value]))
+    return flags

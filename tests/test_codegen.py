@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import pdl_flags
 import torch
 
 import patterns.attention_projection
@@ -25,7 +26,7 @@ from codegen import bind
 from codegen.cache import Entry, KernelCache
 from codegen.kernels import KERNELS, source_files
 from codegen.spec import KernelSpec, SpecError
-from codegen.templates import TEMPLATES, spec_for_call, template
+from codegen.templates import spec_for_call, template
 from rewriter.cli import main
 from rewriter.rules import fused_op
 
@@ -51,6 +52,12 @@ def gemv_args(tokens=1, rows=3216, split=TP16_SPLIT, k=7168):
 
 def router_args(tokens=1, experts=896, top_k=16, dtype=torch.float32, renormalize=True, scaling=1.0):
     return (meta(tokens, experts, dtype=dtype), meta(experts, dtype=torch.float32), top_k, renormalize, scaling)
+
+
+def gemv_spec(arch, tokens):
+    """The GEMV's spec for ``tokens`` (its kernel takes 1..8; the rules give it one token)."""
+    (spec,) = template("attn_in_proj_gemv").make_specs("k3f::kda_in_proj", arch, gemv_args(tokens=tokens))
+    return spec
 
 
 def spec_of(op, arch, args):
@@ -84,9 +91,10 @@ def test_templates_make_specs_from_the_layer_values():
     assert spec.param_dict == {"num_blocks": 4, "write_idx": 4, "has_delta": True, "eps": 1e-5}
     # the token count is a runtime size for attn_res_norm: one compile serves every batch
     assert spec == spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=64, num_blocks=4, write_idx=4))
-    g = spec_of("k3f::kda_in_proj", "sm_100a", gemv_args(tokens=8))
-    assert g.shape_dict == {"tokens": 8, "k": 7168, "rows": 3216}
-    assert g.param_dict["segments"] == (2304, 768, 128, 6) and g.param_dict["pipeline"]
+    g = spec_of("k3f::kda_in_proj", "sm_100a", gemv_args(tokens=1))
+    assert g.kernel == "attn_in_proj_gemv" and g.shape_dict == {"tokens": 1, "k": 7168, "rows": 3216}
+    assert g.param_dict["segments"] == (2304, 768, 128, 6) and not g.param_dict["pipeline"]
+    assert spec_of("k3f::kda_in_proj", "sm_100a", gemv_args(tokens=8)).kernel == "attn_in_proj_gemm"
     assert spec_of("k3f::mla_in_proj", "sm_90a", gemv_args(rows=2880, split=[1536, 512, 64, 768])).op == \
         "k3f::mla_in_proj"
     r = spec_of("k3f::router_topk", "sm_90a", router_args(tokens=3))
@@ -97,7 +105,7 @@ def test_templates_make_specs_from_the_layer_values():
 
 
 @pytest.mark.parametrize("op,args,reason", [
-    ("k3f::kda_in_proj", gemv_args(tokens=9), "9 tokens outside 1..8"),
+    ("k3f::kda_in_proj", gemv_args(tokens=65), "65 tokens outside 1..8"),
     ("k3f::kda_in_proj", (meta(1, 7168, dtype=torch.float32), meta(3216, 7168), TP16_SPLIT), "x is fp32"),
     ("k3f::kda_in_proj", gemv_args(k=7000, rows=3216), "not a multiple of 256"),
     ("k3f::kda_in_proj", (meta(1, 7168), meta(7168, 3216).t(), TP16_SPLIT), "not contiguous"),
@@ -109,7 +117,8 @@ def test_templates_make_specs_from_the_layer_values():
     ("k3f::router_topk", router_args(experts=9000), "9000 experts outside 1..8192"),
     ("k3f::router_topk", (meta(1, 896, dtype=torch.float32), meta(895, dtype=torch.float32), 16, True, 1.0),
      "bias must be [896]"),
-    ("k3f::kda_core", (), "no CuTe DSL template for k3f::kda_core"),
+    ("k3f::kda_core", (), "k3f::kda_core takes 16 arguments, got 0"),
+    ("k3f::mla_q_front", (), "no CuTe DSL template for k3f::mla_q_front"),
 ])
 def test_templates_refuse_with_a_reason(op, args, reason):
     tpl, why = spec_for_call(op, "sm_90a", args)
@@ -119,7 +128,7 @@ def test_templates_refuse_with_a_reason(op, args, reason):
 def test_templates_name_their_sources():
     for name in KERNELS:
         assert all(p.is_file() for p in source_files(name)), name
-    assert template("kda_core") is None and template("attn_res_norm").ops == ("k3f::attn_res_norm",)
+    assert template("mla_q_front") is None and template("attn_res_norm").ops == ("k3f::attn_res_norm",)
 
 
 # ---------------------------------------------------------------- disk cache (no CuTe DSL needed)
@@ -207,12 +216,12 @@ def test_template_launcher_declines_what_it_cannot_run():
 def test_compile_dry_run_lists_the_layer(capsys):
     assert main(["compile", "--layer", "1", "--tp", "16", "--batch", "1", "--arch", "sm_90a", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "9 kernels, 3 with a CuTe DSL template" in out
+    assert "9 scheduled ops, 9 with a CuTe DSL template (12 kernels)" in out
     assert re.search(r"0 attn_res_norm\s+would compile attn_res_norm", out)
     assert re.search(r"1 attn_in_proj_gemv\s+would compile attn_in_proj_gemv\[kda_in_proj\]", out)
     assert re.search(r"5 router_topk\s+would compile router_topk experts=896 .*top_k=16", out)
-    assert len(re.findall("no CuTe DSL template yet", out)) == 6
-    assert "compiled" not in out.replace("0 compiled", "")
+    assert re.search(r"6 routed_experts_grouped\s+would compile expert_up[^\n]*\n\s+would compile expert_down", out)
+    assert "no CuTe DSL template yet" not in out and "compiled" not in out.replace("0 compiled", "")
 
 
 # ---------------------------------------------------------------- compile-only (CuTe DSL)
@@ -235,7 +244,7 @@ def compiled(kcache):
         out["attn_res_norm_9", arch] = compile_kernel(
             spec_of("k3f::attn_res_norm", arch, attn_res_args(num_blocks=8)), cache=kcache)
         for t in (1, 8):
-            out[f"gemv_{t}", arch] = compile_kernel(spec_of("k3f::kda_in_proj", arch, gemv_args(tokens=t)),
+            out[f"gemv_{t}", arch] = compile_kernel(gemv_spec(arch, t),
                                                     cache=kcache)
         for e, k in ((896, 16), (16, 4)):
             out[f"router_{e}", arch] = compile_kernel(
@@ -253,15 +262,23 @@ def test_attn_res_norm_ptx(compiled, arch):
     k = compiled["attn_res_norm", arch]
     ptx = k.ptx
     assert f".target {arch}" in ptx and k.cache == "miss" and k.obj
-    # prefix, delta, one block, the three weights (x2 vectors per thread): 128-bit read-only loads
-    assert _count(ptx, "ld.global.nc.v4.b32") == 2 * 6
+    # prefix, delta, one block (x2 vectors per thread): 128-bit read-only loads
+    assert _count(ptx, "ld.global.nc.v4.b32") == 2 * 3
+    # PDL: the three weights (plain loads: ptxas keeps them above the wait) are all that comes
+    # before griddepcontrol.wait; launch_dependents right after it, both once
+    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
+    before, after = ptx.split("griddepcontrol.wait;")
+    assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 2 * 3
+    assert "ld.global.L1::no_allocate" not in after and "ld.global.nc" not in before and _count(before, "st.") == 0
+    assert "griddepcontrol.launch_dependents" in after
     assert _count(ptx, "st.global.v4.b32") == 2 * 2  # new prefix and output, 128-bit stores
     assert _count(ptx, "st.shared.v4.b32") == 2 * 2  # both sources staged for the mix
     assert _count(ptx, "shfl.sync.bfly.b32") >= 5 * (2 * 2 + 1)  # warp sums: 2 per source + the mix
     assert _count(ptx, "bar.sync") == 2 and _count(ptx, "ex2.approx") == 2  # softmax over 2 sources
     assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx  # nothing scalar
     nine = compiled["attn_res_norm_9", arch].ptx  # 8 blocks + the prefix: 9 sources
-    assert _count(nine, "ld.global.nc.v4.b32") == 2 * 13 and _count(nine, "ex2.approx") == 9
+    assert _count(nine, "ld.global.nc.v4.b32") == 2 * 10 and _count(nine, "ex2.approx") == 9
+    assert _count(nine, "griddepcontrol.wait") == 1 and _count(nine, "griddepcontrol.launch_dependents") == 1
 
 
 @needs_cutedsl
@@ -274,8 +291,17 @@ def test_gemv_ptx(compiled, arch, tokens):
     # the K loop: one step in the code (a loop), or every step unrolled (pipelined)
     vec = unroll * (7168 // 8 // 32 // unroll if p["pipeline"] else 1)
     assert f".target {arch}" in ptx
-    # W streamed (no L1 allocation, L2 256B prefetch): rows x unroll 128-bit vectors issued per step
-    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == rows * vec
+    # W streamed (no L1 allocation, L2 256B prefetch): rows x unroll 128-bit vectors issued per step;
+    # a K loop (not pipelined) loads step 0 before it and the next step in its body
+    sites = vec if p["pipeline"] else 2 * vec
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == rows * sites
+    # PDL: the weights of the steps in flight (step 0; 0 and 1 pipelined) are all that comes before
+    # griddepcontrol.wait; launch_dependents right after it, both once
+    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
+    before, after = ptx.split("griddepcontrol.wait;")
+    assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == rows * unroll * (2 if p["pipeline"] else 1)
+    assert "ld.global.nc" not in before and _count(before, "st.") == 0
+    assert "griddepcontrol.launch_dependents" in after
     assert _count(ptx, "ld.global.nc.v4.b32") == tokens * vec  # x: read-only path, 128-bit
     assert _count(ptx, "shfl.sync.bfly.b32") == 5 * rows * tokens  # butterfly per (row, token)
     assert _count(ptx, "st.global.b16") == rows * tokens * 4  # one store per (row, token), 4 outputs
@@ -284,20 +310,47 @@ def test_gemv_ptx(compiled, arch, tokens):
 
 
 @needs_cutedsl
+@pytest.mark.parametrize("name", ["attn_res_norm", "gemv_1"])
+def test_attn_res_norm_and_gemv_launch_with_pdl(compiled, name):
+    assert pdl_flags(compiled[name, "sm_90a"].spec) == [1]
+
+
+@needs_cutedsl
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("experts,top_k,warps", [(896, 16, 4), (16, 4, 1)])
-def test_router_topk_ptx(compiled, arch, experts, top_k, warps):
+@pytest.mark.parametrize("experts,top_k,warps,share", [(896, 16, 4, 2), (16, 4, 1, 4)])
+def test_router_topk_ptx(compiled, arch, experts, top_k, warps, share):
+    from codegen.kernels.router_topk import RouterTopk
+
     k = compiled[f"router_{experts}", arch]
     ptx = k.ptx
-    per_thread = -(-experts // (32 * warps))
-    assert f".target {arch}" in ptx and k.obj
-    # the sigmoid: one exp (ex2 after range reduction) and one IEEE reciprocal per owned expert
-    assert _count(ptx, "ex2.approx") == per_thread and _count(ptx, "rcp.rn.f32") == per_thread
-    assert _count(ptx, "ld.global.b32") == 2 * per_thread  # logits and bias, coalesced fp32
-    # k rounds of a (value, index) butterfly (2 shuffles x 5 steps), then the weight sum
-    assert _count(ptx, "shfl.sync.bfly.b32") == 10 * top_k + 5
-    # one barrier per round across warps (double-buffered winners), one before the outputs
-    assert _count(ptx, "bar.sync") == (top_k if warps > 1 else 0) + 1
+    cfg = RouterTopk(experts, top_k, True, 1.0, k.spec.param_dict["threads"])
+    v, cands = cfg.per_thread, cfg.candidates
+    assert f".target {arch}" in ptx and k.obj and cfg.num_warps == warps and cfg.share == share
+    # PDL: one wait, then at once one trigger; before the wait only the biases are read, nothing written
+    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    gap = after.split("griddepcontrol.launch_dependents", 1)[0].splitlines()
+    assert all(line.strip() in ("", ";") or line.strip().startswith("//") for line in gap)
+    assert _count(before, "ld.global.b32") == v and _count(after, "ld.global.b32") == v  # biases; logits
+    assert _count(before, "st.") == 0 and _count(before, "bar.sync") == 0
+    # the sigmoid: one exp (ex2 after range reduction) and one approximate reciprocal per owned expert
+    assert _count(ptx, "ex2.approx") == v and _count(ptx, "rcp.approx.ftz.f32") == v
+    # each thread's keys sorted in registers (Batcher's network: one max and one min per pair) ...
+    assert _count(ptx, "max.u64") == _count(ptx, "min.u64") == len(cfg.network)
+    for bits in range(1 << v):  # ... which sorts (the 0-1 principle)
+        x = [(bits >> i) & 1 for i in range(v)]
+        for a, b in cfg.network:
+            x[a], x[b] = max(x[a], x[b]), min(x[a], x[b])
+        assert x == sorted(x, reverse=True)
+    # each warp's k rounds: one redux and one ballot each, no shared memory read, no barrier
+    assert _count(ptx, "redux.sync.max.u32") == top_k and _count(ptx, "vote.sync.ballot.b32") == top_k
+    rounds = ptx[ptx.index("redux.sync.max.u32"):ptx.index("bar.sync")]
+    assert _count(rounds, "ld.shared") == 0 and _count(rounds, "st.shared.b64") == top_k
+    # the candidates ranked by counting (share threads each, one butterfly step per halving), two barriers
+    assert sorted(cfg.counted(q, p) for p in range(share) for q in range(cands // share)) == list(range(cands))
+    assert _count(ptx, "setp.gt.u64") == cands // share and _count(ptx, "shfl.sync.bfly.b32") == share.bit_length() - 1
+    assert _count(ptx, "ld.shared.v2.b64") == (cands // share // 2 if cands // share % 2 == 0 else 0)
+    assert _count(ptx, "bar.sync") == 2
     assert _count(ptx, "div.rn.f32") == 1  # renormalize: w / sum(w)
     assert _count(ptx, "st.global.b32") == 1 and _count(ptx, "st.global.b64") == 1  # weights fp32, ids int64
     assert "ld.local" not in ptx and "st.local" not in ptx  # the experts stay in registers
@@ -321,7 +374,7 @@ def test_cache_hits_in_a_new_process_and_other_specs_miss(compiled, kcache):
     clear_memory_cache()
     again = compile_kernel(spec, cache=kcache)
     assert again.cache == "disk" and again.ptx == compiled["gemv_1", "sm_90a"].ptx
-    other = spec_of("k3f::kda_in_proj", "sm_90a", gemv_args(tokens=2))
+    other = gemv_spec("sm_90a", 2)
     assert compile_kernel(other, cache=kcache).cache == "miss"
     assert compile_kernel(spec.with_arch("sm_103a"), cache=kcache).cache == "miss"
 
@@ -355,24 +408,62 @@ def test_loaded_kernel_checks_its_arguments(compiled):
 
 
 @needs_cutedsl
-def test_compile_command(capsys, compiled, kcache):
+def test_compile_command(capsys, kcache):
     args = ["compile", "--model", "kimi-k3", "--layer", "1", "--tp", "16", "--batch", "1", "--arch", "sm_90a",
             "--cache-dir", str(kcache.root)]
     assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 0  # a second run: every kernel from the cache
     out = capsys.readouterr().out
+    assert "9 scheduled ops, 9 with a CuTe DSL template (12 kernels)" in out
     assert re.search(r"0 attn_res_norm\s+compiled \d+\.\d+s \(cache hit\)", out)
-    assert re.search(r"1 attn_in_proj_gemv\s+compiled \d+\.\d+s \(cache hit\)", out)
-    assert re.search(r"5 router_topk\s+compiled \d+\.\d+s \(cache hit\)", out)
-    assert len(re.findall("no CuTe DSL template yet", out)) == 6
-    assert "3 compiled (0 cache miss, 3 hit)" in out
+    assert re.search(r"3 o_proj_all_reduce_attn_res\s+compiled [^\n]*gemv\[o_proj_attn_res\][^\n]*\n\s+compiled [^\n]*attn_res_norm",
+                     out)
+    assert "12 compiled (0 cache miss, 12 hit)" in out and "0 fused ops without a template" in out
     assert main([*args, "--json", "--batch", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
     status = {r["kernel"]: r for r in report["kernels"]}
     assert status["attn_res_norm"]["stages"][0]["cache"] == "hit"  # tokens are a runtime size there
-    assert status["attn_in_proj_gemv"]["stages"][0]["cache"] == "miss" and status["attn_in_proj_gemv"]["stages"][0]["spec"]["shapes"] == \
-        {"k": 7168, "rows": 3216, "tokens": 3}
+    gemm = status["attn_in_proj_gemm"]["stages"][0]  # batch 3: the GEMM rule's
+    assert gemm["cache"] == "miss" and gemm["spec"]["shapes"] == {"k": 7168, "rows": 3216, "token_tile": 16}
     assert status["router_topk"]["stages"][0]["cache"] == "hit"  # tokens are a runtime size there too
-    assert status["kda_core"]["status"] == "no_template" and report["compiled"] == 3
+    assert report["compiled"] == 12 and report["failed"] == 0
+
+
+# What each CuTe DSL kernel is built on, as its PTX must show (on every arch)
+BUILT_ON = {
+    "attn_res_norm": ("ld.global.nc.v4", "shfl.sync.bfly"),
+    "attn_in_proj_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
+    "attn_in_proj_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
+                          "ldmatrix.sync.aligned"),
+    "kda_core": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly", "ex2.approx"),
+    "gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
+    "router_topk": ("redux.sync.max.u32", "vote.sync.ballot.b32", "ex2.approx"),
+    "expert_up": ("ld.global.L1::no_allocate.L2::256B.v4",),
+    "expert_down": ("ld.global.L1::no_allocate.L2::256B.v4",),
+}
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch", [1, 64])
+def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch):
+    """The CI check of issue #4: every kernel of the KDA+MoE layer's schedule compiles for sm_90a
+    and sm_100a without a GPU, and its PTX holds the instructions the kernel is built on."""
+    assert main(["compile", "--layer", "1", "--tp", "16", "--batch", str(batch), "--arch", arch,
+                 "--cache-dir", str(kcache.root), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["failed"] == 0
+    assert [r["status"] for r in report["kernels"]] == ["compiled"] * 9
+    stages = [st for r in report["kernels"] for st in r["stages"]]
+    assert len(stages) == 12
+    for st in stages:
+        name = st["spec"]["kernel"]
+        ptx = kcache.get(st["key"]).ptx
+        assert f".target {arch}" in ptx, name
+        missing = [instr for instr in BUILT_ON[name] if instr not in ptx]
+        assert not missing, f"{name} ({arch}): PTX lacks {missing}"
+        assert "ld.local" not in ptx and "st.local" not in ptx, f"{name} ({arch}) uses local memory"
 
 
 @pytest.mark.parametrize("tp,batch", [(16, 1), (8, 8), (16, 64)])

@@ -48,11 +48,17 @@ def arch() -> str:
     return a
 
 
-def compiled(op, args):
+def compiled(op, args, kernel=None):
+    """The template serving this call (or the one named ``kernel``), its specs and compiled kernels."""
     from codegen.compiler import compile_kernel
+    from codegen.templates import template
 
-    tpl, specs = spec_for_call(op, arch(), args)
-    assert tpl is not None, specs
+    if kernel is None:
+        tpl, specs = spec_for_call(op, arch(), args)
+    else:
+        tpl = template(kernel)
+        specs = tpl.make_specs(op, arch(), args)
+    assert tpl is not None and not isinstance(specs, str), specs
     return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
@@ -104,7 +110,7 @@ def test_in_proj_gemv(tokens, shape):
     refs = getattr(torch.ops.k3f, op.split("::")[1])(x, w, split)
     w_gpu = w.cuda()
     w_gpu[used:] = float("nan")  # the padding rows must not be read
-    tpl, specs, fns = compiled(op, (x.cuda(), w_gpu, split))
+    tpl, specs, fns = compiled(op, (x.cuda(), w_gpu, split), "attn_in_proj_gemv")  # the kernel's whole 1..8
     out = [torch.full((tokens, s), float("nan"), dtype=torch.bfloat16, device="cuda") for s in split[:4]]
     ys = tpl.launch(fns, specs, (x.cuda(), w_gpu, split), out=out)
     torch.cuda.synchronize()

@@ -14,6 +14,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attn_res_norm": ("attn_res_norm",),
     "attn_in_proj_gemv": ("in_proj_gemv",),
     "router_topk": ("router_topk",),
+    "expert_up": ("expert_up",),
+    "expert_down": ("expert_down",),
+    "gemv": ("gemv",),
+    "attn_in_proj_gemm": ("in_proj_gemm",),
+    "kda_core": ("kda_core",),
 }
 
 

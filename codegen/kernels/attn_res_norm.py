@@ -16,6 +16,11 @@ per step). Every source is read from HBM exactly once and kept in registers as b
 2 (n + 1) partial sums (squares, dot with q) are reduced with warp shuffles and one pass
 through shared memory, then each thread computes the softmax weights itself, mixes its
 vectors and a second (1-value) block reduction gives the norm of the mix.
+
+Programmatic dependent launch: the kernel launches with PDL; the three weight vectors are
+loaded before ``griddepcontrol.wait`` (no kernel writes them; plain loads, which ptxas keeps
+above the wait, unlike ``ld.global.nc``), every activation read and every global write comes
+after it, and ``launch_dependents`` follows the wait at once.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import cutlass
 from cutlass import BFloat16, Float32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from codegen.kernels.common import VEC, g2r_atom, r2g_atom, r2s_atom
+from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2g_atom, r2s_atom
 
 MAX_SOURCES = 9
 
@@ -64,7 +69,7 @@ class AttnResNorm:
                  mNormW: cute.Tensor, mQkW: cute.Tensor, mOutW: cute.Tensor, mOut: cute.Tensor,
                  mNewPrefix: cute.Tensor, stream: cuda.CUstream):
         self.kernel(mPrefix, mDelta, mBlocks, mNormW, mQkW, mOutW, mOut, mNewPrefix).launch(
-            grid=[mPrefix.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[mPrefix.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mPrefix: cute.Tensor, mDelta: cute.Tensor | None, mBlocks: cute.Tensor, mNormW: cute.Tensor,
@@ -91,6 +96,7 @@ class AttnResNorm:
         rW = cute.make_rmem_tensor((VEC,), BFloat16)
         rQ = cute.make_rmem_tensor((VEC, V), Float32)
         rQ.fill(0.0)
+        rOutW = cute.make_rmem_tensor((VEC, V), BFloat16)
         rSq = cute.make_rmem_tensor((S,), Float32)
         rSq.fill(0.0)
         rDot = cute.make_rmem_tensor((S,), Float32)
@@ -100,13 +106,26 @@ class AttnResNorm:
         gNewPrefix = mNewPrefix[token, None]
         gOut = mOut[token, None]
 
-        # 1. q = norm_weight * qk_weight; the new prefix p: stored, written as a block, staged
+        # 0. before the wait (PDL): only the three weights, which no kernel writes;
+        # q = norm_weight * qk_weight, out_norm_weight kept for step 5. Not ld.global.nc: ptxas
+        # sinks those below griddepcontrol.wait (an acquire), plain loads stay above it
+        ld_w = g2r_stream_atom(BFloat16)
         for j in cutlass.range_constexpr(V):
             v = tidx + j * self.threads
             if const_expr(self.even) or v < self.num_vec:
-                cute.copy(ld, cute.local_tile(mNormW, (VEC,), (v,)), rW)
-                cute.copy(ld, cute.local_tile(mQkW, (VEC,), (v,)), rV)
+                cute.copy(ld_w, cute.local_tile(mNormW, (VEC,), (v,)), rW)
+                cute.copy(ld_w, cute.local_tile(mQkW, (VEC,), (v,)), rV)
+                cute.copy(ld_w, cute.local_tile(mOutW, (VEC,), (v,)), rOutW[None, j])
                 rQ[None, j].store(rW.load().to(Float32) * rV.load().to(Float32))
+        # the prefix, delta and blocks are the previous kernels' outputs, and the outputs may
+        # reuse their memory: read and write only after the wait
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # 1. the new prefix p: stored, written as a block, staged
+        for j in cutlass.range_constexpr(V):
+            v = tidx + j * self.threads
+            if const_expr(self.even) or v < self.num_vec:
                 cute.copy(ld, cute.local_tile(gPrefix, (VEC,), (v,)), rV)
                 if const_expr(self.has_delta):
                     cute.copy(ld, cute.local_tile(mDelta[token, None], (VEC,), (v,)), rW)
@@ -191,8 +210,7 @@ class AttnResNorm:
         for j in cutlass.range_constexpr(V):
             v = tidx + j * self.threads
             if const_expr(self.even) or v < self.num_vec:
-                cute.copy(ld, cute.local_tile(mOutW, (VEC,), (v,)), rW)
-                rV.store((rMix[None, j].load() * r * rW.load().to(Float32)).to(BFloat16))
+                rV.store((rMix[None, j].load() * r * rOutW[None, j].load().to(Float32)).to(BFloat16))
                 cute.copy(st, rV, cute.local_tile(gOut, (VEC,), (v,)))
 
 

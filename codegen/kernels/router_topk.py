@@ -11,34 +11,70 @@ The math is ``rewriter/layers/moe.py:route`` (the CPU reference of ``k3f::router
 the kernel emits them in the same order. Ties: torch documents no order among equal
 values (the CPU and CUDA implementations need not agree; on the CPU, torch 2.13 returns
 indices 1 and 3 for the top 2 of [1, 2, 2, 2, 0]); the kernel takes the lower expert
-index first. NaN logits are not handled as torch does (torch.topk ranks NaN highest; here a
-NaN never wins a comparison).
+index first. A NaN selection value ranks by its bits: the canonical (positive) NaN the GPU
+makes of a NaN logit ranks above every number, as ``torch.topk`` ranks NaN.
+The sigmoid is ``rcp.approx(1 + exp(-x))`` (``ex2.approx`` after range reduction): a few fp32
+ulp, and no IEEE-division slow path, whose branches would keep the experts' chains apart.
 
-Work split: thread i of the CTA owns experts i, i + threads, ... (coalesced fp32 loads of
-the logits and the bias), keeps their scores and selection values in registers, and the k
-experts are found by k rounds of a block-wide argmax: each thread's best (value, index), a
-5-step butterfly of (value, index) pairs over the warp (``shfl.sync.bfly``), one
-(value, index) per warp through shared memory (double buffered, so one barrier per round),
-and every thread reduces the per-warp winners itself. The owner of the winner records its
-score and id in shared memory and takes the value out of the race (-inf). After the k
-rounds the first k lanes of warp 0 sum the k scores with a butterfly, scale them and store
-the weights (fp32) and the ids (int64).
+Every expert gets one 64-bit key that orders exactly as (value descending, index ascending):
+the fp32 value's bits mapped to an unsigned integer of the same order in the high word,
+``0xFFFF - index`` in the low word. Absent experts (past E in the last threads) get a zero high
+word, below every real one.
 
-Ties everywhere are broken towards the lower index: a thread's own experts are scanned in
-increasing index order with a strict ``>``, and pairs compare (value, then lower index).
+Work split, with no barrier until the k candidates of every warp are known:
+- thread t owns the contiguous experts ``t*V .. t*V+V-1`` (V <= 8) and loads their biases,
+  then (programmatic dependent launch: the biases are parameters no kernel writes, the logits
+  come from the previous kernel) ``griddepcontrol.wait``, ``launch_dependents`` and all V logits
+  at once; it stages the scores in shared memory for the weights and sorts its V keys in
+  registers (Batcher's network);
+- each warp finds its own top k in k rounds, no barrier and no shared-memory read:
+  ``redux.sync.max.u32`` of the lanes' head values (high words), a ballot of the lanes holding
+  that value, the lowest such lane (the lowest index: the experts are contiguous) wins, writes
+  its key to the warp's candidate list and shifts its sorted keys by one;
+- after one barrier the ``W x k`` candidates are ranked by counting the candidates above each
+  (P threads per candidate, summed with ``shfl.sync.bfly``); those of rank < k write their id
+  and score to slot ``rank`` (the keys are unique, so the ranks are);
+- after a second barrier the first k lanes of warp 0 each sum the k scores from shared memory
+  (the same order in every lane), scale theirs and store the weight (fp32) and the id (int64).
+The global top k is among the candidates: an expert beaten by k others of its own warp is
+beaten by k overall.
 """
 from __future__ import annotations
 
-import operator
-
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import Float32, Int32, Int64, const_expr, cute
+from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 MAX_EXPERTS = 8192
-MAX_TOP_K = 32  # the weights are summed by one warp
+MAX_TOP_K = 32  # one warp stores the results; a warp's 32 lanes hold at least k experts
 MAX_PER_THREAD = 8
+LOW = 0xFFFF  # the key's low word: LOW - index (indices < 8192)
+
+
+def sorting_network(n: int) -> list[tuple[int, int]]:
+    """Batcher's odd-even merge sort for ``n`` values as compare-exchange pairs ``(i, j)``,
+    ``i < j``; pairs past ``n`` are dropped (as if padded with values that never move)."""
+    m = 1 << max(0, (n - 1).bit_length())
+    pairs = []
+    p = 1
+    while p < m:
+        k = p
+        while k >= 1:
+            for j in range(k % p, m - k, 2 * k):
+                for i in range(min(k, m - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return [(a, b) for a, b in pairs if b < n]
+
+
+def pairwise_sum(values: list):
+    """Sum of ``values`` as a tree of pairwise adds (trace-time helper: log2 depth, one order)."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+    return values[0]
 
 
 class RouterTopk:
@@ -63,92 +99,116 @@ class RouterTopk:
             raise ValueError(f"{self.per_thread} experts per thread (at most {MAX_PER_THREAD}): more threads")
         self.even = experts % self.threads == 0
         self.num_warps = self.threads // 32
+        self.candidates = self.num_warps * top_k  # C <= threads, as k <= 32
+        # P threads (neighbouring lanes) share a candidate's count: a power of two dividing C
+        self.share = 1
+        while self.share * 2 <= min(32, self.threads // self.candidates) and self.candidates % (self.share * 2) == 0:
+            self.share *= 2
+        self.network = sorting_network(self.per_thread)
 
     @cute.jit
     def __call__(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor, mIds: cute.Tensor,
                  stream: cuda.CUstream):
         self.kernel(mLogits, mBias, mWeights, mIds).launch(
-            grid=[mLogits.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[mLogits.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor, mIds: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         V = const_expr(self.per_thread)
         K = const_expr(self.top_k)
-        W = const_expr(self.num_warps)
-        neg_inf = Float32(-float("inf"))
+        C = const_expr(self.candidates)
+        P = const_expr(self.share)
 
         smem = cutlass.memory.SmemAllocator()
-        sVal = smem.allocate_tensor(Float32, cute.make_layout((W, 2)), byte_alignment=16)  # per-warp winners,
-        sIdx = smem.allocate_tensor(Int32, cute.make_layout((W, 2)), byte_alignment=16)  # two buffers
-        sScore = smem.allocate_tensor(Float32, cute.make_layout((K,)), byte_alignment=16)
-        sId = smem.allocate_tensor(Int32, cute.make_layout((K,)), byte_alignment=16)
+        sScore = smem.allocate_tensor(Float32, cute.make_layout((self.experts,)), byte_alignment=16)
+        sCand = smem.allocate_tensor(Uint64, cute.make_layout((C,)), byte_alignment=16)  # per warp, sorted
+        sSelId = smem.allocate_tensor(Int32, cute.make_layout((K,)), byte_alignment=16)
+        sSelScore = smem.allocate_tensor(Float32, cute.make_layout((K,)), byte_alignment=16)
 
-        # 1. scores and selection values of this thread's experts (absent ones: -inf, never picked)
-        rScore = cute.make_rmem_tensor((V,), Float32)
-        rSel = cute.make_rmem_tensor((V,), Float32)
-        gLogits = mLogits[token, None]
+        # 1. biases (parameters: read before the previous kernel's end), then the logits
+        rBias = cute.make_rmem_tensor((V,), Float32)
         for j in cutlass.range_constexpr(V):
-            e = tidx + j * self.threads
-            rScore[j] = Float32(0.0)
-            rSel[j] = neg_inf
+            e = tidx * V + j
             if const_expr(self.even) or e < self.experts:
-                x = gLogits[e]
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
-                rScore[j] = s
-                rSel[j] = s + mBias[e]
+                rBias[j] = mBias[e]
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
-        # 2. k rounds of a block-wide argmax; ties go to the lower expert index
+        # keys of this thread's experts: high word the value's bits in unsigned order, low word
+        # LOW - index (absent experts: high word 0); scores staged for the weights
+        rLogit = cute.make_rmem_tensor((V,), Float32)
+        gLogits = mLogits[token, None]
+        for j in cutlass.range_constexpr(V):  # all loads in flight before the first use
+            e = tidx * V + j
+            if const_expr(self.even) or e < self.experts:
+                rLogit[j] = gLogits[e]
+        rKey = cute.make_rmem_tensor((V,), Uint64)
+        for j in cutlass.range_constexpr(V):
+            e = tidx * V + j
+            rKey[j] = Uint64(LOW - e)
+            if const_expr(self.even) or e < self.experts:
+                s = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-rLogit[j]))
+                sScore[e] = s
+                bits = (s + rBias[j]).bitcast(Uint32)
+                flip = cutlass.select_(bits >= Uint32(0x80000000), Uint32(0xFFFFFFFF), Uint32(0x80000000))
+                rKey[j] = (Uint64(bits ^ flip) << 32) | Uint64(LOW - e)
+        # sorted descending in registers
+        for a, b in self.network:
+            x, y = rKey[a], rKey[b]
+            swap = y > x
+            rKey[a] = cutlass.select_(swap, y, x)
+            rKey[b] = cutlass.select_(swap, x, y)
+
+        # 2. the warp's top k: max of the lanes' head values, the lowest lane holding it wins
+        lower_lanes = cute.arch.lanemask_lt()
         for r in cutlass.range_constexpr(K):
-            buf = const_expr(r % 2)
-            best = rSel[0]
-            best_i = tidx
-            for j in cutlass.range_constexpr(1, V):
-                take = rSel[j] > best
-                best = Float32(cutlass.select_(take, rSel[j], best))
-                best_i = Int32(cutlass.select_(take, tidx + j * self.threads, best_i))
-            for o in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_bfly(best, offset=16 >> o)
-                other_i = cute.arch.shuffle_sync_bfly(best_i, offset=16 >> o)
-                take = (other > best) | ((other == best) & (other_i < best_i))
-                best = Float32(cutlass.select_(take, other, best))
-                best_i = Int32(cutlass.select_(take, other_i, best_i))
-            if const_expr(W > 1):
-                if lane == 0:
-                    sVal[warp, buf] = best
-                    sIdx[warp, buf] = best_i
-                cute.arch.barrier()
-                best = sVal[0, buf]
-                best_i = sIdx[0, buf]
-                for w in cutlass.range_constexpr(1, W):
-                    other = sVal[w, buf]
-                    other_i = sIdx[w, buf]
-                    take = (other > best) | ((other == best) & (other_i < best_i))
-                    best = Float32(cutlass.select_(take, other, best))
-                    best_i = Int32(cutlass.select_(take, other_i, best_i))
-            # the owner records the winner and takes it out of the race
-            for j in cutlass.range_constexpr(V):
-                if best_i == tidx + j * self.threads:
-                    sScore[r] = rScore[j]
-                    sId[r] = best_i
-                    rSel[j] = neg_inf
+            head = Uint32(rKey[0] >> 32)
+            best = cute.arch.warp_redux_sync(head, "max")
+            tied = head == best
+            holders = Uint32(cute.arch.vote_ballot_sync(tied))
+            win = tied & ((holders & lower_lanes) == Uint32(0))
+            if win:
+                sCand[warp * K + r] = rKey[0]
+            for j in cutlass.range_constexpr(V - 1):
+                rKey[j] = cutlass.select_(win, rKey[j + 1], rKey[j])
+            rKey[V - 1] = cutlass.select_(win, Uint64(0), rKey[V - 1])
         cute.arch.barrier()
 
-        # 3. the first k lanes of warp 0: sum, scale, store (weights fp32, ids int64)
-        if warp == 0:
-            w = Float32(0.0)
-            if lane < K:
-                w = sScore[lane]
+        # 3. rank of candidate c: the candidates above it, counted by P neighbouring threads
+        c = tidx // P
+        part = tidx % P
+        mine = sCand[cutlass.min(c, C - 1)]  # threads past the candidates count a copy, store nothing
+        # summed as floats (exact for counts < 2^24): the compiler keeps float adds a tree, where
+        # it chains integer adds one after the other
+        above = Int32(pairwise_sum([cutlass.select_(sCand[self.counted(q, part)] > mine, Float32(1.0), Float32(0.0))
+                                    for q in range(C // P)]))
+        for o in cutlass.range_constexpr(P.bit_length() - 1):
+            above = above + cute.arch.shuffle_sync_bfly(above, offset=1 << o)
+        if c < C and part == 0 and above < K:
+            e = LOW - Int32(mine & Uint64(LOW))
+            sSelId[above] = e
+            sSelScore[above] = sScore[e]
+        cute.arch.barrier()
+
+        # 4. the first k threads (lanes of warp 0): sum (each in the same order), scale, store
+        if tidx < K:
+            w = sSelScore[tidx]
             if const_expr(self.renormalize):
-                w = w / cute.arch.warp_reduction(w, operator.add)
+                w = w / pairwise_sum([sSelScore[i] for i in range(K)])
             if const_expr(self.scaling != 1.0):
                 w = w * Float32(self.scaling)
-            if lane < K:
-                mWeights[token, lane] = w
-                mIds[token, lane] = Int64(sId[lane])
+            mWeights[token, tidx] = w
+            mIds[token, tidx] = Int64(sSelId[tidx])
+
+    def counted(self, q: int, part):
+        """The candidate that the thread of ``part`` compares in its step ``q`` (trace-time helper):
+        pairs of neighbours (one 128-bit load), the parts' pairs side by side (no bank conflict)."""
+        n = self.candidates // self.share
+        pair = 2 if n % 2 == 0 else 1
+        return (q // pair) * (pair * self.share) + part * pair + q % pair
 
 
 def build(spec) -> tuple[RouterTopk, tuple]:

@@ -49,7 +49,7 @@ def _attn_res_runtime(args: Sequence[Any]) -> str | None:
 
 
 def _attn_res_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    (fn,), (spec,) = fns, specs
+    (fn,) = fns
     prefix, delta, blocks, norm_w, qk_w, out_w = args[:6]
     x, new_prefix = out if out is not None else (torch.empty_like(prefix), torch.empty_like(prefix))
     if prefix.shape[0]:

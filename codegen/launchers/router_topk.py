@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, check_tensors
+from codegen.template import Template, check_tensors
 
 
 ROUTER_MAX_EXPERTS = 8192  # codegen/kernels/router_topk.py: at most 8 experts per thread of 1024
@@ -58,4 +58,4 @@ def _router_topk_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
 
 TEMPLATE = Template("router_topk", ("k3f::router_topk",), _router_topk_spec, _router_topk_runtime,
                     _router_topk_launch,
-                    doc="sigmoid + bias top-k (k rounds of a block argmax), renormalized weights; one CTA per token")
+                    doc="sigmoid + bias top-k (per-warp rounds of redux.sync + ballot, then a rank merge), renormalized weights; one CTA per token")
