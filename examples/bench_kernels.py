@@ -15,7 +15,7 @@ import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
 from codegen.bind import device_arch
 from codegen.compiler import compile_kernel
-from codegen.templates import spec_for_call
+from codegen.templates import spec_for_call, template
 
 D = 7168
 SPLITS = {"kda_tp16": [2304, 768, 128, 6, 10], "kda_tp8": [4608, 1536, 128, 12, 4]}
@@ -41,21 +41,36 @@ def graph_us(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def kernel(op, args):
-    tpl, specs = spec_for_call(op, device_arch(), args)
-    assert tpl is not None, specs
+def kernel(op, args, name=None):
+    """The template serving the call (or the one named ``name``), its specs and compiled kernels."""
+    if name is None:
+        tpl, specs = spec_for_call(op, device_arch(), args)
+    else:
+        tpl = template(name)
+        specs = tpl.make_specs(op, device_arch(), args)
+    assert tpl is not None and not isinstance(specs, str), specs
     return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
 def bench_gemv(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:
     x = torch.randn(t, D, device="cuda").bfloat16()
-    tpl, specs, fns = kernel("k3f::kda_in_proj", (x, ws[0], split))
+    tpl, specs, fns = kernel("k3f::kda_in_proj", (x, ws[0], split), "attn_in_proj_gemv")
     outs = [torch.empty(t, s, device="cuda", dtype=torch.bfloat16) for s in split[:4]]
     us = graph_us(lambda: [tpl.launch(fns, specs, (x, w, split), out=outs) for w in ws]) / len(ws)
     ref = graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / len(ws)
     used = sum(split[:4])
     print(f"attn_in_proj_gemv {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s"
           f"   (torch linear {ref:6.2f} us)")
+
+
+def bench_gemm(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:
+    """The tensor-core GEMM template on the same data."""
+    x = torch.randn(t, D, device="cuda").bfloat16()
+    tpl, specs, fns = kernel("k3f::kda_in_proj", (x, ws[0], split), "attn_in_proj_gemm")
+    outs = [torch.empty(t, s, device="cuda", dtype=torch.bfloat16) for s in split[:4]]
+    us = graph_us(lambda: [tpl.launch(fns, specs, (x, w, split), out=outs) for w in ws]) / len(ws)
+    used = sum(split[:4])
+    print(f"attn_in_proj_gemm {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s")
 
 
 def bench_attn_res(t: int, n: int) -> None:
@@ -76,6 +91,8 @@ def main() -> None:
         ws = [(torch.randn(sum(split), D, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
         for t in (1, 2, 4, 8):
             bench_gemv(name, split, t, ws)
+        for t in (2, 4, 8, 16, 64):
+            bench_gemm(name, split, t, ws)
     for t, n in [(1, 1), (1, 8), (8, 8), (64, 8)]:
         bench_attn_res(t, n)
 

@@ -2,7 +2,9 @@
 
 For each TP shard shape and batch: the rewritten layer (its schedule run by ``LayerRunner``
 with the CuTe DSL kernels installed) and the reference layer eager, under a CUDA graph and
-under ``torch.compile(mode="max-autotune")`` (which replays CUDA graphs itself). Every row
+under ``torch.compile`` with max-autotune and a CUDA graph (inductor's own graphs skip a
+layer that updates its decode state in place, so the compiled layer is compiled with
+``max-autotune-no-cudagraphs`` and captured here, as vLLM captures it). Every row
 gives kernels per layer (counted with the profiler over one un-captured call), the median
 microseconds per layer, and the share of the layer's HBM floor that reaches.
 
@@ -44,6 +46,8 @@ class Row:
     us: float | None  # median microseconds per layer, None when not run
     floor_us: float
     note: str = ""
+    stand_ins: int = 0  # torch kernels standing in for excluded collectives (timed, not counted)
+    launched: list[tuple[str, float]] | None = None  # (kernel, us) of one profiled call
 
     @property
     def floor_pct(self) -> float | None:
@@ -110,16 +114,32 @@ def _graph(run: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return g
 
 
-def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
-    """GPU kernels one call launches (memcpy/memset not counted) and their names."""
+def profile_kernels(run: Callable[[], Any]) -> list[tuple[str, float]]:
+    """(name, microseconds) of each GPU kernel one call launches, in launch order (memcpy and
+    memset not counted)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         run()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-             and not e.name.startswith(("Memcpy", "Memset"))]
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and not e.name.startswith(("Memcpy", "Memset"))]
+    events.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in events]
+
+
+def short_name(kernel: str) -> str:
+    """A generated kernel's module and class (``kda_core.KdaCore``), else torch's name cut short."""
+    if "codegenkernels" in kernel:
+        tail = kernel.split("codegenkernels", 1)[1].split("_object_at_")[0]
+        return tail
+    return kernel[:60]
+
+
+def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
+    """GPU kernels one call launches (memcpy/memset not counted) and their names."""
+    names = [name for name, _ in profile_kernels(run)]
     return len(names), names
 
 
@@ -188,12 +208,24 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         torch.cuda.synchronize()
         fallbacks = sorted({op.split("::")[-1] for op, c in bind.stats().items()
                             if c.get("reference", 0) > before.get(op, {}).get("reference", 0)})
-        kernels, _ = count_kernels(run_one)
+        run_all()  # the profiled call reads copy 0's weights after the other copies evicted them
+        launched = profile_kernels(run_one)
+        kernels = len(launched)
         g = _graph(run_all)
         us = _median_us(g.replay, args.reps) / copies
-        note = f"reference ran for: {', '.join(fallbacks)}" if fallbacks else ""
-        rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, note))
-        progress(f"  rewritten: {kernels} kernels, {us:.1f} us {note}")
+        others = [short_name(n) for n, _ in launched if "codegenkernels" not in n]
+        notes = [f"reference ran for: {', '.join(fallbacks)}"] if fallbacks else []
+        stand_ins = len(others) if tp > 1 and not fallbacks else 0  # the router's all-gather, repeated
+        if stand_ins:
+            kernels -= stand_ins
+            notes.append(f"+{stand_ins} torch kernels standing in for the router's all-gather (timed, not counted)")
+        elif others:
+            notes.append(f"{len(others)} torch kernels: {', '.join(others)}")
+        rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, "; ".join(notes), stand_ins,
+                        [(short_name(n), round(t, 2)) for n, t in launched]))
+        progress(f"  rewritten: {kernels} kernels, {us:.1f} us {rows[-1].note}")
+        for name, k_us in launched:
+            progress(f"    {k_us:7.1f} us  {short_name(name)}")
         del g
     ref = case.reference()
     if "eager" in args.paths:
@@ -209,22 +241,22 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         del g
     if "torch.compile" in args.paths:
         t0 = time.perf_counter()
-        compiled = [torch.compile(layer, mode="max-autotune") for layer in case.layers]
+        compiled = [torch.compile(layer, mode="max-autotune-no-cudagraphs") for layer in case.layers]
 
         def run_compiled():
             for fn, inputs in zip(compiled, case.inputs):
                 fn(*inputs)
 
-        for _ in range(3):  # compile, autotune, record the CUDA graphs
-            run_compiled()
+        run_compiled()  # compile and autotune
         torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
         kernels, _ = count_kernels(lambda: compiled[0](*case.inputs[0]))
-        us = _median_us(run_compiled, args.reps) / copies
-        rows.append(Row(tp, batch, "torch.compile", kernels or None, us, floor_us,
-                        f"max-autotune (CUDA graphs), compiled in {time.perf_counter() - t0:.0f}s"))
+        g = _graph(run_compiled)
+        us = _median_us(g.replay, args.reps) / copies
+        rows.append(Row(tp, batch, "torch.compile", kernels, us, floor_us,
+                        f"max-autotune, CUDA graph; compiled in {seconds:.0f}s"))
+        del g
         progress(f"  torch.compile: {us:.1f} us ({rows[-1].note})")
-    del case
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -257,6 +289,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for tp in args.tp:
             for batch in args.batch:
                 rows.extend(bench_shape(cfg, args, tp, batch, arch, log))
+                torch.cuda.empty_cache()  # the shape's layer copies are gone
     if args.json:
         print(json.dumps({"device": device, "model": args.model, "layer": args.layer,
                           "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}, indent=1))

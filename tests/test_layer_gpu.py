@@ -6,10 +6,11 @@ rewritten layer runs its schedule (``LayerRunner``: aux stream, events) with eve
 on its CuTe DSL kernels; the reference layer runs plain PyTorch on the same GPU. Outputs
 and the updated KDA states are compared by relative error.
 
-Routing is a discontinuity: a token whose 16th and 17th expert scores are closer than the
-rounding differences between the two paths may pick another expert. The router bias is
-scaled up (selection is spread over the experts but with wide gaps) and inputs whose
-smallest top-k margin is under ``MARGIN`` are redrawn, so a failure is the kernels' fault.
+Routing is a discontinuity: a token whose k-th and (k+1)-th expert scores are closer than
+the rounding differences between the two paths may pick another expert. So the outputs are
+compared on the tokens whose top-k margin in the reference is at least ``MARGIN`` (the
+router bias is scaled up to widen the gaps; at least half the tokens must qualify, else the
+inputs are redrawn); the KDA states, which come before the router, are compared whole.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ pytestmark = [
                        reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
 ]
 
-MARGIN = 1e-2  # least gap between a token's k-th and (k+1)-th selection score
+MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
 
 
@@ -46,19 +47,19 @@ def _layer(tp: int):
 
     cfg = KimiK3Config.preset("kimi-k3").one_rank_of(tp)
     layer = init_random_(build_layer(cfg, 1, tp=1, device="cuda"), seed=tp)
-    layer.block_sparse_moe.gate.e_score_correction_bias.mul_(100.0)  # wide gaps between experts
+    layer.block_sparse_moe.gate.e_score_correction_bias.mul_(10.0)  # wider gaps between experts
     bind.install_cuda_kernels()
     return layer
 
 
 def _reference(layer, inputs):
-    """The reference layer's outputs and the smallest top-k selection margin of its router."""
+    """The reference layer's outputs and each token's top-k selection margin in its router."""
     margins = []
     real_route = moe_module.route
 
     def route(logits, bias, *, top_k, renormalize, scaling):
         ranked = (torch.sigmoid(logits) + bias).topk(top_k + 1, dim=-1).values
-        margins.append(float((ranked[:, top_k - 1] - ranked[:, top_k]).min()))
+        margins.append(ranked[:, top_k - 1] - ranked[:, top_k])
         return real_route(logits, bias, top_k=top_k, renormalize=renormalize, scaling=scaling)
 
     moe_module.route = route
@@ -66,7 +67,8 @@ def _reference(layer, inputs):
         out = layer(*inputs)
     finally:
         moe_module.route = real_route
-    return out, min(margins)
+    (margin,) = margins
+    return out, margin
 
 
 @pytest.mark.parametrize("tp,batch", [(16, 1), (16, 8), (16, 64), (8, 1), (8, 8)])
@@ -80,10 +82,11 @@ def test_rewritten_layer_matches_the_reference(tp, batch):
         ref_inputs = [t.clone() for t in inputs]
         with torch.no_grad():
             ref_out, margin = _reference(layer, ref_inputs)
-        if margin >= MARGIN:
+        clear = margin >= MARGIN  # tokens whose expert choice rounding cannot flip
+        if 2 * int(clear.sum()) >= batch:
             break
     else:
-        pytest.fail(f"no inputs with a top-k margin >= {MARGIN} in 10 draws")
+        pytest.fail(f"no inputs with half the tokens' top-k margins >= {MARGIN} in 10 draws")
     result = rewrite(trace(layer, shape))
     runner = LayerRunner(result, build_schedule(result.after), device="cuda")
     before = {op: c.get("reference", 0) for op, c in bind.stats().items()}
@@ -95,7 +98,7 @@ def test_rewritten_layer_matches_the_reference(tp, batch):
     assert not fallbacks, f"fused ops that ran their reference instead of a kernel: {sorted(fallbacks)}"
     for name, a, e in zip(("hidden", "prefix", "blocks"), out, ref_out):
         assert torch.isfinite(a).all(), name
-        assert rel_err(a, e) <= BF16_TOL, name
+        assert rel_err(a[clear], e[clear]) <= BF16_TOL, name
     names = list(decode_inputs(layer, shape).keys())
     states = {n: (a, e) for n, a, e in zip(names, rw_inputs, ref_inputs) if n in ("conv_state", "recurrent_state")}
     assert rel_err(*states["conv_state"]) <= BF16_TOL
