@@ -484,3 +484,27 @@ def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
     assert rows  # some template takes a kernel of this layer
     for row in rows:
         assert len(row["specs"]) == launches[row["kernel"]], row["kernel"]
+
+
+@needs_cutedsl
+def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch):
+    """At server start every cache miss is a progress line (a compile takes seconds)."""
+    from rewriter.config import KimiK3Config
+    from rewriter.layers import build_layer
+    from rewriter.rewrite import rewrite
+    from rewriter.schedule import build_schedule
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
+    from rewriter.vllm.programs import compile_with_codegen
+
+    from codegen.compiler import clear_memory_cache
+
+    clear_memory_cache()  # kernels compiled by earlier tests would be memory hits
+    monkeypatch.setenv("K3_REWRITER_CACHE", str(tmp_path))
+    monkeypatch.setattr(bind, "install_cuda_kernels", lambda arch: [])  # no CUDA here: stop before registering
+    result = rewrite(trace(build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16), DecodeShape(batch=1, tp=16)))
+    lines = []
+    with pytest.raises(Exception, match="no CUDA kernel registered"):
+        compile_with_codegen("sm_90a", progress=lines.append)(result, build_schedule(result.after))
+    assert len(lines) == 12 and all(line.startswith("rewriter: compiling ") for line in lines)
+    assert sum("kda_core" in line for line in lines) == 1

@@ -79,10 +79,12 @@ def require_cuda_kernels(result: RewriteResult, schedule: Schedule) -> None:
         raise ProgramError(f"no CUDA kernel registered for {', '.join(missing)}")
 
 
-def compile_with_codegen(arch: str) -> CompileFn:
+def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = None) -> CompileFn:
     """The server's compile step: every fused op of the schedule needs a CuTe DSL template that
     takes its shapes; compile those (or read the disk cache) and register them as the ops'
-    CUDA kernels. Anything short of that keeps the layer on the stock forward, with why."""
+    CUDA kernels. Anything short of that keeps the layer on the stock forward, with why.
+    ``progress`` gets a line per kernel compiled now (a cache miss: seconds each)."""
+    progress = progress or (lambda line: log.info("%s", line))
 
     def compile_fn(result: RewriteResult, schedule: Schedule) -> None:
         try:
@@ -105,7 +107,7 @@ def compile_with_codegen(arch: str) -> CompileFn:
             raise ProgramError(refused[0])
         for spec in (s for row in rows for s in row.get("specs", ())):
             try:
-                compile_kernel(spec)
+                compile_kernel(spec, progress=lambda line: progress(f"rewriter: {line}"))
             except CodegenError as e:
                 raise ProgramError(f"kernel compile failed: {e}") from e
         install_cuda_kernels(arch)
