@@ -27,7 +27,7 @@ import rewriter.ops
 from codegen import bind
 from codegen.cache import KernelCache
 from codegen.kernels import KERNELS, source_files
-from codegen.launchers.router_down import gemv_tiling, token_chunk
+from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
 from codegen.templates import spec_for_call, template
 from rewriter.layers.attn_res import attn_res
 from rewriter.layers.common import rms_norm
@@ -98,14 +98,14 @@ def test_token_chunks_and_tiling():
     # chunks of at most 8 tokens, as equal as possible
     assert [token_chunk(t) for t in (1, 5, 8, 9, 13, 16, 17, 64)] == [1, 5, 8, 5, 7, 8, 6, 8]
     # K slices so that a lane holds <= 8 vectors per row and ~1024 warps stream
-    assert gemv_tiling(1, D, 280) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 4}
-    assert gemv_tiling(8, D, 560) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 4}
-    assert gemv_tiling(8, D, 4480) == {"rows_per_warp": 2, "warps_per_cta": 4, "ksplit": 4}
-    assert gemv_tiling(8, L, D, norm=True) == {"rows_per_warp": 2, "warps_per_cta": 8, "ksplit": 2}
-    assert gemv_tiling(1, 768, D) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 1}
-    assert gemv_tiling(5, 1536, D) == {"rows_per_warp": 2, "warps_per_cta": 4, "ksplit": 1}
-    assert gemv_tiling(1, D, 100)["ksplit"] == 7  # few rows: more K slices
-    assert "vectors per lane" in gemv_tiling(1, 256 * 17 * 2, 4096)  # no slice of <= 16 vectors
+    assert skinny_gemv_tiling(1, D, 280) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 4}
+    assert skinny_gemv_tiling(8, D, 560) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 4}
+    assert skinny_gemv_tiling(8, D, 4480) == {"rows_per_warp": 2, "warps_per_cta": 4, "ksplit": 4}
+    assert skinny_gemv_tiling(8, L, D, norm=True) == {"rows_per_warp": 2, "warps_per_cta": 8, "ksplit": 2}
+    assert skinny_gemv_tiling(1, 768, D) == {"rows_per_warp": 1, "warps_per_cta": 4, "ksplit": 1}
+    assert skinny_gemv_tiling(5, 1536, D) == {"rows_per_warp": 2, "warps_per_cta": 4, "ksplit": 1}
+    assert skinny_gemv_tiling(1, D, 100)["ksplit"] == 7  # few rows: more K slices
+    assert "vectors per lane" in skinny_gemv_tiling(1, 256 * 17 * 2, 4096)  # no slice of <= 16 vectors
 
 
 @pytest.mark.parametrize("tp,gate_rows,down_rows", [(16, 56, 224), (8, 112, 448), (1, E, L)])

@@ -79,7 +79,7 @@ def pairwise_sum(values: list):
 
 class RouterTopk:
     """Compile-time configuration: experts E, top_k, renormalize, scaling, threads per CTA
-    (whole warps, at most 8 experts each; the template's choice is ``templates.router_threads``:
+    (whole warps, at most 8 experts each; the template's choice is ``launchers.router_topk.router_threads``:
     128 for E = 896, 7 experts each; one warp for E = 16)."""
 
     def __init__(self, experts: int, top_k: int, renormalize: bool, scaling: float, threads: int):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rewriter import ops
-from codegen.launchers.router_down import GEMV_MAX_TOKENS, gemv_spec
+from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
 
