@@ -1,6 +1,8 @@
-"""Shared helpers: the tiny config, seeded layers and inputs, relative error, a kernel's PDL launch flag."""
+"""Shared helpers: the tiny config, seeded layers and inputs, relative error, the CuTe DSL and
+GPU markers, a kernel's PDL launch flag."""
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -12,6 +14,22 @@ from rewriter.layers import build_layer
 from rewriter.layers.state import decode_inputs
 from rewriter.layers.weights import init_random_
 from rewriter.shape import DecodeShape
+
+
+HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
+needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    needs_cutedsl,
+]
+
+
+def on_gpu(test):
+    """Marked ``gpu``, skipped without CUDA or CuTe DSL (only this test: the rest of a file runs anywhere)."""
+    for mark in GPU_MARKS:
+        test = mark(test)
+    return test
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ the kernels).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,8 +16,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import pdl_flags
 import torch
+from conftest import needs_cutedsl, pdl_flags
 
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
@@ -31,8 +30,6 @@ from rewriter.cli import main
 from rewriter.rules import fused_op
 
 ROOT = Path(__file__).resolve().parents[1]
-HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
-needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
 ARCHS = ("sm_90a", "sm_100a")
 TP16_SPLIT = [2304, 768, 128, 6, 10]  # Kimi K3 in_proj_qkvgfab at TP 16: q|k|v, g, f_a, beta, padding
 

@@ -11,11 +11,11 @@ and ``shared_experts`` (``k3f::shared_experts``), each two kernels (``expert_up`
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 import torch
+from conftest import needs_cutedsl, on_gpu
 
 import patterns.attention_projection
 import patterns.layer
@@ -29,8 +29,6 @@ from codegen.templates import TEMPLATES, spec_for_call, template
 from rewriter.config import KimiK3Config
 from rewriter.layers.moe import experts_up, shared_experts_up
 
-HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
-needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
 ARCHS = ("sm_90a", "sm_100a")
 TOL = 1e-2
 
@@ -329,13 +327,6 @@ def test_one_slice_ptx(compiled, arch, name, tokens):
 
 
 # ---------------------------------------------------------------- on the GPU
-
-def on_gpu(fn):
-    """Marked ``gpu``; skipped without CUDA or CuTe DSL."""
-    fn = needs_cutedsl(fn)
-    fn = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn)
-    return pytest.mark.gpu(fn)
-
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.double().cpu(), expected.double().cpu()

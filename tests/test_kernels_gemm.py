@@ -7,12 +7,11 @@ On the GPU machine: ``python -m pytest -q tests/test_kernels_gemm.py`` (or ``-m 
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
-from conftest import pdl_flags
 import torch
+from conftest import needs_cutedsl, on_gpu, pdl_flags
 
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
@@ -22,20 +21,6 @@ from codegen.kernels import KERNELS, source_files
 from codegen.launchers.in_proj_gemm import gemm_tiling
 from codegen.templates import spec_for_call, template
 
-HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
-needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
-GPU_MARKS = (
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
-)
-
-
-def on_gpu(test):
-    """Marked ``gpu``, skipped without CUDA or CuTe DSL (only these tests: the rest run everywhere)."""
-    for mark in GPU_MARKS:
-        test = mark(test)
-    return test
 
 
 D = 7168

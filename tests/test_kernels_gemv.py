@@ -9,7 +9,6 @@ On the GPU machine: ``python -m pytest -q tests/test_kernels_gemv.py`` (or ``-m 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_cutedsl, on_gpu
 
 import patterns.moe
 import patterns.output_projection
@@ -32,20 +32,6 @@ from codegen.templates import spec_for_call, template
 from rewriter.layers.attn_res import attn_res
 from rewriter.layers.common import rms_norm
 
-HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
-needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
-GPU_MARKS = (
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
-)
-
-
-def on_gpu(test):
-    """Marked ``gpu``, skipped without CUDA or CuTe DSL (only these tests: the rest run everywhere)."""
-    for mark in GPU_MARKS:
-        test = mark(test)
-    return test
 
 
 D, E, L = 7168, 896, 3584  # Kimi K3: hidden, routed experts, MoE latent

@@ -8,10 +8,9 @@ Run on the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_gpu.py``
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from conftest import GPU_MARKS
 
 import patterns.attention_projection
 import patterns.layer
@@ -19,12 +18,7 @@ import patterns.router  # noqa: F401  (with the two above: defines the k3f ops u
 from codegen import bind
 from codegen.templates import spec_for_call
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
-                       reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
-]
+pytestmark = GPU_MARKS
 
 D = 7168
 TOL = 1e-2

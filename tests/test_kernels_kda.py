@@ -6,12 +6,11 @@ On the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_kda.py``.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
-from conftest import pdl_flags
 import torch
+from conftest import GPU_MARKS, needs_cutedsl, pdl_flags
 
 import patterns.attention_projection  # noqa: F401  (defines k3f::kda_core)
 import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
@@ -19,13 +18,6 @@ from codegen import bind
 from codegen.cache import KernelCache
 from codegen.templates import spec_for_call, template
 
-HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
-needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
-GPU = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
-]
 ARCHS = ("sm_90a", "sm_100a")
 D = 128
 HEADS = {"tp16": 6, "tp8": 12}  # Kimi K3 KDA heads per rank (P = 768, 1536)
@@ -247,7 +239,7 @@ def arch() -> str:
 
 
 class TestKdaCoreOnGpu:
-    pytestmark = GPU
+    pytestmark = GPU_MARKS
 
     @pytest.mark.parametrize("requests,q,skip,lower_bound", [
         (1, 1, (), LB),

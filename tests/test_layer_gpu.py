@@ -14,12 +14,10 @@ inputs are redrawn); the KDA states, which come before the router, are compared 
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import GPU_MARKS, rel_err
 from rewriter.config import KimiK3Config
 from rewriter.layers import build_layer
 from rewriter.layers import moe as moe_module
@@ -31,12 +29,7 @@ from rewriter.schedule import build_schedule
 from rewriter.shape import DecodeShape
 from rewriter.trace import trace
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
-                       reason="CuTe DSL not installed (pip install -e '.[cutedsl]')"),
-]
+pytestmark = GPU_MARKS
 
 MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
