@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import socket
 import sys
 from types import SimpleNamespace
@@ -395,6 +396,7 @@ def test_server_compile_step_names_what_stops_the_layer():
     programs = build_programs(layers[1:2], cfg, tp=1, rank=0, arch="sm_90a", batches=(1,),
                               compile_fn=compile_with_codegen("sm_90a"), progress=lambda line: None)
     reason = programs.fallbacks[1]
-    # either CuTe DSL is missing, or a template refuses the tiny model's shapes: both say why
+    # either CuTe DSL is missing, or a template refuses the tiny model's shapes (its hidden size
+    # 64 and head_dim 16 are below what the kernels take): both say why
     assert reason.startswith("CuTe DSL kernels unavailable") or \
-        "refused by the kda_core template: head_dim 16" in reason, reason
+        re.match(r"refused by the \w+ template: (K 64 |head_dim 16)", reason), reason
