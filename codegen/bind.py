@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from codegen.template import Specs, Template
-from codegen.templates import TEMPLATES, spec_for_call
+from codegen.templates import TEMPLATES, spec_for_call, template
 
 NAMESPACE = "k3f"
 _lock = threading.Lock()
@@ -104,6 +104,27 @@ def device_arch(device: torch.device | int | None = None) -> str | None:
     return {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}.get((major, minor))
 
 
+def load_kernels(op: str, arch: str, args: Sequence[Any], kernel: str | None = None
+                 ) -> tuple[Template, Specs, tuple[Callable[..., Any], ...]] | str:
+    """The template serving this call of ``op`` (or the one named ``kernel``), its specs and its
+    compiled, loaded kernels (memory, disk cache or compiled now); else why not. Loading needs
+    no GPU."""
+    from codegen.compiler import compile_kernel
+
+    if kernel is None:
+        tpl, specs = spec_for_call(op, arch, args)
+        if tpl is None:
+            return specs
+    else:
+        tpl = template(kernel)
+        if tpl is None:
+            return f"no CuTe DSL template named {kernel!r}"
+        specs = tpl.make_specs(_qualify(op), arch, args)
+        if isinstance(specs, str):
+            return specs
+    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
+
+
 class TemplateLauncher:
     """The launcher of every template serving one fused op: picks the template that accepts
     the call, gets its compiled kernel (memory, disk cache or compile) and launches it."""
@@ -164,5 +185,8 @@ def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = 
 
     ops = sorted({op for t in TEMPLATES.values() for op in t.ops})
     for op in ops:
+        current = _launchers.get(op)
+        if isinstance(current, TemplateLauncher) and current.arch == arch:
+            continue  # already installed: keep its loaded kernels (server start installs once per program)
         register_cuda_impl(op, TemplateLauncher(op, arch), allow_without_cuda=allow_without_cuda)
     return ops

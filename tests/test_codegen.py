@@ -182,6 +182,21 @@ def test_register_refuses_without_cuda():
     assert "k3f::attn_res_norm" not in bind.registered()
 
 
+def test_install_keeps_launchers_already_installed_for_the_arch():
+    """Server start installs once per program: the launchers (and kernels they loaded) stay."""
+    ops = bind.install_cuda_kernels("sm_90a", allow_without_cuda=True)
+    try:
+        first = {op: bind.registered()[op] for op in ops}
+        assert "k3f::kda_core" in ops and all(isinstance(f, bind.TemplateLauncher) for f in first.values())
+        bind.install_cuda_kernels("sm_90a", allow_without_cuda=True)
+        assert all(bind.registered()[op] is first[op] for op in ops)
+        bind.install_cuda_kernels("sm_100a", allow_without_cuda=True)
+        assert all(bind.registered()[op].arch == "sm_100a" for op in ops)
+    finally:
+        for op in ops:
+            bind.unregister_cuda_impl(op)
+
+
 def test_cuda_impl_runs_the_launcher_or_the_reference():
     op = "k3f::_codegen_bind_probe"
     calls = []
