@@ -13,9 +13,7 @@ import torch
 
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
-from codegen.bind import device_arch
-from codegen.compiler import compile_kernel
-from codegen.templates import spec_for_call, template
+from codegen.bind import device_arch, load_kernels
 
 D = 7168
 SPLITS = {"kda_tp16": [2304, 768, 128, 6, 10], "kda_tp8": [4608, 1536, 128, 12, 4]}
@@ -42,14 +40,10 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def kernel(op, args, name=None):
-    """The template serving the call (or the one named ``name``), its specs and compiled kernels."""
-    if name is None:
-        tpl, specs = spec_for_call(op, device_arch(), args)
-    else:
-        tpl = template(name)
-        specs = tpl.make_specs(op, device_arch(), args)
-    assert tpl is not None and not isinstance(specs, str), specs
-    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
+    """The template serving the call (or the one named ``name``), its specs and loaded kernels."""
+    r = load_kernels(op, device_arch(), args, name)
+    assert not isinstance(r, str), r
+    return r
 
 
 def bench_gemv(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:

@@ -1,5 +1,5 @@
 """Shared helpers: the tiny config, seeded layers and inputs, relative error, the CuTe DSL and
-GPU markers, a kernel's PDL launch flag."""
+GPU markers, this GPU's kernels, a kernel's PDL launch flag."""
 from __future__ import annotations
 
 import importlib.util
@@ -53,8 +53,8 @@ def make_inputs(layer, *, batch=3, q=1, context=5, block_size=4, seed=1, dtype=N
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64."""
-    a, e = actual.double(), expected.double()
+    """||actual - expected|| / ||expected|| in float64 (on the CPU: either may be a GPU tensor)."""
+    a, e = actual.double().cpu(), expected.double().cpu()
     return float((a - e).norm() / e.norm().clamp_min(1e-30))
 
 
@@ -79,3 +79,23 @@ def pdl_flags(spec) -> list[int]:
             if consts.get(attr) == "6":
                 flags.append(int(consts[value]))
     return flags
+
+
+def gpu_arch() -> str:
+    """This GPU's CuTe DSL target; the test is skipped on a GPU without one."""
+    from codegen.bind import device_arch
+
+    arch = device_arch()
+    if arch is None:
+        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
+    return arch
+
+
+def gpu_kernels(op, args, kernel=None):
+    """(template, specs, loaded kernels) serving this call on this GPU (``bind.load_kernels``);
+    ``kernel`` names the template instead of the one the op's call would pick."""
+    from codegen.bind import load_kernels
+
+    r = load_kernels(op, gpu_arch(), args, kernel)
+    assert not isinstance(r, str), r
+    return r

@@ -524,3 +524,18 @@ def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch
     assert installed == ["sm_90a"]
     assert len(lines) == 12 and all(line.startswith("rewriter: compiling ") for line in lines)
     assert sum("kda_core" in line for line in lines) == 1
+
+
+def test_load_kernels_says_why_not():
+    assert "99 tokens outside" in bind.load_kernels("k3f::kda_in_proj", "sm_90a", gemv_args(tokens=99))
+    assert bind.load_kernels("k3f::kda_in_proj", "sm_90a", gemv_args(), "nope") == \
+        "no CuTe DSL template named 'nope'"
+    assert "outside 1..8" in bind.load_kernels("kda_in_proj", "sm_90a", gemv_args(tokens=9), "attn_in_proj_gemv")
+
+
+@needs_cutedsl
+def test_load_kernels_loads_the_named_template_or_the_one_the_call_picks(kcache, monkeypatch):
+    monkeypatch.setenv("K3_REWRITER_CACHE", str(kcache.root))
+    tpl, specs, fns = bind.load_kernels("k3f::kda_in_proj", "sm_90a", gemv_args(tokens=3), "attn_in_proj_gemv")
+    assert tpl.kernel == specs[0].kernel == "attn_in_proj_gemv" and len(fns) == 1  # loads without a GPU
+    assert bind.load_kernels("kda_in_proj", "sm_90a", gemv_args(tokens=1))[0].kernel == "attn_in_proj_gemv"

@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from conftest import needs_cutedsl, on_gpu
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
 
 import patterns.attention_projection
 import patterns.layer
@@ -328,20 +328,8 @@ def test_one_slice_ptx(compiled, arch, name, tokens):
 
 # ---------------------------------------------------------------- on the GPU
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double().cpu(), expected.double().cpu()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
 
 
-def compiled_for(op, args):
-    from codegen.compiler import compile_kernel
-
-    arch = bind.device_arch()
-    if arch is None:
-        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
-    tpl, specs = spec_for_call(op, arch, args)
-    assert tpl is not None, specs
-    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
 def nan(*shape):
@@ -393,7 +381,7 @@ def check_routed(case, x, weights, ids):
     ref = torch.ops.k3f.routed_experts(*cpu)
     ref_act = experts_up(x, cpu[2], case.w13, beta=case.act[0], linear_beta=case.act[1])  # the stages' scratch
     gpu = case.gpu_args(x, weights, ids)
-    tpl, specs, fns = compiled_for(ROUTED, gpu)
+    tpl, specs, fns = gpu_kernels(ROUTED, gpu)
     y, act = nan(*ref.shape), nan(*ref_act.shape)
     out = tpl.launch(fns, specs, gpu, out=(y, act))
     torch.cuda.synchronize()
@@ -418,7 +406,7 @@ def check_shared(cpu):
     ref = torch.ops.k3f.shared_experts(*cpu)
     ref_h = shared_experts_up(x, gate_up, beta=beta, linear_beta=linear_beta)
     gpu = cuda(cpu)
-    tpl, specs, fns = compiled_for(SHARED, gpu)
+    tpl, specs, fns = gpu_kernels(SHARED, gpu)
     y, h = nan(*ref.shape), nan(x.shape[0], 1, down.shape[1])
     out = tpl.launch(fns, specs, gpu, out=(y, h))
     torch.cuda.synchronize()

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import needs_cutedsl, on_gpu, pdl_flags
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
@@ -52,9 +52,6 @@ def gemm_spec(shape="kda_tp16", tokens=16, arch="sm_90a"):
     return spec
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double().cpu(), expected.double().cpu()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
@@ -225,15 +222,6 @@ def test_kernel_refuses_configurations_it_cannot_run():
 
 # ---------------------------------------------------------------- on the GPU
 
-def compiled_for(op, args):
-    from codegen.compiler import compile_kernel
-
-    arch = bind.device_arch()
-    if arch is None:
-        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
-    tpl, specs = spec_for_call(op, arch, args)
-    assert tpl is not None and tpl.kernel == "attn_in_proj_gemm", specs
-    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
 def random_problem(shape, tokens, seed):
@@ -253,7 +241,8 @@ def test_gemm_matches_the_reference(tokens, shape):
     x_gpu, w_gpu = x.cuda(), w.cuda()
     w_gpu[sum(split[:4]):] = float("nan")  # the padding rows must not be read
     args = (x_gpu, w_gpu, split)
-    tpl, specs, fns = compiled_for(op, args)
+    tpl, specs, fns = gpu_kernels(op, args)
+    assert tpl.kernel == "attn_in_proj_gemm"
     assert tpl.runtime_check(args) is None
     out = [torch.full((tokens, s), float("nan"), dtype=torch.bfloat16, device="cuda") for s in split[:4]]
     ys = tpl.launch(fns, specs, args, out=out)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_cutedsl, on_gpu
+from conftest import gpu_arch, needs_cutedsl, on_gpu, rel_err
 
 import patterns.moe
 import patterns.output_projection
@@ -66,9 +66,6 @@ def specs_of(op, args, arch="sm_90a"):
     return tpl, specs
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double().cpu(), expected.double().cpu()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
@@ -380,17 +377,12 @@ def test_launch_asks_for_pdl(tmp_path):
 
 # ---------------------------------------------------------------- on the GPU
 
-def arch() -> str:
-    a = bind.device_arch()
-    if a is None:
-        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
-    return a
 
 
 def compiled_fns(op, args):
     from codegen.compiler import compile_kernel
 
-    tpl, specs = specs_of(op, args, arch())
+    tpl, specs = specs_of(op, args, gpu_arch())
     return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 

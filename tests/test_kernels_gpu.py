@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GPU_MARKS
+from conftest import GPU_MARKS, gpu_kernels, rel_err
 
 import patterns.attention_projection
 import patterns.layer
 import patterns.router  # noqa: F401  (with the two above: defines the k3f ops used here)
 from codegen import bind
-from codegen.templates import spec_for_call
 
 pytestmark = GPU_MARKS
 
@@ -30,30 +29,10 @@ SPLITS = {  # Kimi K3 packed input projections: (op, weight rows, split sizes in
 }
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double().cpu(), expected.double().cpu()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
 
 
-def arch() -> str:
-    a = bind.device_arch()
-    if a is None:
-        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
-    return a
 
 
-def compiled(op, args, kernel=None):
-    """The template serving this call (or the one named ``kernel``), its specs and compiled kernels."""
-    from codegen.compiler import compile_kernel
-    from codegen.templates import template
-
-    if kernel is None:
-        tpl, specs = spec_for_call(op, arch(), args)
-    else:
-        tpl = template(kernel)
-        specs = tpl.make_specs(op, arch(), args)
-    assert tpl is not None and not isinstance(specs, str), specs
-    return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
 def attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen):
@@ -81,7 +60,7 @@ def test_attn_res_norm(tokens, num_blocks, write_idx, has_delta):
     gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
     if write_idx >= 0:
         gpu[2][:, write_idx] = float("nan")  # the block the kernel must write
-    tpl, specs, fns = compiled("k3f::attn_res_norm", gpu)
+    tpl, specs, fns = gpu_kernels("k3f::attn_res_norm", gpu)
     out = (torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device="cuda"),
            torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device="cuda"))
     x, new_prefix = tpl.launch(fns, specs, gpu, out=out)
@@ -104,7 +83,7 @@ def test_in_proj_gemv(tokens, shape):
     refs = getattr(torch.ops.k3f, op.split("::")[1])(x, w, split)
     w_gpu = w.cuda()
     w_gpu[used:] = float("nan")  # the padding rows must not be read
-    tpl, specs, fns = compiled(op, (x.cuda(), w_gpu, split), "attn_in_proj_gemv")  # the kernel's whole 1..8
+    tpl, specs, fns = gpu_kernels(op, (x.cuda(), w_gpu, split), "attn_in_proj_gemv")  # the kernel's whole 1..8
     out = [torch.full((tokens, s), float("nan"), dtype=torch.bfloat16, device="cuda") for s in split[:4]]
     ys = tpl.launch(fns, specs, (x.cuda(), w_gpu, split), out=out)
     torch.cuda.synchronize()
@@ -146,7 +125,7 @@ def test_router_topk(tokens, shape):
     ref_w, ref_ids = torch.ops.k3f.router_topk(logits, bias, top_k, renormalize, scaling)
     assert ref_w.dtype == torch.float32 and ref_ids.dtype == torch.int64
     args = (logits.cuda(), bias.cuda(), top_k, renormalize, scaling)
-    tpl, specs, fns = compiled("k3f::router_topk", args)
+    tpl, specs, fns = gpu_kernels("k3f::router_topk", args)
     out = (torch.full((tokens, top_k), float("nan"), device="cuda"),
            torch.full((tokens, top_k), -1, dtype=torch.int64, device="cuda"))
     w, ids = tpl.launch(fns, specs, args, out=out)

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import GPU_MARKS, needs_cutedsl, pdl_flags
+from conftest import GPU_MARKS, gpu_arch, needs_cutedsl, pdl_flags, rel_err
 
 import patterns.attention_projection  # noqa: F401  (defines k3f::kda_core)
 import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
@@ -181,9 +181,6 @@ TOL = 1e-2  # bf16 outputs
 STATE_TOL = 1e-3  # the fp32 recurrent state
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double().cpu(), expected.double().cpu()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
 
 
 def kda_inputs(heads, requests, q, gen, lower_bound=LB, skip=()):
@@ -231,11 +228,6 @@ def check(out, conv_state, state, ref, unused, idx, q):
     assert conv_state[unused].isnan().all() and state[unused].isnan().all()  # no other slot touched
 
 
-def arch() -> str:
-    a = bind.device_arch()
-    if a is None:
-        pytest.skip(f"no CuTe DSL target for capability {torch.cuda.get_device_capability()}")
-    return a
 
 
 class TestKdaCoreOnGpu:
@@ -259,7 +251,7 @@ class TestKdaCoreOnGpu:
         cpu, unused = kda_inputs(heads, requests, q, gen, lower_bound, skip)
         ref = reference(cpu)
         gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
-        tpl, specs = spec_for_call("k3f::kda_core", arch(), gpu)
+        tpl, specs = spec_for_call("k3f::kda_core", gpu_arch(), gpu)
         assert tpl is not None, specs
         assert tpl.runtime_check(gpu) is None
         fns = tuple(compile_kernel(s).load() for s in specs)
