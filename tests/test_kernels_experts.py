@@ -329,9 +329,6 @@ def test_one_slice_ptx(compiled, arch, name, tokens):
 # ---------------------------------------------------------------- on the GPU
 
 
-
-
-
 def nan(*shape):
     return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
 

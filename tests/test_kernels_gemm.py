@@ -22,7 +22,6 @@ from codegen.launchers.in_proj_gemm import gemm_tiling
 from codegen.templates import spec_for_call, template
 
 
-
 D = 7168
 TOL = 1e-2
 ARCHS = ("sm_90a", "sm_100a")
@@ -50,8 +49,6 @@ def gemm_spec(shape="kda_tp16", tokens=16, arch="sm_90a"):
     assert tpl is not None and tpl.kernel == "attn_in_proj_gemm", specs
     (spec,) = specs
     return spec
-
-
 
 
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
@@ -221,7 +218,6 @@ def test_kernel_refuses_configurations_it_cannot_run():
 
 
 # ---------------------------------------------------------------- on the GPU
-
 
 
 def random_problem(shape, tokens, seed):

@@ -33,7 +33,6 @@ from rewriter.layers.attn_res import attn_res
 from rewriter.layers.common import rms_norm
 
 
-
 D, E, L = 7168, 896, 3584  # Kimi K3: hidden, routed experts, MoE latent
 EPS = 1e-5
 O_IN = {16: 768, 8: 1536}  # o_proj input width per rank
@@ -64,8 +63,6 @@ def specs_of(op, args, arch="sm_90a"):
     tpl, specs = spec_for_call(op, arch, args)
     assert tpl is not None, specs
     return tpl, specs
-
-
 
 
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
@@ -376,7 +373,6 @@ def test_launch_asks_for_pdl(tmp_path):
 
 
 # ---------------------------------------------------------------- on the GPU
-
 
 
 def compiled_fns(op, args):

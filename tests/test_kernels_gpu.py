@@ -29,12 +29,6 @@ SPLITS = {  # Kimi K3 packed input projections: (op, weight rows, split sizes in
 }
 
 
-
-
-
-
-
-
 def attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen):
     def rnd(*shape, scale=1.0, shift=0.0):
         return (torch.randn(*shape, generator=gen) * scale + shift).to(torch.bfloat16)

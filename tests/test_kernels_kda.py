@@ -181,8 +181,6 @@ TOL = 1e-2  # bf16 outputs
 STATE_TOL = 1e-3  # the fp32 recurrent state
 
 
-
-
 def kda_inputs(heads, requests, q, gen, lower_bound=LB, skip=()):
     """CPU inputs with realistic magnitudes (gates away from saturation), ``requests`` random
     distinct slots out of ``requests + 3`` (``skip``: requests given slot -1), every slot no
@@ -226,8 +224,6 @@ def check(out, conv_state, state, ref, unused, idx, q):
     assert torch.equal(conv_state[used], ref_conv[used])  # the last 3 inputs, bf16: exact
     assert rel_err(state[used], ref_state[used]) <= STATE_TOL
     assert conv_state[unused].isnan().all() and state[unused].isnan().all()  # no other slot touched
-
-
 
 
 class TestKdaCoreOnGpu:
