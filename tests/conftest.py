@@ -1,5 +1,5 @@
 """Shared helpers: the tiny config, seeded layers and inputs, relative error, the CuTe DSL and
-GPU markers, this GPU's kernels, a kernel's PDL launch flag."""
+GPU markers, a kernel cache per test module, this GPU's kernels, a kernel's PDL launch flag."""
 from __future__ import annotations
 
 import importlib.util
@@ -79,6 +79,14 @@ def pdl_flags(spec) -> list[int]:
             if consts.get(attr) == "6":
                 flags.append(int(consts[value]))
     return flags
+
+
+@pytest.fixture(scope="module")
+def kcache(tmp_path_factory):
+    """A kernel disk cache of the module's own, so compile tests compile and never read a stale entry."""
+    from codegen.cache import KernelCache
+
+    return KernelCache(tmp_path_factory.mktemp("kernel-cache"))
 
 
 def gpu_arch() -> str:

@@ -244,11 +244,6 @@ def test_compile_dry_run_lists_the_layer(capsys):
 # ---------------------------------------------------------------- compile-only (CuTe DSL)
 
 @pytest.fixture(scope="module")
-def kcache(tmp_path_factory):
-    return KernelCache(tmp_path_factory.mktemp("kernel-cache"))
-
-
-@pytest.fixture(scope="module")
 def compiled(kcache):
     """Every template compiled for sm_90a and sm_100a at the TP 16 batch 1 shapes (and T=8 GEMV)."""
     from codegen.compiler import clear_memory_cache, compile_kernel

@@ -23,7 +23,6 @@ import patterns.moe
 import patterns.output_projection
 import patterns.router  # with the above: defines every k3f op install_cuda_kernels registers
 from codegen import bind
-from codegen.cache import KernelCache
 from codegen.kernels import KERNELS, source_files
 from codegen.templates import TEMPLATES, spec_for_call, template
 from rewriter.config import KimiK3Config
@@ -153,11 +152,6 @@ def test_launcher_declines_cpu_tensors():
 
 
 # ---------------------------------------------------------------- compile-only (CuTe DSL)
-
-@pytest.fixture(scope="module")
-def kcache(tmp_path_factory):
-    return KernelCache(tmp_path_factory.mktemp("experts-kernel-cache"))
-
 
 COMPILED = {  # name: (op, args); the routed specs serve every token count
     "routed_tp16": (ROUTED, routed_args(inter=256)),

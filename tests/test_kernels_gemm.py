@@ -16,7 +16,6 @@ from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
 from codegen import bind
-from codegen.cache import KernelCache
 from codegen.kernels import KERNELS, source_files
 from codegen.launchers.in_proj_gemm import gemm_tiling
 from codegen.templates import spec_for_call, template
@@ -142,11 +141,6 @@ COMPILED = [  # (shape, tokens, arch): the largest and smallest token tiles, bot
     *[(s, t, a) for a in ARCHS for s, t in (("kda_tp16", 64), ("kda_tp16", 9))],
     ("mla_tp8", 33, "sm_90a"),  # cluster of 4, token tile 48
 ]
-
-
-@pytest.fixture(scope="module")
-def kcache(tmp_path_factory):
-    return KernelCache(tmp_path_factory.mktemp("kernel-cache"))
 
 
 @pytest.fixture(scope="module")

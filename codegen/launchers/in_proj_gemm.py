@@ -7,11 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from codegen.spec import KernelSpec
-from codegen.launchers.in_proj_gemv import in_proj_launch, in_proj_runtime
-from codegen.template import Template, check_tensors
+from codegen.launchers.in_proj_gemv import in_proj_launch, in_proj_operands, in_proj_runtime
+from codegen.template import Template
 
 GEMM_MIN_TOKENS, GEMM_MAX_TOKENS = 2, 64  # patterns.attention_projection.SMALL_MAX + 1 .. 64; tried before the GEMV
 GEMM_ROWS_PER_CTA = 128
@@ -39,18 +37,11 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str) -> dict[str, Any]
 
 
 def _gemm_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
-    x, weight, split_sizes = args
-    if x.dim() != 2 or weight.dim() != 2:
-        return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
-    t, k = x.shape
-    n = weight.shape[0]
-    if not GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
-        return f"{t} tokens outside {GEMM_MIN_TOKENS}..{GEMM_MAX_TOKENS} (the GEMM template)"
-    reason = check_tensors({"x": x, "weight": weight}, torch.bfloat16)
-    if reason:
-        return reason
-    if weight.shape[1] != k:
-        return f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    dims = in_proj_operands(args, GEMM_MIN_TOKENS, GEMM_MAX_TOKENS, "the GEMM template")
+    if isinstance(dims, str):
+        return dims
+    t, k, n = dims
+    split_sizes = args[2]
     if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
         return f"K {k} is not a multiple of {GEMM_TILE_K} of at least two tiles (the pipeline's K tile)"
     sizes = [int(s) for s in split_sizes]

@@ -36,19 +36,29 @@ def gemv_tiling(tokens: int, k: int) -> dict[str, Any]:
             "pipeline": pipeline}
 
 
-def _gemv_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
-    x, weight, split_sizes = args
+def in_proj_operands(args: Sequence[Any], min_tokens: int, max_tokens: int, template_name: str
+                     ) -> tuple[int, int, int] | str:
+    """(tokens, K, weight rows) of an input-projection call both templates can read; else why not."""
+    x, weight, _ = args
     if x.dim() != 2 or weight.dim() != 2:
         return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
     t, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= t <= GEMV_MAX_TOKENS:
-        return f"{t} tokens outside 1..{GEMV_MAX_TOKENS} (the GEMV template; larger batches need the GEMM)"
+    if not min_tokens <= t <= max_tokens:
+        return f"{t} tokens outside {min_tokens}..{max_tokens} ({template_name})"
     reason = check_tensors({"x": x, "weight": weight}, torch.bfloat16)
     if reason:
         return reason
     if weight.shape[1] != k:
         return f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
+    return t, k, weight.shape[0]
+
+
+def _gemv_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
+    dims = in_proj_operands(args, 1, GEMV_MAX_TOKENS, "the GEMV template; larger batches need the GEMM")
+    if isinstance(dims, str):
+        return dims
+    t, k, n = dims
+    split_sizes = args[2]
     if k % 256:
         return f"K {k} is not a multiple of 256 (one 128-bit vector per lane)"
     sizes = [int(s) for s in split_sizes]
