@@ -11,25 +11,28 @@ from rewriter.rules import Rule, common_guard, fused_op
 
 
 @fused_op("topk_routed_experts")  # the fused op: its CPU reference is the math it replaces
-def topk_routed_experts(logits: Tensor, bias: Tensor, x_latent: Tensor, w13: Tensor, w2: Tensor, top_k: int,
-                        scaling: float, beta: float, linear_beta: float) -> Tensor:
+def topk_routed_experts(logits: Tensor, bias: Tensor, x_latent: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor,
+                        w2_scale: Tensor, top_k: int, scaling: float, beta: float, linear_beta: float,
+                        layout: str) -> Tensor:
     weights, ids = route(logits, bias, top_k=top_k, renormalize=True, scaling=scaling)
-    return experts_down(experts_up(x_latent, ids, w13, beta=beta, linear_beta=linear_beta), weights, ids, w2)
+    return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, beta=beta, linear_beta=linear_beta),
+                        weights, ids, w2, w2_scale, layout=layout)
 
 
 def variants(ctx):
     moe = getattr(ctx.layer, "block_sparse_moe", None)
-    if moe is None or not moe.renormalize:
-        return []
-    k, scale, act = moe.top_k, moe.scaling, moe.act
+    if moe is None or not moe.renormalize or not moe.experts.routed_experts.format.quantized:
+        return []  # the served MXFP4 experts only
+    k, scale, act, layout = moe.top_k, moe.scaling, moe.act, moe.experts.routed_experts.format.layout
 
-    def pattern(logits, bias, x_latent, w13, w2):  # plain PyTorch: what to find
+    def pattern(logits, bias, x_latent, w13, w13_scale, w2, w2_scale):  # plain PyTorch: what to find
         weights, ids = route(logits, bias, top_k=k, renormalize=True, scaling=scale)
-        return experts_down(experts_up(x_latent, ids, w13, **act), weights, ids, w2)
+        return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, **act), weights, ids, w2,
+                            w2_scale, layout=layout)
 
-    def replacement(logits, bias, x_latent, w13, w2):  # same arguments: what to put instead
-        return torch.ops.k3f.topk_routed_experts(logits, bias, x_latent, w13, w2, k, scale, act["beta"],
-                                                 act["linear_beta"])
+    def replacement(logits, bias, x_latent, w13, w13_scale, w2, w2_scale):  # same arguments: what to put instead
+        return torch.ops.k3f.topk_routed_experts(logits, bias, x_latent, w13, w13_scale, w2, w2_scale, k, scale,
+                                                 act["beta"], act["linear_beta"], layout)
 
     return [(pattern, replacement)]
 
@@ -40,7 +43,8 @@ RULES = [Rule("topk_routed_experts", "moe", variants, common_guard, kernel="topk
 if __name__ == "__main__":
     from rewriter import KimiK3Config, layers, rewrite, rules, schedule, shape, trace
 
-    lg = trace.trace(layers.build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16), shape.DecodeShape(1, tp=16))
+    layer = layers.build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16, experts="mxfp4")
+    lg = trace.trace(layer, shape.DecodeShape(1, tp=16))
     for extra in ([], RULES):
         rs = rules.default_rules()
         for r in extra:

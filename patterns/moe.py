@@ -1,9 +1,9 @@
 """MoE: routed experts grouped over the selected experts, shared experts beside them on
 an auxiliary stream, and the latent tail.
 
-- ``routed_experts``: for each token, its selected experts' gate/up rows, SiTU, and down
-  projections, weighted and summed: one grouped kernel (each block takes an (expert,
-  intermediate slice) and accumulates its share of the down projection);
+- ``routed_experts`` (bf16) and ``routed_experts_mxfp4`` (the checkpoint's MXFP4, in the
+  layout vLLM's MoE backend leaves): for each token, its selected experts' gate/up rows,
+  SiTU, and down projections, weighted and summed;
 - ``shared_experts``: gate_up, SiTU, down on the un-projected rows; it reads nothing of
   the routed branch, so it runs on the aux stream beside it;
 - ``latent_tail``: one cross-GPU reduction of [latent | shared] partials, then
@@ -24,6 +24,16 @@ def routed_experts_op(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tenso
     return experts_down(experts_up(x_latent, ids, w13, beta=beta, linear_beta=linear_beta), weights, ids, w2)
 
 
+@fused_op("routed_experts_mxfp4")
+def routed_experts_mxfp4_op(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w13_scale: Tensor,
+                            w2: Tensor, w2_scale: Tensor, beta: float | None, linear_beta: float | None, layout: str,
+                            inter_live: int) -> Tensor:
+    """The routed experts on MXFP4 weights in ``layout``; only the first ``inter_live`` channels
+    of each half of w13 (and of w2's K) are real, the rest is zero padding a kernel skips."""
+    return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, beta=beta, linear_beta=linear_beta),
+                        weights, ids, w2, w2_scale, layout=layout)
+
+
 @fused_op("shared_experts")
 def shared_experts_op(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, beta: float | None,
                       linear_beta: float | None) -> Tensor:
@@ -39,7 +49,7 @@ def latent_tail_op(routed: Tensor, shared: Tensor, norm_weight: Tensor, up_weigh
 
 def _routed_variants(ctx: RuleContext):
     moe = getattr(ctx.layer, "block_sparse_moe", None)
-    if moe is None:
+    if moe is None or moe.experts.routed_experts.format.quantized:
         return []
     act = moe.act
 
@@ -48,6 +58,24 @@ def _routed_variants(ctx: RuleContext):
 
     def replacement(x_latent, weights, ids, w13, w2):
         return torch.ops.k3f.routed_experts(x_latent, weights, ids, w13, w2, act["beta"], act["linear_beta"])
+
+    return [(pattern, replacement)]
+
+
+def _routed_mxfp4_variants(ctx: RuleContext):
+    moe = getattr(ctx.layer, "block_sparse_moe", None)
+    if moe is None or not moe.experts.routed_experts.format.quantized:
+        return []
+    act, routed = moe.act, moe.experts.routed_experts
+    layout, live = routed.format.layout, routed.inter_live
+
+    def pattern(x_latent, weights, ids, w13, w13_scale, w2, w2_scale):
+        return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, **act), weights, ids, w2,
+                            w2_scale, layout=layout)
+
+    def replacement(x_latent, weights, ids, w13, w13_scale, w2, w2_scale):
+        return torch.ops.k3f.routed_experts_mxfp4(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, act["beta"],
+                                                  act["linear_beta"], layout, live)
 
     return [(pattern, replacement)]
 
@@ -86,6 +114,8 @@ def _tail_variants(ctx: RuleContext):
 RULES = [
     Rule("routed_experts", "moe", _routed_variants, common_guard, kernel="routed_experts_grouped", launches=2,
          doc="grouped GEMV/GEMM over the selected experts: gate/up + SiTU, then down + weighted sum"),
+    Rule("routed_experts_mxfp4", "moe", _routed_mxfp4_variants, common_guard, launches=2,
+         doc="the same on MXFP4 experts in the layout vLLM's MoE backend leaves, dequantized in registers"),
     Rule("shared_experts", "moe", _shared_variants, common_guard, stream="aux", launches=2,
          doc="shared experts' gate_up + SiTU, then down (a partial sum), beside the routed experts"),
     Rule("latent_tail", "moe", _tail_variants, common_guard, communicates=True,

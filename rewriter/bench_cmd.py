@@ -1,5 +1,7 @@
 """``python -m rewriter bench``: time one layer, rewritten and reference, on this GPU.
 
+Routed experts are the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90) unless
+``--experts bf16``; the floor counts the bytes of that format, padding left out.
 For each TP shard shape and batch: the rewritten layer (its schedule run by ``LayerRunner``
 with the CuTe DSL kernels installed) and the reference layer eager, under a CUDA graph and
 under ``torch.compile`` with max-autotune and a CUDA graph (inductor's own graphs skip a
@@ -67,6 +69,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--layer", type=int, default=1, help="layer index (default 1, a KDA+MoE layer)")
     b.add_argument("--tp", type=int, nargs="+", default=[16, 8], help="TP shard shapes to run (default 16 8)")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batches (default 1 8 64)")
+    b.add_argument("--experts", default="mxfp4", choices=("mxfp4", "bf16"),
+                   help="routed experts: the checkpoint's MXFP4 in Humming's layout (default), or bf16")
     b.add_argument("--copies", type=int, help="layers per timed call (default: 4x the L2 in weights)")
     b.add_argument("--reps", type=int, default=30, help="timed replays per row (default 30)")
     b.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to run (default all)")
@@ -146,14 +150,14 @@ def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
 class _Case:
     """``copies`` layers of one TP shape and batch on the GPU, with their inputs."""
 
-    def __init__(self, cfg, layer_idx: int, tp: int, batch: int, copies: int, arch: str):
+    def __init__(self, cfg, layer_idx: int, tp: int, batch: int, copies: int, arch: str, experts: str):
         from rewriter.layers import build_layer
         from rewriter.layers.state import decode_inputs
         from rewriter.layers.weights import init_random_
         from rewriter.shape import DecodeShape
 
         self.shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch)
-        self.layers = [init_random_(build_layer(cfg, layer_idx, tp=tp, device="cuda"), seed=1000 + i)
+        self.layers = [init_random_(build_layer(cfg, layer_idx, tp=tp, device="cuda", experts=experts), seed=1000 + i)
                        for i in range(copies)]
         self.inputs = [list(decode_inputs(layer, self.shape, device="cuda", seed=i).values())
                        for i, layer in enumerate(self.layers)]
@@ -194,11 +198,11 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     from rewriter.trace import trace
 
     meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch)
-    floor = floor_bytes(trace(build_layer(cfg, args.layer, tp=tp), meta_shape).graph, meta_shape)
+    floor = floor_bytes(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape).graph, meta_shape)
     floor_us = hbm_us(floor, H200_COPY_TBPS)
     copies = copies_for(floor, args.copies)
     progress(f"TP {tp} batch {batch}: {copies} layer copies, HBM floor {floor / 1e6:.1f} MB = {floor_us:.1f} us")
-    case = _Case(cfg, args.layer, tp, batch, copies, arch)
+    case = _Case(cfg, args.layer, tp, batch, copies, arch, args.experts)
     rows = []
     if "rewritten" in args.paths:
         bind.install_cuda_kernels(arch)
@@ -260,8 +264,9 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     return rows
 
 
-def render(rows: list[Row], device: str) -> str:
-    lines = [f"{device}; one rank of each TP shape, collectives excluded; weights rotated past the L2",
+def render(rows: list[Row], device: str, experts: str) -> str:
+    lines = [f"{device}; {experts} routed experts; one rank of each TP shape, collectives excluded; weights "
+             "rotated past the L2",
              f"{'TP':>3} {'batch':>5}  {'path':<14}{'kernels':>8}{'us/layer':>10}{'floor us':>10}{'% floor':>9}  note"]
     for r in rows:
         us = f"{r.us:10.1f}" if r.us else f"{'-':>10}"
@@ -291,8 +296,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 rows.extend(bench_shape(cfg, args, tp, batch, arch, log))
                 torch.cuda.empty_cache()  # the shape's layer copies are gone
     if args.json:
-        print(json.dumps({"device": device, "model": args.model, "layer": args.layer,
+        print(json.dumps({"device": device, "model": args.model, "layer": args.layer, "experts": args.experts,
                           "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}, indent=1))
     else:
-        print(render(rows, device))
+        print(render(rows, device, args.experts))
     return 0

@@ -53,6 +53,9 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=64, help="MLA cache page size (default 64)")
     p.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
+                   help="routed experts: the released checkpoint's MXFP4 in the layout vLLM serves (Humming's; "
+                        "default) or bf16")
     p.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
                    help="a Python file whose RULES list is added to the built-in rules (repeatable)")
 
@@ -67,7 +70,7 @@ def rewritten_layer(args: argparse.Namespace, rules: RuleSet | None = None) -> R
     dtype = DTYPES[args.dtype]
     shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
                         context=args.context, block_size=args.block_size)
-    layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype)
+    layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype, experts=args.experts)
     rules = default_rules() if rules is None else rules
     for path in args.rules:
         for rule in load_rules_file(path):

@@ -110,6 +110,11 @@ def _expected_distinct(rows: int, picks: int) -> int:
     return round(rows * (1.0 - (1.0 - 1.0 / rows) ** picks))
 
 
+def live_bytes(param: fx.Node) -> int:
+    """A weight's bytes that hold real values (a zero-padded expert shard's padding need not be read)."""
+    return round(nbytes(_val(param)) * param.meta.get("live_fraction", 1.0))
+
+
 def weight_uses(param: fx.Node) -> list[tuple[fx.Node, int]]:
     """(consumer, bytes it reads) for each real use of a weight, looking through views."""
     uses = []
@@ -119,9 +124,9 @@ def weight_uses(param: fx.Node) -> list[tuple[fx.Node, int]]:
         elif u.op == "call_function" and u.target is operator.getitem and _indexes_with_tensor(u):
             rows = _val(param).shape[0]
             picked = _expected_distinct(rows, _val(u.args[1]).numel())
-            uses.append((u, nbytes(_val(param)) * picked // rows))
+            uses.append((u, live_bytes(param) * picked // rows))
         else:
-            uses.append((u, nbytes(_val(param))))
+            uses.append((u, live_bytes(param)))
     return uses
 
 
@@ -137,7 +142,7 @@ def _weight_bytes(param: fx.Node) -> int:
     per_consumer: dict[fx.Node, int] = {}
     for consumer, b in weight_uses(param):
         per_consumer[consumer] = max(per_consumer.get(consumer, 0), b)
-    return min(sum(per_consumer.values()), nbytes(_val(param)))
+    return min(sum(per_consumer.values()), live_bytes(param))
 
 
 def _is_state(placeholder: fx.Node) -> bool:

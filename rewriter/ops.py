@@ -1,8 +1,8 @@
 """Leaf ops of the reference layers, as ``torch.library`` custom ops (namespace ``k3``).
 
-These are the ops that touch decode state or other GPUs: the all-reduce, the KDA
-short-conv and recurrent decode steps, the MLA latent-cache insert and decode
-attention. Keeping them opaque makes the traced graph show exactly where state is
+These are the ops that touch decode state or other GPUs, and the MXFP4 expert
+dequantization: the all-reduce, the KDA short-conv and recurrent decode steps, the MLA
+latent-cache insert and decode attention, the dequantization of selected expert rows. Keeping them opaque makes the traced graph show exactly where state is
 read and written, and lets kernels register as their CUDA implementation later.
 Each has a CPU reference implementation (plain, loop-based where that makes the math
 obvious) and a fake implementation, so graphs trace on meta tensors with no memory.
@@ -91,6 +91,23 @@ def all_reduce(x: Tensor, group: str, world_size: int) -> Tensor:
 @all_reduce.register_fake
 def _(x: Tensor, group: str, world_size: int) -> Tensor:
     return torch.empty_like(x)
+
+
+# ---- MXFP4 experts: dequantize the rows a step selected ---------------------------------
+@torch.library.custom_op("k3::mxfp4_dequant", mutates_args=())
+def mxfp4_dequant(weight: Tensor, scale: Tensor, layout: str) -> Tensor:
+    """The bf16 values [..., N, K] of MXFP4 expert rows in ``layout``
+    (``rewriter.layers.experts``): exact, E2M1 code times 2^(scale - 127)."""
+    from rewriter.layers.experts import ExpertFormat
+
+    return ExpertFormat("mxfp4", layout).dequant(weight, scale)
+
+
+@mxfp4_dequant.register_fake
+def _(weight: Tensor, scale: Tensor, layout: str) -> Tensor:
+    *lead, a, b = weight.shape
+    n, k = (a, 2 * b) if layout == "checkpoint" else (b // 2, 16 * a)
+    return weight.new_empty((*lead, n, k), dtype=torch.bfloat16)
 
 
 # ---- KDA: short convolution decode step ----------------------------------------------

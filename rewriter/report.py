@@ -85,6 +85,7 @@ def build_report(result: RewriteResult, model: str, hbm_tbps: float = H200_COPY_
         "context": shape.context,
         "arch": shape.arch,
         "dtype": _DTYPE_NAMES[shape.dtype],
+        "experts": before.module.expert_format.name if before.module.expert_format else None,
         "default_kernels": len(stock.kernels),
         "rewritten_kernels": sum(k.launches for k in fused.kernels),
         "fused_ops": sum(k.source.startswith("fused:") for k in fused.kernels),
@@ -118,7 +119,8 @@ def _mb(b: int) -> str:
 def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
     lines = [
         f"{r['model']} layer {r['layer']} ({r['layer_kind']}), TP {r['tp']} rank {r['rank']}, "
-        f"batch {r['batch']} x q {r['q']} = {r['tokens']} tokens, context {r['context']}, {r['dtype']}, {r['arch']}",
+        f"batch {r['batch']} x q {r['q']} = {r['tokens']} tokens, context {r['context']}, {r['dtype']}, {r['arch']}"
+        + (f", {r['experts']} routed experts" if r["experts"] else ""),
         f"kernels: {r['default_kernels']} stock -> {r['rewritten_kernels']} rewritten "
         f"({r['fused_ops']} fused ops, {len(r['matches'])} matches, {len(r['refusals'])} refusals)",
         f"HBM floor {r['floor_bytes'] / 1e6:.2f} MB = {r['hbm_floor_us']:.2f} us at {r['hbm_tbps']} TB/s; "

@@ -84,6 +84,10 @@ def trace(layer: KimiDecoderLayer, shape: DecodeShape) -> LayerGraph:
     graph = trace_function(layer)
     gm = fx.GraphModule(layer, graph, class_name=f"KimiK3Layer{layer.layer_idx}")
     propagate_meta(gm, list(inputs.values()))
+    live = layer.live_fractions()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in live:
+            node.meta["live_fraction"] = live[node.target]  # the cost model counts only real values
     return LayerGraph(gm=gm, config=layer.config, layer=layer.layer_idx, kind=layer.kind, shape=shape, module=layer)
 
 

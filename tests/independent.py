@@ -143,7 +143,7 @@ def mla(p: dict, x, cache_tokens: list[torch.Tensor], *, heads, q_lora, kv_lora,
 def moe(p: dict, x, *, top_k, scaling, renormalize, beta, linear_beta, eps):
     """Latent MoE on one rank before its all-reduce, then the tail (TP 1 semantics)."""
     T = x.shape[0]
-    w13, w2 = _f(p["experts.w13_weight"]), _f(p["experts.w2_weight"])
+    w13, w2 = _f(p["experts.routed_experts.w13_weight"]), _f(p["experts.routed_experts.w2_weight"])
     inter = w2.shape[2]
     out = torch.zeros(T, p["routed_expert_up_proj.weight"].shape[0], dtype=D)
     for t in range(T):

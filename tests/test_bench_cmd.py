@@ -16,8 +16,8 @@ def test_copies_rotate_weights_past_the_l2():
 def test_table_gives_the_share_of_the_floor():
     rows = [Row(16, 1, "rewritten", 12, 100.0, 65.0), Row(16, 1, "torch.compile", None, None, 65.0, "not run")]
     assert rows[0].floor_pct == pytest.approx(65.0) and rows[1].floor_pct is None
-    text = render(rows, "H200 (sm_90a)")
-    assert "collectives excluded" in text and " 65%" in text and "not run" in text
+    text = render(rows, "H200 (sm_90a)", "mxfp4")
+    assert "collectives excluded" in text and " 65%" in text and "not run" in text and "mxfp4 routed experts" in text
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -27,6 +27,12 @@ def test_table_gives_the_share_of_the_floor():
 def test_bad_arguments_name_the_problem(capsys, argv, message):
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_unknown_expert_format_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--experts", "fp8"])
+    assert e.value.code == 2 and "--experts: invalid choice: 'fp8'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

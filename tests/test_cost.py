@@ -31,13 +31,24 @@ def test_state_traffic_is_per_request(k3):
     assert four["kda.core"] - one["kda.core"] == pytest.approx(3 * state, rel=0.05)
 
 
-def test_floor_counts_each_weight_once_and_only_selected_experts(kda16, k3):
+def test_floor_counts_each_weight_once_and_only_selected_live_experts(kda16, k3):
     params = dict(build_layer(k3, 1, tp=16).named_parameters())
     dense = sum(p.numel() * p.element_size() for n, p in params.items() if "experts.w" not in n)
     experts = sum(p.numel() * p.element_size() for n, p in params.items() if "experts.w" in n)
     floor = floor_bytes(kda16.graph, kda16.shape)
-    picked = experts * _expected_distinct(896, 16) // 896
+    picked = experts * _expected_distinct(896, 16) // 896 * 192 // 256  # 192 of 256 rows per rank are real
     assert dense + picked < floor < dense + picked + 2_000_000  # + state and activations
+
+
+def test_mxfp4_floor_counts_codes_and_scales_of_live_rows(kda16, k3):
+    """MXFP4 experts: 4 bits a value plus a byte per 32, only the 192 live rows of 256 (by hand)."""
+    sh = DecodeShape(batch=1, tp=16)
+    mx = floor_bytes(trace(build_layer(k3, 1, tp=16, experts="mxfp4"), sh).graph, sh)
+    bf16 = floor_bytes(kda16.graph, sh)
+    live, latent = 192, 3584
+    per_expert_bf16 = (2 * live * latent + latent * live) * 2
+    per_expert_mx = 2 * live * (latent // 2 + latent // 32) + latent * (live // 2 + live // 32)
+    assert bf16 - mx == 16 * (per_expert_bf16 - per_expert_mx)
 
 
 def test_expected_distinct_experts():

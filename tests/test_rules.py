@@ -200,8 +200,8 @@ def test_every_match_and_refusal_is_recorded(k3):
         ("attn_in_proj.small", "batch 64 outside 1..1 (the GEMV rule takes 1 token)")]
     by_rule = {m.rule: m for m in result.matches}
     assert by_rule["routed_experts"].bytes < by_rule["routed_experts"].weights[
-        "block_sparse_moe.experts.w13_weight"] * 2  # only the experts batch 64 is expected to touch
-    assert "block_sparse_moe.experts.w13_weight" in by_rule["routed_experts"].dynamic_weights
+        "block_sparse_moe.experts.routed_experts.w13_weight"] * 2  # only the experts batch 64 is expected to touch
+    assert "block_sparse_moe.experts.routed_experts.w13_weight" in by_rule["routed_experts"].dynamic_weights
 
 
 def test_rule_launches_must_be_a_positive_int():

@@ -84,7 +84,7 @@ def test_tp_ranks_equal_tp1(world):
 
 
 def test_tp4_pads_expert_shards_like_vllm(tiny):
-    """At TP 4 the tiny config's 6-wide expert shards are zero-padded to 8, as vLLM pads them."""
+    """At TP 4 the tiny config's 16-wide expert shards are zero-padded to 32, as vLLM pads them."""
     from conftest import make_layer
 
     from rewriter.layers import build_layer
@@ -93,13 +93,13 @@ def test_tp4_pads_expert_shards_like_vllm(tiny):
     full = make_layer(tiny, 1, seed=1)
     local = build_layer(tiny, 1, tp=4, rank=3, dtype=torch.float32, device="cpu")
     sd = shard_state_dict(full.state_dict(), local)
-    w13, w2 = sd["block_sparse_moe.experts.w13_weight"], sd["block_sparse_moe.experts.w2_weight"]
-    assert w13.shape == (16, 16, 32) and w2.shape == (16, 32, 8)
-    assert torch.count_nonzero(w13[:, 6:8]) == 0 and torch.count_nonzero(w13[:, 14:16]) == 0
-    assert torch.count_nonzero(w2[:, :, 6:]) == 0
-    full_w13 = full.state_dict()["block_sparse_moe.experts.w13_weight"]
-    assert torch.equal(w13[:, :6], full_w13[:, 18:24])  # rank 3's gate rows
-    assert torch.equal(w13[:, 8:14], full_w13[:, 42:48])  # rank 3's up rows
+    w13, w2 = sd["block_sparse_moe.experts.routed_experts.w13_weight"], sd["block_sparse_moe.experts.routed_experts.w2_weight"]
+    assert w13.shape == (16, 64, 64) and w2.shape == (16, 64, 32)
+    assert torch.count_nonzero(w13[:, 16:32]) == 0 and torch.count_nonzero(w13[:, 48:64]) == 0
+    assert torch.count_nonzero(w2[:, :, 16:]) == 0
+    full_w13 = full.state_dict()["block_sparse_moe.experts.routed_experts.w13_weight"]
+    assert torch.equal(w13[:, :16], full_w13[:, 48:64])  # rank 3's gate rows
+    assert torch.equal(w13[:, 32:48], full_w13[:, 112:128])  # rank 3's up rows
 
 
 def test_all_reduce_without_group_names_the_fix():

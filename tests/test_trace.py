@@ -44,12 +44,12 @@ def test_graph_keeps_vllm_parameter_names(k3):
     targets = {n.target for n in lg.graph.nodes if n.op == "get_attr"}
     for name in ("self_attn.in_proj_qkvgfab.weight", "self_attn.f_b_proj.weight", "self_attn.A_log",
                  "self_attn.dt_bias", "self_attn.conv1d.weight", "block_sparse_moe.gate.e_score_correction_bias",
-                 "block_sparse_moe.experts.w13_weight", "block_sparse_moe.routed_expert_up_proj.weight",
+                 "block_sparse_moe.experts.routed_experts.w13_weight", "block_sparse_moe.routed_expert_up_proj.weight",
                  "self_attention_res_proj.weight", "mlp_res_norm.weight"):
         assert name in targets
     shapes = {n.target: tuple(n.meta["val"].shape) for n in lg.graph.nodes if n.op == "get_attr"}
     assert shapes["self_attn.in_proj_qkvgfab.weight"] == (6288, 7168)
-    assert shapes["block_sparse_moe.experts.w13_weight"] == (896, 768, 3584)
+    assert shapes["block_sparse_moe.experts.routed_experts.w13_weight"] == (896, 768, 3584)
 
 
 def test_leaf_ops_stay_opaque(k3):

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from rewriter.config import ConfigError, KimiK3Config
 from rewriter.layers.attn_res import attn_res
 from rewriter.layers.common import Weight
+from rewriter.layers.experts import ExpertFormat
 from rewriter.layers.kda import KimiDeltaAttention
 from rewriter.layers.mla import MultiHeadLatentAttention
 from rewriter.layers.moe import KimiMLP, KimiMoE
@@ -28,7 +29,7 @@ class KimiDecoderLayer(nn.Module):
     """Shared body of the KDA- and MLA-attention layers (their ``forward`` differs in state)."""
 
     def __init__(self, cfg: KimiK3Config, layer_idx: int, tp: int = 1, rank: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, tp_group: str = "tp"):
+                 dtype: torch.dtype = torch.bfloat16, tp_group: str = "tp", experts: ExpertFormat | str = "bf16"):
         super().__init__()
         cfg.check_layer(layer_idx)
         reasons = cfg.unsupported_for_reference()
@@ -44,7 +45,7 @@ class KimiDecoderLayer(nn.Module):
         attn_cls = KimiDeltaAttention if self.attention_kind == "kda" else MultiHeadLatentAttention
         self.self_attn = attn_cls(cfg, tp, dtype, tp_group)
         if cfg.is_moe_layer(layer_idx):
-            self.block_sparse_moe = KimiMoE(cfg, tp, dtype, tp_group)
+            self.block_sparse_moe = KimiMoE(cfg, tp, dtype, tp_group, experts)
         else:
             self.mlp = KimiMLP(cfg, tp, dtype, tp_group)
         hidden = cfg.hidden_size
@@ -87,8 +88,22 @@ class KimiDecoderLayer(nn.Module):
                 eps=self.eps, output_norm_eps=self.eps)
         return self.feed_forward(x), prefix, blocks
 
+    @property
+    def expert_format(self) -> ExpertFormat | None:
+        moe = getattr(self, "block_sparse_moe", None)
+        return None if moe is None else moe.experts.routed_experts.format
+
+    def live_fractions(self) -> dict[str, float]:
+        """Parameters of which only a share holds real values (the zero-padded expert shards)."""
+        moe = getattr(self, "block_sparse_moe", None)
+        if moe is None or moe.experts.routed_experts.live_fraction() == 1.0:
+            return {}
+        routed = moe.experts.routed_experts
+        return {f"block_sparse_moe.experts.routed_experts.{name}": routed.live_fraction()
+                for name, _ in routed.named_parameters()}
+
     def param_shardings(self) -> dict:
-        """Sharding of every parameter, by its (vLLM) name."""
+        """Sharding of every parameter, by its (vLLM) name (None: made per rank, never cut)."""
         out = {}
         for mod_name, mod in self.named_modules():
             for p_name, _ in mod.named_parameters(recurse=False):
@@ -109,11 +124,13 @@ class MLADecoderLayer(KimiDecoderLayer):
 
 
 def build_layer(cfg: KimiK3Config, layer_idx: int, tp: int = 1, rank: int = 0, dtype: torch.dtype = torch.bfloat16,
-                device: str | torch.device = "meta", tp_group: str = "tp") -> KimiDecoderLayer:
-    """Layer ``layer_idx`` of rank ``rank`` at TP ``tp``, parameters uninitialized on ``device``.
+                device: str | torch.device = "meta", tp_group: str = "tp",
+                experts: ExpertFormat | str = "bf16") -> KimiDecoderLayer:
+    """Layer ``layer_idx`` of rank ``rank`` at TP ``tp``, parameters uninitialized on ``device``;
+    routed experts in ``experts`` (an ``ExpertFormat`` or its name: ``bf16``, ``mxfp4``, ...).
 
     On "meta" (the default) nothing is allocated, so the full-size model builds anywhere.
     """
     cls = KDADecoderLayer if cfg.attention_kind(layer_idx) == "kda" else MLADecoderLayer
     with torch.device(device):
-        return cls(cfg, layer_idx, tp, rank, dtype, tp_group)
+        return cls(cfg, layer_idx, tp, rank, dtype, tp_group, experts)

@@ -7,15 +7,19 @@ steers selection, top-k renormalized weights, routed experts working in the
 across TP and zero-padded per rank as vLLM pads it), shared experts on the
 un-projected input, one all-reduce of [latent partial | shared partial], then
 ``routed_expert_norm``, ``routed_expert_up_proj`` and the shared add.
-Routed experts are bf16 here (the released checkpoint stores them MXFP4).
+Routed experts are bf16 or MXFP4 (the released checkpoint's), in a layout named by an
+``ExpertFormat`` (``rewriter/layers/experts.py``).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
 
 from rewriter.config import KimiK3Config
 from rewriter.layers.common import Weight, rms_norm, silu_and_mul, situ_and_mul
+from rewriter.layers.experts import E2M1_RMS, ExpertFormat, random_mxfp4
 from rewriter.layers.sharding import REPLICATED, ROW, Piece, Sharding
 from rewriter.regions import region
 
@@ -29,7 +33,8 @@ def _act(cfg: KimiK3Config) -> dict[str, float | None]:
 
 
 class KimiMoE(nn.Module):
-    def __init__(self, cfg: KimiK3Config, tp: int, dtype: torch.dtype, tp_group: str):
+    def __init__(self, cfg: KimiK3Config, tp: int, dtype: torch.dtype, tp_group: str,
+                 expert_format: ExpertFormat | str = "bf16"):
         super().__init__()
         s = cfg.shard(tp)
         self.tp, self.tp_group = tp, tp_group
@@ -44,15 +49,13 @@ class KimiMoE(nn.Module):
                                                          requires_grad=False)
         self.gate.shardings["e_score_correction_bias"] = REPLICATED
         self.routed_expert_down_proj = Weight((latent, hidden), dtype, REPLICATED)
-        self.experts = nn.Module()
-        pad = inter if inter != s.expert_intermediate_unpadded else None
-        self.experts.w13_weight = nn.Parameter(torch.empty(experts, 2 * inter, latent, dtype=dtype),
-                                               requires_grad=False)
-        self.experts.w2_weight = nn.Parameter(torch.empty(experts, latent, inter, dtype=dtype), requires_grad=False)
-        self.experts.shardings = {
-            "w13_weight": Sharding(1, (Piece(inter_full, pad_to=pad), Piece(inter_full, pad_to=pad))),
-            "w2_weight": Sharding(2, (Piece(inter_full, pad_to=pad),)),
-        }
+        self.experts = nn.Module()  # vLLM's FusedMoE wrapper; its routed experts one level down
+        fmt = ExpertFormat.parse(expert_format)
+        if fmt.quantized:  # vLLM's MXFP4 backends hold each rank's I in multiples of 64 (oracle/mxfp4.py)
+            inter = -(-inter // 64) * 64
+        self.experts.routed_experts = RoutedExperts(experts, latent, inter, s.expert_intermediate_unpadded,
+                                                    inter_full, fmt, dtype)
+        self.experts.shardings = {}
         self.shared_experts = nn.Module()
         shared_full = cfg.moe_intermediate_size * cfg.num_shared_experts
         self.shared_experts.gate_up_proj = Weight((2 * s.shared_intermediate, hidden), dtype,
@@ -70,13 +73,84 @@ class KimiMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         logits, x_latent = router_and_down_proj(x, self.gate.weight, self.routed_expert_down_proj.weight)
         weights, ids = self.route(logits)
-        act = experts_up(x_latent, ids, self.experts.w13_weight, **self.act)
-        routed = experts_down(act, weights, ids, self.experts.w2_weight)
+        r = self.experts.routed_experts
+        act = experts_up(x_latent, ids, r.w13_weight, r.w13_scale, layout=r.format.layout, **self.act)
+        routed = experts_down(act, weights, ids, r.w2_weight, r.w2_scale, layout=r.format.layout)
         shared = shared_experts_down(shared_experts_up(x, self.shared_experts.gate_up_proj.weight, **self.act),
                                      self.shared_experts.down_proj.weight)
         return latent_tail(routed, shared, self.routed_expert_norm.weight, self.routed_expert_up_proj.weight,
                            latent=self.latent, hidden=self.hidden, group=self.tp_group, tp=self.tp, eps=self.eps)
 
+
+class RoutedExperts(nn.Module):
+    """``w13_weight`` [E, 2I, L] (gate rows, then up rows) and ``w2_weight`` [E, L, I] in an
+    ``ExpertFormat`` (MXFP4 ones with their ``_weight_scale``), vLLM's names. I is the rank's
+    shard of the intermediate, zero-padded from ``inter_live`` as vLLM pads it (the gate and
+    the up half each); the padding adds nothing and a kernel need not read it."""
+
+    INIT_CHUNK = 32  # experts drawn at once by init_random_
+
+    def __init__(self, experts: int, latent: int, inter: int, inter_live: int, inter_full: int, fmt: ExpertFormat,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.format, self.experts, self.latent = fmt, experts, latent
+        self.inter, self.inter_live, self.inter_full = inter, inter_live, inter_full
+        self.shardings = {}
+        pad = inter if inter != inter_live else None
+        for proj, (n, k) in (("w13", (2 * inter, latent)), ("w2", (latent, inter))):
+            for part, (shape, dt) in fmt.tensors(experts, n, k).items():
+                name = f"{proj}_{part}"
+                setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype if dt == torch.bfloat16 else dt),
+                                                 requires_grad=False))
+                self.shardings[name] = self._sharding(proj, part, pad)
+
+    @property
+    def w13_scale(self) -> Tensor | None:
+        return getattr(self, "w13_weight_scale", None)
+
+    @property
+    def w2_scale(self) -> Tensor | None:
+        return getattr(self, "w2_weight_scale", None)
+
+    def _sharding(self, proj: str, part: str, pad: int | None) -> Sharding | None:
+        """How a rank's tensor is cut from the TP 1 one: along I (w13's rows, per half; w2's K,
+        packed 2 codes per byte or 32 per scale). Humming's tiles interleave rows and K, so its
+        tensors are made per rank (``init_random_``), never cut."""
+        if self.format.layout not in ("dense", "checkpoint"):
+            return None
+        if proj == "w13":
+            piece = Piece(self.inter_full, pad_to=pad)
+            return Sharding(1, (piece, piece))
+        per = 1 if not self.format.quantized else (2 if part == "weight" else 32)
+        return Sharding(2, (Piece(self.inter_full // per, pad_to=None if pad is None else pad // per),))
+
+    def live_fraction(self) -> float:
+        """The share of each tensor that holds real (not padding) values."""
+        return self.inter_live / self.inter
+
+    @torch.no_grad()
+    def init_random_(self, g: torch.Generator) -> None:
+        """Random weights scaled as a linear layer's (1 / sqrt(K)), zero in the padding."""
+        live = torch.arange(self.inter, device=g.device) < self.inter_live
+        for proj, (n, k), rows, cols in (("w13", (2 * self.inter, self.latent), live.repeat(2), None),
+                                         ("w2", (self.latent, self.inter), None, self.inter_live)):
+            w = getattr(self, f"{proj}_weight")
+            if not self.format.quantized:
+                w.copy_(torch.randn(w.shape, generator=g, device=g.device) / math.sqrt(k))
+                if rows is not None:
+                    w[:, ~rows] = 0
+                if cols is not None:
+                    w[..., cols:] = 0
+                continue
+            exponent = round(math.log2(1.0 / (math.sqrt(k) * E2M1_RMS)))
+            scale = getattr(self, f"{proj}_weight_scale")
+            for e0 in range(0, self.experts, self.INIT_CHUNK):  # a few experts at a time: the codes
+                e1 = min(e0 + self.INIT_CHUNK, self.experts)  # take 8 bytes each while re-laid
+                packed, s = random_mxfp4(e1 - e0, n, k, live_rows=rows, live_k=cols, generator=g, device=g.device,
+                                         scale_exponent=exponent)
+                weight, s = self.format.from_checkpoint(packed, s)
+                w[e0:e1].copy_(weight)
+                scale[e0:e1].copy_(s)
 
 class KimiMLP(nn.Module):
     """The dense MLP: gate_up (column parallel), activation, down (row parallel) + all-reduce."""
@@ -114,17 +188,26 @@ def route(logits: Tensor, bias: Tensor, *, top_k: int, renormalize: bool, scalin
         return weights * scaling, ids
 
 
-def experts_up(x_latent: Tensor, ids: Tensor, w13: Tensor, *, beta: float | None, linear_beta: float | None) -> Tensor:
+def expert_rows(weight: Tensor, scale: Tensor | None, ids: Tensor, layout: str) -> Tensor:
+    """The selected experts' weights [T, k, N, K] in the activation dtype: only those are read."""
+    if scale is None:
+        return weight[ids]
+    return k3.mxfp4_dequant(weight[ids], scale[ids], layout)
+
+
+def experts_up(x_latent: Tensor, ids: Tensor, w13: Tensor, w13_scale: Tensor | None = None, *, layout: str = "dense",
+               beta: float | None, linear_beta: float | None) -> Tensor:
     """Each token's selected experts' gate/up projection and activation: [T, k, I]."""
     with region("moe.experts"):
-        gate_up = torch.einsum("tl,tkol->tko", x_latent, w13[ids])  # only the selected experts are read
+        gate_up = torch.einsum("tl,tkol->tko", x_latent, expert_rows(w13, w13_scale, ids, layout))
         return activation(gate_up, beta, linear_beta)
 
 
-def experts_down(act: Tensor, weights: Tensor, ids: Tensor, w2: Tensor) -> Tensor:
+def experts_down(act: Tensor, weights: Tensor, ids: Tensor, w2: Tensor, w2_scale: Tensor | None = None, *,
+                 layout: str = "dense") -> Tensor:
     """Each expert's down projection, combined with the routing weights (fp32 sum): [T, L]."""
     with region("moe.experts"):
-        out = torch.einsum("tki,tkli->tkl", act, w2[ids])
+        out = torch.einsum("tki,tkli->tkl", act, expert_rows(w2, w2_scale, ids, layout))
         return (out.float() * weights.unsqueeze(-1)).sum(1).type_as(act)
 
 

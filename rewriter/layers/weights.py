@@ -32,10 +32,6 @@ def _random_like(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor
         return 1.0 + randn(0.1)
     if name.endswith("res_proj.weight"):
         return randn(1.0 / math.sqrt(shape[-1]))
-    if name.endswith("w13_weight"):
-        return randn(1.0 / math.sqrt(shape[-1]))
-    if name.endswith("w2_weight"):
-        return randn(1.0 / math.sqrt(shape[-1]))
     if len(shape) == 2:  # linear weights [out, in]
         return randn(1.0 / math.sqrt(shape[-1]))
     raise ValueError(f"no random initialization rule for parameter {'.'.join(leaf)} {tuple(shape)}")
@@ -48,9 +44,17 @@ def init_random_(layer: KimiDecoderLayer, seed: int) -> KimiDecoderLayer:
     device = next(layer.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     shardings = layer.param_shardings()
+    own = {}  # modules that draw their own parameters (the routed experts, in any format)
+    for mod_name, mod in layer.named_modules():
+        if hasattr(mod, "init_random_"):
+            own.update({f"{mod_name}.{n}": mod for n, _ in mod.named_parameters()})
     for name, p in layer.named_parameters():
+        if name in own:
+            continue
         p.copy_(_random_like(name, p, g).to(p.dtype))
         zero_padding_(p, shardings[name], layer.tp)
+    for mod in dict.fromkeys(own.values()):
+        mod.init_random_(g)
     return layer
 
 
@@ -60,5 +64,8 @@ def shard_state_dict(full: dict[str, torch.Tensor], layer: KimiDecoderLayer) -> 
     for name, sharding in layer.param_shardings().items():
         if name not in full:
             raise KeyError(f"full state dict has no parameter {name!r}")
+        if sharding is None:
+            raise ValueError(f"{name} ({layer.expert_format.name}) cannot be cut from a TP 1 tensor; "
+                             "build the rank's layer and draw its weights (init_random_)")
         out[name] = sharding.local(full[name], layer.tp, layer.rank).contiguous()
     return out
