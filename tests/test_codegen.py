@@ -237,7 +237,8 @@ def test_compile_dry_run_lists_the_layer(capsys):
     assert re.search(r"0 attn_res_norm\s+would compile attn_res_norm", out)
     assert re.search(r"1 attn_in_proj_gemv\s+would compile attn_in_proj_gemv\[kda_in_proj\]", out)
     assert re.search(r"5 router_topk\s+would compile router_topk experts=896 .*top_k=16", out)
-    assert re.search(r"6 routed_experts_grouped\s+would compile expert_up[^\n]*\n\s+would compile expert_down", out)
+    assert re.search(r"6 routed_experts_mxfp4\s+would compile expert_up_mxfp4[^\n]*\n\s+would compile "
+                     r"expert_down_mxfp4", out)
     assert "no CuTe DSL template yet" not in out and "compiled" not in out.replace("0 compiled", "")
 
 
@@ -453,17 +454,22 @@ BUILT_ON = {
     "router_topk": ("redux.sync.max.u32", "vote.sync.ballot.b32", "ex2.approx"),
     "expert_up": ("ld.global.L1::no_allocate.L2::256B.v4",),
     "expert_down": ("ld.global.L1::no_allocate.L2::256B.v4",),
+    "expert_up_mxfp4": ("ld.global.L1::no_allocate.v4.b32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                        "mul.rn.bf16x2", "barrier.cluster.arrive"),
+    "expert_down_mxfp4": ("ld.global.L1::no_allocate.v4.b32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                          "mul.rn.bf16x2", "barrier.cluster.arrive"),
 }
 
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("batch", [1, 64])
-def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch):
+@pytest.mark.parametrize("batch,experts", [(1, "mxfp4"), (64, "mxfp4"), (1, "bf16")])
+def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch, experts):
     """The CI check of issue #4: every kernel of the KDA+MoE layer's schedule compiles for sm_90a
-    and sm_100a without a GPU, and its PTX holds the instructions the kernel is built on."""
-    assert main(["compile", "--layer", "1", "--tp", "16", "--batch", str(batch), "--arch", arch,
-                 "--cache-dir", str(kcache.root), "--json"]) == 0
+    and sm_100a without a GPU, and its PTX holds the instructions the kernel is built on; with the
+    checkpoint's MXFP4 experts (what is served) and with bf16 ones."""
+    assert main(["compile", "--layer", "1", "--tp", "16", "--batch", str(batch), "--arch", arch, "--experts",
+                 experts, "--cache-dir", str(kcache.root), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["failed"] == 0
     assert [r["status"] for r in report["kernels"]] == ["compiled"] * 9

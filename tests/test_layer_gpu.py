@@ -1,7 +1,8 @@
 """The whole rewritten KDA+MoE layer on the GPU against the reference layer (marked ``gpu``).
 
 The layer is Kimi K3's at one rank's shapes (``KimiK3Config.one_rank_of``: TP 16 or 8 sizes
-as a TP 1 model, so one GPU runs it with no collective), full size, random weights. The
+as a TP 1 model, so one GPU runs it with no collective), full size, random weights, routed
+experts bf16 or MXFP4 (the released checkpoint's, in Humming's layout). The
 rewritten layer runs its schedule (``LayerRunner``: aux stream, events) with every fused op
 on its CuTe DSL kernels; the reference layer runs plain PyTorch on the same GPU. Outputs
 and the updated KDA states are compared by relative error.
@@ -35,11 +36,11 @@ MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
 
 
-def _layer(tp: int):
+def _layer(tp: int, experts: str):
     from codegen import bind
 
     cfg = KimiK3Config.preset("kimi-k3").one_rank_of(tp)
-    layer = init_random_(build_layer(cfg, 1, tp=1, device="cuda"), seed=tp)
+    layer = init_random_(build_layer(cfg, 1, tp=1, device="cuda", experts=experts), seed=tp)
     layer.block_sparse_moe.gate.e_score_correction_bias.mul_(10.0)  # wider gaps between experts
     bind.install_cuda_kernels()
     return layer
@@ -64,11 +65,14 @@ def _reference(layer, inputs):
     return out, margin
 
 
-@pytest.mark.parametrize("tp,batch", [(16, 1), (16, 8), (16, 64), (8, 1), (8, 8)])
-def test_rewritten_layer_matches_the_reference(tp, batch):
+@pytest.mark.parametrize("tp,batch,experts", [
+    (16, 1, "bf16"), (16, 8, "bf16"), (16, 64, "bf16"), (8, 1, "bf16"), (8, 8, "bf16"),
+    (16, 1, "mxfp4"), (16, 8, "mxfp4"), (8, 1, "mxfp4"), (8, 8, "mxfp4")])
+def test_rewritten_layer_matches_the_reference(tp, batch, experts):
+    """``experts``: bf16, or the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90)."""
     from codegen import bind
 
-    layer = _layer(tp)
+    layer = _layer(tp, experts)
     shape = DecodeShape(batch=batch, arch=bind.device_arch())
     for seed in range(10):
         inputs = list(decode_inputs(layer, shape, device="cuda", seed=seed).values())

@@ -1,7 +1,9 @@
-"""The MoE experts: ``routed_experts_grouped`` (``k3f::routed_experts``) and ``shared_experts``
-(``k3f::shared_experts``), 1..64 tokens; two kernels each: ``expert_up`` (gate/up projection
-and activation into a bf16 scratch [T, k, I]) then ``expert_down`` (down projection and the
-routing-weighted fp32 sum), because the down projection needs an expert's whole activation.
+"""The MoE experts: ``routed_experts_grouped`` (``k3f::routed_experts``, bf16),
+``routed_experts_mxfp4`` (``k3f::routed_experts_mxfp4``, the checkpoint's MXFP4 in Humming's
+layout) and ``shared_experts`` (``k3f::shared_experts``), 1..64 tokens; two kernels each:
+``expert_up`` (gate/up projection and activation into a bf16 scratch [T, k, I]) then
+``expert_down`` (down projection and the routing-weighted fp32 sum), because the down
+projection needs an expert's whole activation (``*_mxfp4`` for MXFP4 weights).
 The shared experts are the same kernels with one expert, one slot and weight 1."""
 from __future__ import annotations
 
@@ -183,3 +185,113 @@ TEMPLATES = (
     Template("shared_experts", ("k3f::shared_experts",), _shared_specs, _shared_runtime, _shared_launch,
              doc="shared experts for 1..64 tokens: gate/up + SiTU, then down; tokens in chunks of 8"),
 )
+
+
+# ---- routed experts on MXFP4 weights (Humming's layout) ---------------------------------------
+MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
+MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
+
+
+def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
+    """(cluster, warps per tile) of ``expert_up_mxfp4``: the longest even run of K blocks per warp
+    up to 14, then the rest of L over a cluster of up to 8 CTAs of up to 2 warps per tile (L =
+    3584: 224 blocks = 8 CTAs x 2 warps x 14; CTAs of 4 warps at 130 registers a thread: three
+    fit an SM)."""
+    kb = latent // 16
+    for per_warp in range(MXFP4_MAX_KB_PER_WARP, 1, -2):
+        if kb % per_warp:
+            continue
+        units = kb // per_warp
+        for warps in (1, 2, 4):
+            if units % warps == 0 and units // warps in (1, 2, 4, 8):
+                return {"cluster": units // warps, "warps_per_tile": warps}
+    return f"L {latent}: its {kb} K blocks do not split into even runs of at most 14 over <= 8 CTAs x 4 warps"
+
+
+def mxfp4_down_tiling(top_k: int, inter_live: int) -> dict[str, int] | str:
+    """(cluster, warps per slot) of ``expert_down_mxfp4``: a slot's live K blocks in even runs of
+    up to 14 per warp; the slots over a cluster of 4 CTAs where k allows (TP 16: 4 CTAs x 4
+    slots x 1 warp of 12 blocks; TP 8: 2 warps of 12)."""
+    kb = inter_live // 16
+    per_warp = next((n for n in range(MXFP4_MAX_KB_PER_WARP, 1, -2) if kb % n == 0), None)
+    if per_warp is None:
+        return f"I_live {inter_live}: {kb} K blocks do not split into even runs of at most 14"
+    warps = kb // per_warp
+    for cluster in (4, 2, 1, 8):
+        if top_k % cluster == 0 and top_k // cluster * warps <= 32:
+            return {"cluster": cluster, "warps_per_slot": warps}
+    return f"top_k {top_k} x {warps} warps per slot do not fit CTAs of at most 32 warps"
+
+
+def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    x, weights, ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, layout, inter_live = args
+    if layout not in MXFP4_LAYOUTS:
+        return (f"MXFP4 experts in the {layout!r} layout; the kernels read Humming's (vLLM's MoE backend on "
+                f"sm_90 leaves it): {', '.join(MXFP4_LAYOUTS)}")
+    if x.dim() != 2 or ids.dim() != 2 or weights.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        return (f"x [T, L], weights and ids [T, k], w13 / w2 [E, K/16, 2N] expected, got {tuple(x.shape)}, "
+                f"{tuple(weights.shape)}, {tuple(ids.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    t, latent = x.shape
+    e, k = w13.shape[0], ids.shape[1]
+    inter = w13.shape[2] // 4
+    reason = (check_tensors({"x": x}, torch.bfloat16) or check_tensors({"weights": weights}, torch.float32)
+              or check_tensors({"ids": ids}, torch.int64)
+              or _typed({"w13": w13, "w2": w2}, torch.int32)
+              or _typed({"w13_scale": w13_scale, "w2_scale": w2_scale}, torch.float8_e8m0fnu)
+              or shape_is("w13", w13, (e, latent // 16, 4 * inter))
+              or shape_is("w13_scale", w13_scale, (e, latent // 32, 2 * inter))
+              or shape_is("w2", w2, (e, inter // 16, 2 * latent))
+              or shape_is("w2_scale", w2_scale, (e, inter // 32, latent))
+              or shape_is("weights", weights, (t, k)) or shape_is("ids", ids, (t, k)))
+    if reason:
+        return reason
+    if not 1 <= t <= EXPERTS_MAX_TOKENS:
+        return f"{t} tokens outside 1..{EXPERTS_MAX_TOKENS} (the experts GEMV; larger batches need a grouped GEMM)"
+    if not 1 <= k <= e:
+        return f"top_k {k} outside 1..{e} experts"
+    if latent % 64 or inter % 64 or inter_live % 64 or not 0 < inter_live <= inter:
+        return f"L {latent}, I {inter}, I_live {inter_live}: multiples of 64 (Humming's row tiles), I_live <= I"
+    act = _act_params(beta, linear_beta)
+    if isinstance(act, str):
+        return act
+    up, down = mxfp4_up_tiling(latent), mxfp4_down_tiling(k, inter_live)
+    for tiling in (up, down):
+        if isinstance(tiling, str):
+            return tiling
+    shapes = {"experts": e, "top_k": k, "inter": inter, "inter_live": inter_live}
+    dtypes = {"act": "bf16", "routing": "fp32"}
+    order = MXFP4_LAYOUTS[layout]
+    return (KernelSpec.make("expert_up_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
+                            params={**up, **act, "order": order}),
+            KernelSpec.make("expert_down_mxfp4", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes,
+                            params={**down, "order": order}))
+
+
+def _typed(named: dict[str, Any], dtype: torch.dtype) -> str | None:
+    for name, t in named.items():
+        if t.dtype != dtype:
+            return f"{name} is {t.dtype}, expected {dtype} (Humming's layout)"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous (strides {tuple(t.stride())})"
+    return None
+
+
+def _mxfp4_runtime(args: Sequence[Any]) -> str | None:
+    x, _, _, w13, w13_scale, w2, w2_scale = args[:7]
+    return aligned({"x": x, "w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale})
+
+
+def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (up, down), x = fns, args[0]
+    weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
+    live = args[10]
+    y, act = _outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
+    up(x.view(torch.int32), ids, w13, w13_scale.view(torch.int32), act)
+    down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y)
+    return y
+
+
+TEMPLATES = (*TEMPLATES, Template(
+    "routed_experts_mxfp4", ("k3f::routed_experts_mxfp4",), _mxfp4_specs, _mxfp4_runtime, _mxfp4_launch,
+    doc="routed experts on MXFP4 weights in Humming's layout, 1..64 tokens: dequantized in registers, "
+        "m16n8k16 MMAs; gate/up + SiTU per (token, slot), then down + weighted sum; the padding never read"))

@@ -1,0 +1,167 @@
+"""``expert_down_mxfp4``: stage 2 of the routed experts on MXFP4 weights in Humming's layout.
+
+The math is ``rewriter/layers/moe.py:experts_down`` on ``k3::mxfp4_dequant``'s values:
+
+    out[t, l] = bf16(sum_j weights[t, j] * <a[t, j, :I_live], W2[ids[t, j], l, :I_live]>)   (fp32)
+
+``W2`` int32 [E, I/16, 2L] and its scales [E, I/32, L] as vLLM's Humming backend leaves them;
+``a`` [T, k, I_live] is stage 1's activation. K blocks past ``I_live`` (vLLM's zero padding of
+the intermediate) are never read. (The reference rounds each expert's dot product to bf16
+before weighting; here the weighted sum is fp32 throughout.)
+
+Work split:
+- a CTA takes one token, one 64-row tile of L and a ``1 / cluster`` share of the k slots; each
+  slot is ``warps_per_slot`` warps, each a contiguous run of ``kb_per_warp`` 16-wide K blocks
+  of I_live: one 16-byte load per lane per block and one 8-byte scale load per two, issued at
+  once (at TP 16, I_live = 192: 4 CTAs of 4 warps per token and tile, 12 blocks per warp);
+- the MMA is m16n8k16 with the weight rows as M and the slot's activation as every N column;
+  each warp scales its C by its slot's routing weight; the warps' sums meet in shared memory,
+  the cluster's in distributed shared memory, and CTA ``rank`` stores rows ``[rank, rank + 1)
+  * 64 / cluster`` of the tile.
+
+Programmatic dependent launch: the kernel runs right after ``expert_up_mxfp4``, whose CTAs let it
+launch only once their own wait has seen the router finish; so a CTA reads its ids and routing
+weight and issues its rows before its wait (which only the activation needs), and those loads
+overlap the up stage's tail. It lets the next kernel launch after the wait.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator
+
+from codegen.kernels.mxfp4 import ORDERS, load_b, load_scales, load_weights, tile_mma
+
+TILE = 64
+MAX_KB_PER_WARP = 14
+
+
+class ExpertDownMxfp4:
+    """Compile-time configuration: experts E, slots k, output rows L, I (padded) and I_live, the
+    nibble order, the cluster (CTAs splitting a token's slots) and the warps per slot."""
+
+    def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
+                 cluster: int, warps_per_slot: int):
+        if order not in ORDERS:
+            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+        if rows % TILE:
+            raise ValueError(f"L {rows} is not a multiple of {TILE}")
+        if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
+            raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+        if cluster not in (1, 2, 4, 8) or top_k % cluster or TILE % cluster:
+            raise ValueError(f"cluster {cluster}: 1, 2, 4 or 8 dividing top_k {top_k}")
+        kb = inter_live // 16
+        if kb % warps_per_slot:
+            raise ValueError(f"{kb} live K blocks do not split over {warps_per_slot} warps")
+        self.kb_per_warp = kb // warps_per_slot
+        if self.kb_per_warp % 2 or self.kb_per_warp > MAX_KB_PER_WARP:
+            raise ValueError(f"{self.kb_per_warp} K blocks per warp: even, at most {MAX_KB_PER_WARP}")
+        self.experts, self.top_k, self.rows = experts, top_k, rows
+        self.inter, self.inter_live = inter, inter_live
+        self.order, self.cluster, self.warps_per_slot = order, cluster, warps_per_slot
+        self.slots_per_cta = top_k // cluster
+        self.warps = self.slots_per_cta * warps_per_slot
+        if self.warps > 32:
+            raise ValueError(f"{self.warps} warps per CTA: at most 32")
+        self.tiles = rows // TILE
+        self.share = TILE // cluster
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor,
+                 mS: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+        cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
+        self.kernel(mA, mIds, mWeights, mW, mS, mOut).launch(
+            grid=[mIds.shape[0] * self.cluster, self.tiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
+            stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
+               mOut: cute.Tensor):
+        bidx, nt, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        C = const_expr(self.cluster)
+        NKB = const_expr(self.kb_per_warp)
+        rank = bidx % C
+        token = bidx // C
+        local = warp // self.warps_per_slot
+        wslice = warp - local * self.warps_per_slot
+        slot = rank * self.slots_per_cta + local
+        kb0 = wslice * NKB
+        r = lane // 4
+        q = lane - r * 4
+
+        rW = cute.make_rmem_tensor((4, NKB), Int32)
+        rS = cute.make_rmem_tensor((2, NKB // 2), Int32)
+        rB = cute.make_rmem_tensor((2, NKB), Int32)
+        acc = cute.make_rmem_tensor((4, 4), Float32)
+        acc.fill(0.0)
+        smem = SmemAllocator()
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps)), byte_alignment=16)
+        sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), byte_alignment=16)
+
+        # the ids and routing weights come from the router, which completed before the up stage
+        # (its primary) passed its own wait, so they are read, and the rows they pick issued,
+        # before this kernel's wait: the rows' DRAM latency overlaps the up stage's tail
+        e = Int64(cutlass.max(cutlass.min(Int32(mIds[token, slot]), Int32(self.experts - 1)), Int32(0)))
+        weight = Float32(mWeights[token, slot])
+        load_weights(mW, rW, e, kb0, NKB, nt, lane)
+        load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
+        cute.arch.griddepcontrol_wait()  # the activation is the up stage's output
+        cute.arch.griddepcontrol_launch_dependents()
+        load_b(mA, rB, (token, slot), kb0, NKB, q)
+        tile_mma(rW, rS, lambda i: (rB[0, i], rB[1, i]), acc, NKB, self.order)
+
+        if q == 0:
+            for i3 in cutlass.range_constexpr(4):
+                sPart[i3 * 16 + r, warp] = weight * acc[0, i3]
+                sPart[i3 * 16 + 8 + r, warp] = weight * acc[2, i3]
+        cute.arch.barrier()
+        if tidx < TILE:
+            total = sPart[tidx, 0]
+            for w in cutlass.range_constexpr(1, self.warps):
+                total = total + sPart[tidx, w]
+            sTot[tidx] = total
+        if const_expr(C > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
+        if tidx < self.share:
+            row = rank * self.share + tidx
+            total = cute.make_rmem_tensor((1,), Float32)
+            total.fill(0.0)
+            part = cute.make_rmem_tensor((1,), Float32)
+            for peer in cutlass.range_constexpr(C):
+                src = sTot
+                if const_expr(C > 1):
+                    src = cute.make_tensor(cute.arch.map_dsmem_ptr(sTot.iterator, peer), sTot.layout)
+                cute.autovec_copy(cute.local_tile(src, (1,), (row,)), part)  # peer order: deterministic
+                total.store(total.load() + part.load())
+            mOut[token, nt * TILE + row] = total[0].to(BFloat16)
+        if const_expr(C > 1):
+            cute.arch.cluster_arrive()  # peers may still be reading this CTA's sums
+            cute.arch.cluster_wait()
+
+
+def build(spec) -> tuple[ExpertDownMxfp4, tuple]:
+    """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token
+    count is a runtime size)."""
+    s, p = spec.shape_dict, spec.param_dict
+    e, k, rows, inter, live = s["experts"], s["top_k"], s["rows"], s["inter"], s["inter_live"]
+    kernel = ExpertDownMxfp4(experts=e, top_k=k, rows=rows, inter=inter, inter_live=live, order=p["order"],
+                             cluster=p["cluster"], warps_per_slot=p["warps_per_slot"])
+    t = cute.sym_int32()
+    args = (make_fake_tensor(Int32, (t, k, live // 2), (k * live // 2, live // 2, 1), assumed_align=16),
+            make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8),
+            make_fake_tensor(Float32, (t, k), (k, 1), assumed_align=4),
+            make_fake_tensor(Int32, (e, inter // 16, 2 * rows), (inter // 16 * 2 * rows, 2 * rows, 1),
+                             assumed_align=16),
+            make_fake_tensor(Int32, (e, inter // 32, rows // 4), (inter // 32 * rows // 4, rows // 4, 1),
+                             assumed_align=16),
+            make_fake_tensor(BFloat16, (t, rows), (rows, 1), assumed_align=2),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return kernel, args

@@ -1,0 +1,191 @@
+"""``expert_up_mxfp4``: stage 1 of the routed experts on MXFP4 weights in Humming's layout.
+
+The math is ``rewriter/layers/moe.py:experts_up`` on ``k3::mxfp4_dequant``'s values:
+
+    g, u       = bf16(<x[t], W13[e, c]>), bf16(<x[t], W13[e, I + c]>)     (fp32 sums)
+    a[t, j, c] = bf16(act(g, u)),  e = ids[t, j],  c < I_live
+
+``W13`` int32 [E, L/16, 4I] and its scales [E, L/32, 2I] as vLLM's Humming backend leaves them
+(``rewriter/layers/experts.py``); only the first ``I_live`` channels of each half are computed
+(the rest is vLLM's zero padding: its 64-row tiles are never read), and ``a`` is [T, k, I_live].
+
+Work split (decode reads each selected expert's live rows once; the codes are dequantized in
+registers and multiplied on the tensor cores, ``codegen/kernels/mxfp4.py``):
+- a CTA takes one (token, slot) pair, one 64-channel tile of it and a ``1 / cluster`` share of
+  L; its warps are ``warps_per_tile`` for the gate tile and as many for the up tile, each a
+  contiguous run of ``kb_per_warp`` 16-wide K blocks: one 16-byte load per lane per block (the
+  tile's 512 bytes), one 8-byte scale load per lane per two blocks, all issued at once and held
+  in registers (at L = 3584: 8 CTAs of 4 warps per pair and tile, 14 blocks per warp: small
+  CTAs, so that three fit an SM and a whole batch's grid is resident in few waves);
+- the MMA is m16n8k16 with the weight rows as M and the token's x as every one of the 8 N
+  columns (all lanes read the same x pairs, staged once per CTA in shared memory), so each
+  lane's C holds its rows' sums directly;
+- the warps' sums meet in shared memory, the cluster's CTAs' in distributed shared memory:
+  CTA ``rank`` of the cluster finishes channels ``[rank, rank + 1) * 64 / cluster``.
+
+Programmatic dependent launch: the rows depend on the router's ids, so a CTA waits first,
+reads its id, issues its loads and then lets the next kernel launch.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator
+
+from codegen.kernels.mxfp4 import ORDERS, load_scales, load_weights, tile_mma
+
+TILE = 64  # rows per Humming tile
+MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
+
+
+class ExpertUpMxfp4:
+    """Compile-time configuration: experts E, slots k, L, I (padded) and I_live, the activation
+    (``beta`` None: SiLU-and-mul), the nibble order, the cluster (CTAs sharing a pair's K) and
+    the warps per tile."""
+
+    def __init__(self, *, experts: int, top_k: int, latent: int, inter: int, inter_live: int, beta: float | None,
+                 linear_beta: float | None, order: str, cluster: int, warps_per_tile: int):
+        if order not in ORDERS:
+            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+        if inter % TILE or inter_live % TILE or not 0 < inter_live <= inter:
+            raise ValueError(f"I {inter} / live {inter_live}: multiples of {TILE}, live <= I")
+        kb = latent // 16
+        if latent % 32 or kb % (cluster * warps_per_tile):
+            raise ValueError(f"L {latent}: {kb} K blocks do not split over {cluster} CTAs x {warps_per_tile} warps")
+        self.kb_per_warp = kb // (cluster * warps_per_tile)
+        if self.kb_per_warp % 2 or self.kb_per_warp > MAX_KB_PER_WARP:
+            raise ValueError(f"{self.kb_per_warp} K blocks per warp: even (whole scale groups), at most "
+                             f"{MAX_KB_PER_WARP}")
+        if cluster not in (1, 2, 4, 8) or TILE % cluster:
+            raise ValueError(f"cluster {cluster}: 1, 2, 4 or 8")
+        self.experts, self.top_k, self.latent = experts, top_k, latent
+        self.inter, self.inter_live = inter, inter_live
+        self.beta = None if beta is None else float(beta)
+        self.linear_beta = None if linear_beta is None or beta is None else float(linear_beta)
+        self.order, self.cluster, self.warps_per_tile = order, cluster, warps_per_tile
+        self.warps = 2 * warps_per_tile
+        self.ctiles = inter_live // TILE
+        self.up_tile0 = inter // TILE  # the up half's first tile
+        self.share = TILE // cluster  # channels each CTA of a cluster finishes
+        self.x_words = warps_per_tile * self.kb_per_warp * 8  # x's bf16 pairs in the CTA's share of L
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor,
+                 stream: cuda.CUstream):
+        pairs = mIds.shape[0] * self.top_k
+        cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
+        self.kernel(mX, mIds, mW, mS, mA).launch(grid=[pairs * self.cluster, self.ctiles, 1],
+                                                 block=[32 * self.warps, 1, 1], cluster=cluster, stream=stream,
+                                                 use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):
+        bidx, ctile, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        C = const_expr(self.cluster)
+        NKB = const_expr(self.kb_per_warp)
+        rank = bidx % C
+        pair = bidx // C
+        token = pair // self.top_k
+        slot = pair - token * self.top_k
+        half = warp // self.warps_per_tile  # 0: gate tile, 1: up tile
+        wslice = warp - half * self.warps_per_tile
+        nt = ctile + half * self.up_tile0
+        kb0 = (rank * self.warps_per_tile + wslice) * NKB
+        r = lane // 4
+        q = lane - r * 4
+
+        rW = cute.make_rmem_tensor((4, NKB), Int32)
+        rS = cute.make_rmem_tensor((2, NKB // 2), Int32)
+        acc = cute.make_rmem_tensor((4, 4), Float32)
+        acc.fill(0.0)
+        smem = SmemAllocator()
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps_per_tile, 2)), byte_alignment=16)
+        sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, 2)), byte_alignment=16)
+        sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words,)), byte_alignment=16)
+
+        cute.arch.griddepcontrol_wait()
+        # the router's id; one out of range would read past the weights: clamp it
+        e = Int64(cutlass.max(cutlass.min(Int32(mIds[token, slot]), Int32(self.experts - 1)), Int32(0)))
+        load_weights(mW, rW, e, kb0, NKB, nt, lane)
+        load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
+        # after the loads: ptxas moves no load across it, so they are all in flight at once
+        cute.arch.griddepcontrol_launch_dependents()
+        # the CTA's share of x, staged once (the gate and the up warps read the same pairs)
+        x0 = rank * self.x_words
+        for j in cutlass.range_constexpr(-(-self.x_words // (32 * self.warps))):
+            i = tidx + j * 32 * self.warps
+            if const_expr(self.x_words % (32 * self.warps) == 0) or i < self.x_words:
+                sX[i] = mX[token, x0 + i]
+        cute.arch.barrier()
+        base = (kb0 - rank * self.warps_per_tile * NKB) * 8 + q
+        tile_mma(rW, rS, lambda i: (sX[base + i * 8], sX[base + i * 8 + 4]), acc, NKB, self.order)
+
+        # every C column is this token: lanes q = 0 hold rows 16 i3 + r (c0) and 16 i3 + 8 + r (c2)
+        if q == 0:
+            for i3 in cutlass.range_constexpr(4):
+                sPart[i3 * 16 + r, wslice, half] = acc[0, i3]
+                sPart[i3 * 16 + 8 + r, wslice, half] = acc[2, i3]
+        cute.arch.barrier()
+        if tidx < 2 * TILE:
+            row = tidx % TILE
+            h = tidx // TILE
+            total = sPart[row, 0, h]
+            for w in cutlass.range_constexpr(1, self.warps_per_tile):
+                total = total + sPart[row, w, h]
+            sTot[row, h] = total
+        if const_expr(C > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
+        if tidx < self.share:
+            ch = rank * self.share + tidx
+            total = cute.make_rmem_tensor((1, 2), Float32)
+            total.fill(0.0)
+            part = cute.make_rmem_tensor((1, 2), Float32)
+            for peer in cutlass.range_constexpr(C):
+                src = sTot
+                if const_expr(C > 1):
+                    src = cute.make_tensor(cute.arch.map_dsmem_ptr(sTot.iterator, peer), sTot.layout)
+                cute.autovec_copy(cute.local_tile(src, (1, 2), (ch, 0)), part)  # peer order: deterministic
+                total.store(total.load() + part.load())
+            mA[token, slot, ctile * TILE + ch] = self.act(total[0, 0], total[0, 1]).to(BFloat16)
+        if const_expr(C > 1):
+            cute.arch.cluster_arrive()  # peers may still be reading this CTA's sums
+            cute.arch.cluster_wait()
+
+    def act(self, g_sum, u_sum):
+        """The activation of one channel, in fp32 from the bf16-rounded projections."""
+        g = g_sum.to(BFloat16).to(Float32)
+        u = u_sum.to(BFloat16).to(Float32)
+        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
+        if const_expr(self.beta is None):
+            return g * sig * u
+        gate = Float32(self.beta) * cute.math.tanh(g / Float32(self.beta)) * sig
+        if const_expr(self.linear_beta is not None):
+            u = Float32(self.linear_beta) * cute.math.tanh(u / Float32(self.linear_beta))
+        return gate * u
+
+
+def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
+    """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token
+    count is a runtime size: one compile serves every batch)."""
+    s, p = spec.shape_dict, spec.param_dict
+    e, k, lat, inter, live = s["experts"], s["top_k"], s["latent"], s["inter"], s["inter_live"]
+    kernel = ExpertUpMxfp4(experts=e, top_k=k, latent=lat, inter=inter, inter_live=live, beta=p["beta"],
+                           linear_beta=p["linear_beta"], order=p["order"], cluster=p["cluster"],
+                           warps_per_tile=p["warps_per_tile"])
+    t = cute.sym_int32()
+    n = 2 * inter
+    args = (make_fake_tensor(Int32, (t, lat // 2), (lat // 2, 1), assumed_align=16),
+            make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8),
+            make_fake_tensor(Int32, (e, lat // 16, 2 * n), (lat // 16 * 2 * n, 2 * n, 1), assumed_align=16),
+            make_fake_tensor(Int32, (e, lat // 32, n // 4), (lat // 32 * n // 4, n // 4, 1), assumed_align=16),
+            make_fake_tensor(BFloat16, (t, k, live), (k * live, live, 1), assumed_align=2),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return kernel, args

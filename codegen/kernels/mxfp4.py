@@ -1,0 +1,141 @@
+"""MXFP4 in registers: E2M1 codes of Humming's layout dequantized into ``mma.m16n8k16`` A
+fragments, and the MMA itself (inline PTX: CuTe DSL has no op that takes a hand-built fragment).
+
+Humming's layout (``rewriter/layers/experts.py``) stores each 16 (K) x 64 (rows) tile as one
+16-byte vector per lane: word ``i3`` of lane ``r * 4 + q`` holds the 8 codes of the A fragment
+of rows ``16 i3 + r (+8)`` and K ``2q (+1) (+8)``. A code ``s e1 e0 m`` placed at bf16 bits 15
+and 8..6 is the bf16 number ``E2M1(code) * 2^-126`` (``e1 e0 = 0`` lands on bf16's subnormals,
+which is right for E2M1's subnormal 0.5), so one multiply by ``2^(scale - 1)`` gives
+``E2M1(code) * 2^(scale - 127)`` exactly: the bf16 multiplier is ``(scale + 126) << 7``, valid
+for scale bytes up to 128 (scales up to 2; ``rewriter.layers.experts.MAX_KERNEL_SCALE``).
+
+Nibble orders: ``interleaved`` (Humming on sm_90: nibble ``p = i6 * 4 + i4 * 2 + i5``, so the
+pair (k, k + 1) of a register sits at bits ``4p`` and ``4p + 16``) and ``natural`` (Humming's
+native dequant on sm_100: ``p = i4 * 4 + i5 * 2 + i6``, the pair in one byte).
+"""
+from __future__ import annotations
+
+from cutlass import Float32, Int32, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+ORDERS = ("interleaved", "natural")
+
+# bf16 bits of code nibble c = s e1 e0 m: sign at 15, e1 e0 m at 8..6 (both halves at once)
+_SIGN, _MAG = "0x80008000", "0x01C001C0"
+
+
+def _extract(dst: str, src: str, sign_shift: int, mag_shift: int) -> str:
+    """PTX: ``dst`` = the bf16x2 of the two codes whose sign bits sit ``sign_shift`` below bit 15
+    (and 31) and whose magnitude bits sit ``mag_shift`` from bits 6..8 (negative: above)."""
+    def shift(reg, by):
+        if by == 0:
+            return f"mov.b32 {reg}, {src};"
+        return f"shl.b32 {reg}, {src}, {by};" if by > 0 else f"shr.u32 {reg}, {src}, {-by};"
+
+    return (f"{shift('u', sign_shift)} and.b32 u, u, {_SIGN}; "
+            f"{shift('t', mag_shift)} and.b32 t, t, {_MAG}; or.b32 {dst}, u, t;")
+
+
+def _dequant_ptx(order: str) -> str:
+    """PTX filling a0..a3 (row r k 2q | row r+8 k 2q | row r k 2q+8 | row r+8 k 2q+8) from ``w``."""
+    if order == "interleaved":
+        # pair of register j at nibbles p, p + 4 with p = 0, 2, 1, 3 for j = 0..3
+        return "".join(_extract(f"a{j}", "w", 12 - 4 * p, 6 - 4 * p) for j, p in enumerate((0, 2, 1, 3)))
+    # natural: pair of register j in byte b = 0, 2, 1, 3 (low nibble k, high nibble k + 1): the byte
+    # into both halves' high bytes, the low nibble moved up to the top of half 0, then as p = 3
+    out = []
+    for j, b in enumerate((0, 2, 1, 3)):
+        out.append(f"prmt.b32 v, w, 0, {0x0404 | (b << 12) | (b << 4):#x}; shl.b32 x, v, 4; "
+                   f"and.b32 x, x, 0x0000F000; and.b32 v, v, 0xF0000000; or.b32 v, v, x; ")
+        out.append(_extract(f"a{j}", "v", 0, -6))
+    return "".join(out)
+
+
+def mma_ptx(order: str) -> str:
+    """The inline PTX of ``mma_mxfp4``: $0..$3 the accumulators (in and out), $4 the word, $5 /
+    $6 the rows' multipliers, $7 / $8 the B fragment."""
+    if order not in ORDERS:
+        raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+    return ("{ .reg .b32 a0, a1, a2, a3, u, t, v, x, w; mov.b32 w, $4; " + _dequant_ptx(order)
+            + " mul.rn.bf16x2 a0, a0, $5; mul.rn.bf16x2 a2, a2, $5;"
+            + " mul.rn.bf16x2 a1, a1, $6; mul.rn.bf16x2 a3, a3, $6;"
+            + " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$7, $8},"
+            + " {$0, $1, $2, $3}; }")
+
+
+def scale_ptx(byte: int) -> str:
+    """The inline PTX of ``scale_multiplier``: $0 the bf16x2 ``2^(s - 1)`` of byte ``byte`` of $1."""
+    sel = 0x4040 | (byte << 8) | byte  # bytes (s, 0, s, 0)
+    return f"{{ .reg .b32 s; prmt.b32 s, $1, 0, {sel:#x}; mad.lo.u32 $0, s, 128, 0x3F003F00; }}"
+
+
+@dsl_user_op
+def mma_mxfp4(word: Int32, scale_lo: Int32, scale_hi: Int32, b0: Int32, b1: Int32, c: list, order: str,
+              *, loc=None, ip=None) -> list:
+    """``c += dequant(word) x b`` for one m16n8k16: ``word`` holds the lane's 8 codes of a 16 x 16
+    A tile, ``scale_lo`` / ``scale_hi`` the bf16x2 multipliers of its rows r and r + 8, ``b0``,
+    ``b1`` its B fragment (bf16 pairs), ``c`` its 4 fp32 accumulators. Returns the new 4."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(word).ir_value(loc=loc, ip=ip), Int32(scale_lo).ir_value(loc=loc, ip=ip),
+         Int32(scale_hi).ir_value(loc=loc, ip=ip), Int32(b0).ir_value(loc=loc, ip=ip),
+         Int32(b1).ir_value(loc=loc, ip=ip), *(Float32(v).ir_value(loc=loc, ip=ip) for v in c)],
+        mma_ptx(order), "=f,=f,=f,=f,r,r,r,r,r,0,1,2,3", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def scale_multiplier(scales: Int32, byte: int, *, loc=None, ip=None) -> Int32:
+    """The bf16x2 ``2^(s - 1)`` (both halves) of E8M0 byte ``byte`` (0..3) of ``scales``."""
+    res = llvm.inline_asm(
+        T.i32(), [Int32(scales).ir_value(loc=loc, ip=ip)], scale_ptx(byte), "=r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Int32(res)
+
+
+# ---- loads and the per-warp tile loop (trace-time helpers, inlined into the kernels) -----------
+def _atom(bits: int):
+    """Global -> registers, ``bits`` wide, streamed (no L1 allocation: weights are read once)."""
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Int32, num_bits_per_copy=bits,
+                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+
+
+def load_weights(mW: cute.Tensor, rW: cute.Tensor, e, kb0, nkb: int, nt, lane):
+    """Issue the lane's 16 bytes of tile ``nt`` for K blocks ``kb0 .. kb0 + nkb - 1`` of expert
+    ``e`` (``mW`` int32 [E, K/16, 2N]): ``rW[i3, i]`` is word i3 of K block i."""
+    atom = _atom(128)
+    for i in range(nkb):
+        cute.copy(atom, cute.local_tile(mW[e, kb0 + i, None], (4,), (nt * 32 + lane,)), rW[None, i])
+
+
+def load_scales(mS: cute.Tensor, rS: cute.Tensor, e, g0, ng: int, nt, r):
+    """The 8 E8M0 bytes of rows ``r + 8 i4 + 16 i3`` of tile ``nt`` (Humming keeps them side by
+    side) for scale groups ``g0 .. g0 + ng - 1`` (``mS`` the scales as int32 [E, K/32, N/4])."""
+    atom = _atom(64)
+    for i in range(ng):
+        cute.copy(atom, cute.local_tile(mS[e, g0 + i, None], (2,), (nt * 8 + r,)), rS[None, i])
+
+
+def load_b(mX: cute.Tensor, rB: cute.Tensor, row: tuple, kb0, nkb: int, q):
+    """The B fragments (bf16 pairs) of one activation row ``mX[row]`` (int32 view) for K blocks
+    kb0..: every lane's columns are the same row, so every C column holds the same result."""
+    for i in range(nkb):
+        base = (kb0 + i) * 8 + q
+        rB[0, i] = mX[(*row, base)]
+        rB[1, i] = mX[(*row, base + 4)]
+
+
+def tile_mma(rW: cute.Tensor, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: int, order: str):
+    """acc[:, i3] += the 16 rows of subtile i3 times B over the warp's K blocks (two per scale
+    group: the 8 multipliers are made once per group); ``b_pair(i)`` gives K block i's B
+    fragment (read where it is used)."""
+    for g in range(nkb // 2):
+        mult = [[scale_multiplier(rS[i3 // 2, g], (i3 % 2) * 2 + i4) for i4 in range(2)] for i3 in range(4)]
+        for i in (2 * g, 2 * g + 1):
+            b0, b1 = b_pair(i)
+            for i3 in range(4):
+                c = mma_mxfp4(rW[i3, i], mult[i3][0], mult[i3][1], b0, b1, [acc[j, i3] for j in range(4)], order)
+                for j in range(4):
+                    acc[j, i3] = c[j]

@@ -1,0 +1,185 @@
+"""Time the routed experts on MXFP4 weights: the rewriter's kernels and Humming's (vLLM 0.33's
+MoE kernels on sm_90), on the very same tensors, in one run. Needs CUDA, the cutedsl extra and
+humming-kernels (the GPU machine gets its wheel from ``.whl/``).
+
+All 896 experts of one rank (TP 16: I = 256 held, 192 live; TP 8: 384) are drawn in the
+checkpoint's layout and laid out by Humming's own transform, as vLLM does after loading. Each
+timed CUDA graph replays ``ROUTINGS`` launches with different random routings, so the experts
+one launch reads are not in the L2 from the last (20 x 16 experts x 1.1 MB > 50 MB). Effective
+bandwidth = the MXFP4 bytes a step must read (the selected experts' live rows: codes and
+scales, each distinct expert once) over the median time per launch; the floor is those bytes
+at 4.27 TB/s (the H200's measured copy bandwidth).
+
+    python examples/bench_mxfp4_experts.py            # TP 16 and 8, 1 / 8 / 64 tokens
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
+from codegen.bind import device_arch, load_kernels
+from rewriter.cost import H200_COPY_TBPS
+from rewriter.layers.experts import GROUP, ExpertFormat, random_mxfp4
+
+E, K, L = 896, 16, 3584
+BETA, LINEAR_BETA = 4.0, 25.0
+ROUTINGS = 20
+SHAPES = {16: (256, 192), 8: (384, 384)}  # TP -> (I held, I live) per rank
+HUMMING = ExpertFormat("mxfp4", "humming")
+SITU = ("[](float a, float b) { const float gate = (4.0f) * tanhf(a / (4.0f)); "
+        "const float act = gate / (1.f + expf(-a)); const float up = (25.0f) * tanhf(b / (25.0f)); "
+        "return act * up; }(a, b)")
+
+
+def graph_us(fn, reps: int = 15) -> float:
+    """Median microseconds of one replay of a CUDA graph holding ``fn``'s launches."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def humming_layout(packed, scale, n, k):
+    """vLLM's Humming transform of checkpoint tensors (as tests/test_kernels_mxfp4.py)."""
+    from humming.schema import HummingInputSchema, Mxfp4WeightSchema
+    from humming.transform import prepare_and_transform_humming_tensors
+
+    schema, tensors = Mxfp4WeightSchema().convert_humming(
+        tensors={"weight": packed, "weight_scale": scale}, shape_n_stacks=[n], shape_k_stacks=[k],
+        param_dtype=torch.bfloat16, num_experts=E)
+    config, out = prepare_and_transform_humming_tensors(
+        tensors=tensors, shape_n=n, shape_k=k, pad_n_to_multiple=256, pad_k_to_multiple=128,
+        input_schema=HummingInputSchema(), weight_schema=schema, has_bias=False, num_experts=E,
+        torch_dtype=torch.bfloat16, device=packed.device)
+    return out["weight"], out["weight_scale"], config
+
+
+class HummingMoE:
+    """Humming's decode MoE as vLLM 0.33 calls it (``fused_humming_moe.py``: w13 GEMM, the SiTU
+    pass, the w2 GEMM, the weighted sum), on the same tensors; the routing alignment (a host
+    sync) is prepared before capture, one per routing."""
+
+    def __init__(self, laid, configs, inter):
+        from humming.config import GemmType
+        from humming.tune import get_heuristics_config
+
+        self.laid, self.configs, self.inter = laid, configs, inter
+        self.tuning = {n: get_heuristics_config(layer_config=c, use_f16_accum=False, use_batch_invariant=False,
+                                                gemm_type=GemmType.INDEXED) for n, c in configs.items()}
+        self.compute = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.locks = torch.zeros(sms * 8, dtype=torch.int32, device="cuda")
+
+    def block(self, name, m):
+        return next((c["block_shape"][0] for lo, hi, c in self.tuning[name] if lo < m <= hi), 64)
+
+    def prepare(self, ids):
+        from humming.testing.data import generate_moe_tensors
+
+        m = ids.numel()
+        return {n: generate_moe_tensors(ids.int(), E, "indexed", block_size_config=self.block(n, m))[2:]
+                for n in ("w13", "w2")}
+
+    def __call__(self, x, weights, ids, aligned):
+        from humming.forward import humming_forward, may_process_input
+
+        t, k = ids.shape
+        m = t * k
+        gate_up = torch.empty(m, 2 * self.inter, dtype=torch.bfloat16, device="cuda")
+        (w, s), a = self.laid["w13"], aligned["w13"]
+        humming_forward(self.configs["w13"], inputs=x, weight=w, weight_scale=s, outputs=gate_up, locks=self.locks,
+                        top_k=k, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2], valid_shape_m=m,
+                        compute_config=self.compute, tuning_config=json.dumps(self.tuning["w13"]))
+        h = torch.empty(m, self.inter, dtype=torch.bfloat16, device="cuda")
+        may_process_input(self.configs["w2"], inputs=gate_up, outputs=h, token_scales=None, hadamard_block_size=0,
+                          layout="normal", activation_type="binary_split", activation_impl=SITU)
+        down = torch.empty(m, L, dtype=torch.bfloat16, device="cuda")
+        (w, s), a = self.laid["w2"], aligned["w2"]
+        humming_forward(self.configs["w2"], inputs=h, weight=w, weight_scale=s, outputs=down, locks=self.locks,
+                        top_k=1, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2], valid_shape_m=m,
+                        compute_config=self.compute, tuning_config=json.dumps(self.tuning["w2"]))
+        return (down.view(t, k, L).float() * weights[..., None]).sum(1).bfloat16()
+
+
+def must_read(ids, inter_live) -> int:
+    """MXFP4 bytes a step reads at least: each distinct expert's live rows once, codes and scales."""
+    per_expert = 2 * inter_live * (L // 2 + L // GROUP) + L * (inter_live // 2 + inter_live // GROUP)
+    return int(ids.unique().numel()) * per_expert
+
+
+def bench(tp, gen) -> list[dict]:
+    inter, live = SHAPES[tp]
+    rows = (torch.arange(inter, device="cuda") < live).repeat(2)
+    laid, configs = {}, {}
+    for name, (n, k, kw) in {"w13": (2 * inter, L, {"live_rows": rows, "scale_exponent": -7}),
+                             "w2": (L, inter, {"live_k": live, "scale_exponent": -5})}.items():
+        packed, scale = random_mxfp4(E, n, k, generator=gen, device="cuda", **kw)
+        w, s, configs[name] = humming_layout(packed, scale, n, k)
+        laid[name] = (w, s)
+        del packed, scale
+    peer = HummingMoE(laid, configs, inter)
+    out = []
+    for tokens in (1, 8, 64):
+        x = torch.randn(tokens, L, device="cuda").bfloat16()
+        routes = []
+        for _ in range(ROUTINGS):
+            ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(tokens)])
+            scores = torch.rand(tokens, K, device="cuda")
+            routes.append((scores / scores.sum(-1, keepdim=True), ids))
+        args = [(x, w, i, *laid["w13"], *laid["w2"], BETA, LINEAR_BETA, "humming", live) for w, i in routes]
+        r = load_kernels("k3f::routed_experts_mxfp4", device_arch(), args[0])
+        assert not isinstance(r, str), r
+        tpl, specs, fns = r
+        y = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
+        act = torch.empty(tokens, K, live, dtype=torch.bfloat16, device="cuda")
+        ours = graph_us(lambda: [tpl.launch(fns, specs, a, out=(y, act)) for a in args]) / ROUTINGS
+        aligned = [peer.prepare(i) for _, i in routes]
+        theirs = graph_us(lambda: [peer(x, w, i, al) for (w, i), al in zip(routes, aligned)]) / ROUTINGS
+        ref = peer(x, *routes[0], aligned[0])
+        tpl.launch(fns, specs, args[0], out=(y, act))
+        diff = float((y.float() - ref.float()).norm() / ref.float().norm())
+        nbytes = sum(must_read(i, live) for _, i in routes) / ROUTINGS
+        floor = nbytes / (H200_COPY_TBPS * 1e6)
+        out.append({"tp": tp, "tokens": tokens, "mb": nbytes / 1e6, "floor_us": floor, "rewriter_us": ours,
+                    "humming_us": theirs, "rel_diff": diff})
+        print(f"TP {tp:>2} T {tokens:>2}: {nbytes / 1e6:7.1f} MB  floor {floor:6.1f} us | rewriter {ours:7.1f} us "
+              f"{nbytes / ours / 1e6:6.2f} TB/s ({100 * floor / ours:3.0f}% of copy bw) | Humming {theirs:7.1f} us "
+              f"{nbytes / theirs / 1e6:6.2f} TB/s | outputs differ by {diff:.1e}", flush=True)
+    return out
+
+
+def main() -> int:
+    print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
+          f"E = {E}, top-{K}, L = {L}", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        for tp in (16, 8):
+            rows += bench(tp, gen)
+            torch.cuda.empty_cache()
+    print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'rewriter us':>12} {'% floor':>8} "
+          f"{'Humming us':>11} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['tp']:>3} {r['tokens']:>6} {r['mb']:>8.1f} {r['floor_us']:>9.1f} {r['rewriter_us']:>12.1f} "
+              f"{100 * r['floor_us'] / r['rewriter_us']:>7.0f}% {r['humming_us']:>11.1f} "
+              f"{r['humming_us'] / r['rewriter_us']:>7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""MXFP4 routed experts: the formats (``rewriter/layers/experts.py``), the template
+``routed_experts_mxfp4`` and its kernels ``expert_up_mxfp4`` / ``expert_down_mxfp4``.
+
+1. formats: every layout holds the checkpoint's values (exact dequantization), Humming's
+   element addresses as documented, padding zero (no CuTe DSL);
+2. the in-register dequantization and MMA, as PTX text, run by a small interpreter of the
+   instructions it uses over a simulated warp: every lane's fragments, the scale bytes it picks
+   and the C it ends with, against the dequantized tile (CuTe DSL imported, no GPU);
+3. specs at Kimi K3's TP 16 / TP 8 shapes and refusals; compiles for sm_90a and sm_100a with
+   PTX checks;
+4. on a GPU (marked ``gpu``): Humming (humming-kernels, the package vLLM uses on sm_90) lays
+   out random MXFP4 experts exactly as vLLM does, the layout equals ours bit for bit, and the
+   kernels read those very tensors: fresh inputs, outputs poisoned with NaN, bf16 relative error
+   <= 1e-2 against the dequantized fp32 reference; Humming's native nibble order too; the op
+   dispatched through ``install_cuda_kernels`` inside a CUDA graph.
+   Run on the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_mxfp4.py``.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
+
+import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
+from codegen.templates import spec_for_call
+from rewriter.config import KimiK3Config
+from rewriter.layers.experts import GROUP, ExpertFormat, ExpertFormatError, pack_nibbles, random_mxfp4
+
+OP = "k3f::routed_experts_mxfp4"
+K3 = KimiK3Config.preset("kimi-k3")
+E, K, L = K3.num_experts, K3.num_experts_per_token, K3.moe_hidden_size  # 896, 16, 3584
+BETA, LINEAR_BETA = K3.activation_situ_beta, K3.activation_situ_linear_beta
+SHAPES = {"tp16": (256, 192), "tp8": (384, 384)}  # (I held per rank, I live)
+HUMMING, NATIVE, CHECKPOINT = (ExpertFormat("mxfp4", x) for x in ("humming", "humming_native", "checkpoint"))
+TOL = 1e-2
+
+
+# ---------------------------------------------------------------- 1. formats
+
+@pytest.mark.parametrize("fmt", [HUMMING, NATIVE, CHECKPOINT])
+def test_every_layout_holds_the_checkpoints_values(fmt):
+    g = torch.Generator().manual_seed(1)
+    w, s = random_mxfp4(3, 128, 96, generator=g)
+    codes = torch.stack((w & 15, w >> 4), -1).flatten(-2).long()
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    values = torch.where(codes >= 8, -table[codes & 7], table[codes & 7])
+    expected = values * torch.exp2(s.float() - 127).repeat_interleave(GROUP, -1)
+    weight, scale = fmt.from_checkpoint(w, s)
+    assert fmt.check("w13_weight", weight, scale, 3, 128, 96) is None
+    assert torch.equal(fmt.dequant(weight, scale).float(), expected)
+    assert torch.equal(fmt.dequant(weight[[2, 0]], scale[[2, 0]]).float(), expected[[2, 0]])  # gathered experts
+
+
+def test_humming_addresses_as_documented():
+    """Element (n, k) in nibble i6*4 + i4*2 + i5 of word (k // 16, (n // 64) * 128 + ((n % 8) * 4 + (k % 8) // 2)
+    * 4 + (n % 64) // 16); its scale at byte (k // 32, (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8)."""
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (1, 128, 64), generator=g)
+    scales = torch.randint(100, 130, (1, 128, 2), generator=g, dtype=torch.uint8)
+    weight, scale = HUMMING.from_checkpoint(pack_nibbles(codes), scales)
+    native, _ = NATIVE.from_checkpoint(pack_nibbles(codes), scales)
+    words, nat, sb = weight[0].long() & 0xFFFFFFFF, native[0].long() & 0xFFFFFFFF, scale[0].view(torch.uint8)
+    for n, k in torch.randint(0, 64, (400, 2), generator=g).tolist():
+        n = n * 2 + k % 2  # rows 0..127
+        i3, i4, r, i5, q, i6 = (n % 64) // 16, (n // 8) % 2, n % 8, (k % 16) // 8, (k % 8) // 2, k % 2
+        col = (n // 64) * 128 + (r * 4 + q) * 4 + i3
+        assert (int(words[k // 16, col]) >> 4 * (i6 * 4 + i4 * 2 + i5)) & 15 == int(codes[0, n, k])
+        assert (int(nat[k // 16, col]) >> 4 * (i4 * 4 + i5 * 2 + i6)) & 15 == int(codes[0, n, k])
+        assert int(sb[k // 32, (n // 64) * 64 + r * 8 + (n % 64) // 8]) == int(scales[0, n, k // 32])
+
+
+def test_random_experts_are_zero_in_the_padding():
+    live = torch.arange(128) % 64 < 48
+    w, s = random_mxfp4(2, 128, 64, live_rows=live, live_k=32)
+    assert not w[:, ~live].any() and not s[:, ~live].any()
+    assert not w[..., 16:].any() and not s[..., 1:].any() and w[:, live, :16].any()
+
+
+def test_formats_name_what_is_wrong():
+    with pytest.raises(ExpertFormatError, match="unknown expert format mxfp4/marlin"):
+        ExpertFormat("mxfp4", "marlin")
+    with pytest.raises(ExpertFormatError, match="unknown expert dtype 'fp8'"):
+        ExpertFormat.parse("fp8")
+    assert ExpertFormat.parse("mxfp4") == HUMMING and ExpertFormat.parse("bf16").layout == "dense"
+    with pytest.raises(ExpertFormatError, match="N a multiple of 64"):
+        HUMMING.tensors(4, 48, 64)
+    w, s = HUMMING.from_checkpoint(*random_mxfp4(2, 64, 64))
+    assert "w2_weight is (2, 4, 128) torch.int32, mxfp4/humming experts of [64, 32] are (2, 2, 128)" in \
+        HUMMING.check("w2_weight", w, s, 2, 64, 32)
+    assert "w2_weight_scale missing" in HUMMING.check("w2_weight", w, None, 2, 64, 64)
+
+
+# ---------------------------------------------------------------- 2. the PTX, interpreted over one warp
+
+def _u32(v: int) -> int:
+    return v & 0xFFFFFFFF
+
+
+def _bf16x2(v: int) -> tuple[float, float]:
+    """The two bf16 halves of a 32-bit register (low half first)."""
+    halves = [torch.tensor([(v >> s) & 0xFFFF], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).item()
+              for s in (0, 16)]
+    return halves[0], halves[1]
+
+
+def _pack_bf16x2(a: float, b: float) -> int:
+    bits = torch.tensor([a, b], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).tolist()
+    return (bits[0] & 0xFFFF) | ((bits[1] & 0xFFFF) << 16)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        nib = (sel >> 4 * i) & 0xF
+        byte = pool[nib & 7]
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << 8 * i
+    return out
+
+
+def run_ptx(body: str, args: dict[str, int | float]) -> tuple[dict[str, int], list[int] | None]:
+    """Run one lane's inline PTX (the instructions the MXFP4 helpers use) up to its mma; returns
+    the registers and the mma's A and B fragments (None without an mma)."""
+    regs: dict[str, int | float] = dict(args)
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    fragments = None
+    for stmt in body.strip().strip("{}").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, _, rest = stmt.partition(" ")
+        if op.startswith("mma.sync"):
+            groups = re.findall(r"\{([^}]*)\}", rest)
+            a = [val(x) for x in groups[1].split(",")]
+            b = [val(x) for x in groups[2].split(",")]
+            fragments = a + b
+            continue
+        d, *srcs = [x.strip() for x in rest.split(",")]
+        x = [val(s) for s in srcs]
+        if op == "mov.b32":
+            regs[d] = x[0]
+        elif op == "shl.b32":
+            regs[d] = _u32(x[0] << x[1])
+        elif op == "shr.u32":
+            regs[d] = x[0] >> x[1]
+        elif op == "and.b32":
+            regs[d] = x[0] & x[1]
+        elif op == "or.b32":
+            regs[d] = x[0] | x[1]
+        elif op == "prmt.b32":
+            regs[d] = _prmt(x[0], x[1], x[2])
+        elif op == "mad.lo.u32":
+            regs[d] = _u32(x[0] * x[1] + x[2])
+        elif op == "mul.rn.bf16x2":
+            (a0, a1), (b0, b1) = _bf16x2(x[0]), _bf16x2(x[1])
+            regs[d] = _pack_bf16x2(a0 * b0, a1 * b1)
+        else:
+            raise AssertionError(f"instruction the interpreter does not know: {op}")
+    return regs, fragments
+
+
+def warp_mma(frags: list[list[int]], c: list[list[float]]) -> list[list[float]]:
+    """mma.m16n8k16 row.col bf16 -> fp32 over 32 lanes' fragments (PTX ISA's layout):
+    A reg j of lane (g, t) is rows g (+8 for j odd), K 2t (+8 for j >= 2) and +1; B reg j is
+    K 2t (+8 for j = 1) and +1, column g; D reg j is row g (+8 for j >= 2), column 2t + j % 2."""
+    A, B = torch.zeros(16, 16), torch.zeros(16, 8)
+    for lane, f in enumerate(frags):
+        g, t = divmod(lane, 4)
+        for j in range(4):
+            lo, hi = _bf16x2(f[j])
+            row, col = g + 8 * (j % 2), 2 * t + 8 * (j // 2)
+            A[row, col], A[row, col + 1] = lo, hi
+        for j in range(2):
+            lo, hi = _bf16x2(f[4 + j])
+            B[2 * t + 8 * j, g], B[2 * t + 8 * j + 1, g] = lo, hi
+    D = A.double() @ B.double()
+    out = []
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        out.append([c[lane][j] + float(D[g + 8 * (j // 2), 2 * t + j % 2]) for j in range(4)])
+    return out
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("fmt", [HUMMING, NATIVE])
+def test_dequant_and_mma_ptx_on_one_warp(fmt):
+    """Two K blocks (one scale group) of one 64-row tile: every lane's C holds its rows' dot
+    products with x (rows 16 i3 + r in c0 and c1, 16 i3 + 8 + r in c2 and c3), scales near 2^1
+    and 2^-30 included (the bias trick's range), signed zeros and E2M1's subnormal 0.5 too."""
+    from codegen.kernels.mxfp4 import mma_ptx, scale_ptx
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (1, 64, 32), generator=g)
+    codes[0, 0, :4] = torch.tensor([0, 8, 1, 9])  # +-0, +-0.5
+    scales = torch.randint(96, 129, (1, 64, 1), generator=g, dtype=torch.uint8)
+    scales[0, :2, 0] = torch.tensor([128, 97], dtype=torch.uint8)
+    weight, scale = fmt.from_checkpoint(pack_nibbles(codes), scales)
+    words = (weight[0].long() & 0xFFFFFFFF).tolist()  # [2 kb][128]
+    sbytes = scale[0].view(torch.uint8)[0].tolist()  # [64]
+    x = torch.randn(32, generator=g).bfloat16()
+    xbits = [int(v) & 0xFFFF for v in x.view(torch.int16).tolist()]
+    xpair = [xbits[2 * i] | (xbits[2 * i + 1] << 16) for i in range(16)]  # bf16 pairs (k, k + 1)
+    body = mma_ptx("interleaved" if fmt is HUMMING else "natural")
+    c = [[[0.0] * 4 for _ in range(32)] for _ in range(4)]  # [i3][lane]
+    for kb in range(2):
+        for i3 in range(4):
+            frags = []
+            for lane in range(32):
+                r, q = divmod(lane, 4)
+                sw = [sum(sbytes[r * 8 + 4 * h + i] << 8 * i for i in range(4)) for h in range(2)]
+                mult = [run_ptx(scale_ptx((i3 % 2) * 2 + i4), {"$1": sw[i3 // 2]})[0]["$0"] for i4 in range(2)]
+                _, f = run_ptx(body, {"$4": words[kb][lane * 4 + i3], "$5": mult[0], "$6": mult[1],
+                                      "$7": xpair[kb * 8 + q], "$8": xpair[kb * 8 + 4 + q]})
+                frags.append(f)
+            c[i3] = warp_mma(frags, c[i3])
+    expected = fmt.dequant(weight, scale)[0].double() @ x.double()  # [64]
+    for i3 in range(4):
+        for lane in range(32):
+            r = lane // 4
+            got = c[i3][lane]
+            assert got[0] == got[1] and got[2] == got[3]  # every column is the one token
+            assert got[0] == pytest.approx(float(expected[16 * i3 + r]), rel=1e-6, abs=1e-12)
+            assert got[2] == pytest.approx(float(expected[16 * i3 + 8 + r]), rel=1e-6, abs=1e-12)
+
+
+# ---------------------------------------------------------------- 3. specs, refusals, compiles
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def mxfp4_args(tokens=1, inter=256, live=192, layout="humming", experts=E, top_k=K, latent=L, **dtypes):
+    n = 2 * inter
+    return (meta(tokens, latent, dtype=dtypes.get("x", torch.bfloat16)), meta(tokens, top_k, dtype=torch.float32),
+            meta(tokens, top_k, dtype=torch.int64), meta(experts, latent // 16, 2 * n, dtype=torch.int32),
+            meta(experts, latent // 32, n, dtype=dtypes.get("scale", torch.float8_e8m0fnu)),
+            meta(experts, inter // 16, 2 * latent, dtype=torch.int32),
+            meta(experts, inter // 32, latent, dtype=torch.float8_e8m0fnu), BETA, LINEAR_BETA, layout, live)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_specs_at_kimi_k3_shapes(shape):
+    inter, live = SHAPES[shape]
+    tpl, specs = spec_for_call(OP, "sm_90a", mxfp4_args(inter=inter, live=live))
+    assert tpl.kernel == "routed_experts_mxfp4", specs
+    up, down = specs
+    assert up.kernel == "expert_up_mxfp4" and down.kernel == "expert_down_mxfp4"
+    assert up.shape_dict == {"experts": E, "top_k": K, "latent": L, "inter": inter, "inter_live": live}
+    # 224 K blocks of L = 8 CTAs x 2 warps per tile x 14; the slots over 4 CTAs, 12 live blocks per warp
+    assert (up.param_dict["cluster"], up.param_dict["warps_per_tile"]) == (8, 2)
+    assert down.param_dict == {"cluster": 4, "warps_per_slot": live // 16 // 12, "order": "interleaved"}
+    # one compile serves every batch: the token count is a runtime size
+    assert spec_for_call(OP, "sm_90a", mxfp4_args(tokens=64, inter=inter, live=live))[1] == specs
+
+
+@pytest.mark.parametrize("args,reason", [
+    (mxfp4_args(layout="checkpoint"), "MXFP4 experts in the 'checkpoint' layout; the kernels read Humming's"),
+    (mxfp4_args(tokens=65), "65 tokens outside 1..64"),
+    (mxfp4_args(x=torch.float16), "x is fp16; the template is bf16 only"),
+    (mxfp4_args(scale=torch.uint8), "w13_scale is torch.uint8, expected torch.float8_e8m0fnu"),
+    (mxfp4_args(live=160), "I_live 160: multiples of 64"),
+])
+def test_template_refuses_with_a_reason(args, reason):
+    tpl, why = spec_for_call(OP, "sm_90a", args)
+    assert tpl is None and reason in why, why
+
+
+COMPILED = {"tp16": mxfp4_args(inter=256, live=192), "tp8": mxfp4_args(inter=384, live=384),
+            "native_tp16": mxfp4_args(inter=256, live=192, layout="humming_native")}
+
+
+@pytest.fixture(scope="module")
+def compiled(kcache):
+    from codegen.compiler import compile_kernel
+
+    return {(name, arch): tuple(compile_kernel(s, cache=kcache) for s in spec_for_call(OP, arch, args)[1])
+            for name, args in COMPILED.items() for arch in ("sm_90a", "sm_100a")}
+
+
+def _count(ptx: str, instr: str) -> int:
+    return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(instr)}", ptx, re.MULTILINE))
+
+
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+WAIT, LAUNCH = "griddepcontrol.wait;", "griddepcontrol.launch_dependents;"
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_ptx(compiled, arch, name):
+    """Each warp's loads all issued before its first MMA (128-bit weights, 64-bit scales, no L1
+    allocation), 4 MMAs per K block, the cluster's sums over distributed shared memory, PDL."""
+    up, down = compiled[name, arch]
+    for k, per_warp in ((up, 14), (down, up.spec.shape_dict["inter_live"] // 16 // down.spec.param_dict[
+            "warps_per_slot"])):
+        ptx = k.ptx
+        assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+        body = ptx[ptx.index(".entry"):]
+        assert _count(body, "ld.global.L1::no_allocate.v4.b32") == per_warp  # the tile's 16 bytes per K block
+        assert _count(body, "ld.global.L1::no_allocate.v2.b32") == per_warp // 2  # 8 scale bytes per group
+        assert body.count(MMA) == 4 * per_warp and body.count("mul.rn.bf16x2") == 16 * per_warp
+        assert body.count("prmt.b32") >= 8 * (per_warp // 2)
+        assert body.count(WAIT) == 1 and body.count(LAUNCH) == 1
+        before, rest = body.split(WAIT)
+        between, after = rest.split(LAUNCH)
+        # up: the ids are its primary's output, so nothing is read before the wait and the rows
+        # between it and launch_dependents; down: the router finished before the up stage let it
+        # launch, so ids and rows come before its wait (which the activation needs)
+        early = before if k is down else between
+        assert ("ld.global" not in before) == (k is up)
+        assert _count(early, "ld.global.L1::no_allocate.v4.b32") == per_warp  # all in flight at once
+        # the B pairs after the weights: the down kernel's from global, the up kernel's x staged in
+        # shared memory once per CTA (448 pairs over 128 threads)
+        x_pairs, threads = 8 * 14 * up.spec.param_dict["warps_per_tile"], 64 * up.spec.param_dict["warps_per_tile"]
+        assert _count(after, "ld.global.b32") == (-(-x_pairs // threads) if k is up else 2 * per_warp)
+        assert "barrier.cluster.arrive" in body and "mapa.shared::cluster" in body  # clusters of 8 and 4
+        assert pdl_flags(k.spec) == [1]
+
+
+# ---------------------------------------------------------------- 4. on the GPU
+
+def humming_layout(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int):
+    """What vLLM's Humming backend does to checkpoint tensors [E, n, k/2], [E, n, k/32] on sm_90
+    (``quantization/utils/humming/moe.py``: the MXFP4 schema's conversion, then
+    ``prepare_and_transform_humming_tensors`` with vLLM's padding and bf16 activations), with the
+    humming package itself: (weight, scale, its LayerConfig)."""
+    from humming.schema import HummingInputSchema, Mxfp4WeightSchema
+    from humming.transform import prepare_and_transform_humming_tensors
+
+    experts = packed.shape[0]
+    schema, tensors = Mxfp4WeightSchema().convert_humming(
+        tensors={"weight": packed, "weight_scale": scale}, shape_n_stacks=[n], shape_k_stacks=[k],
+        param_dtype=torch.bfloat16, num_experts=experts)
+    config, out = prepare_and_transform_humming_tensors(
+        tensors=tensors, shape_n=n, shape_k=k, pad_n_to_multiple=256, pad_k_to_multiple=128,
+        input_schema=HummingInputSchema(), weight_schema=schema, has_bias=False, num_experts=experts,
+        torch_dtype=torch.bfloat16, device=packed.device)
+    return out["weight"], out["weight_scale"], config
+
+
+class Experts:
+    """All E experts of one rank in checkpoint layout (random, zero in the padding as vLLM pads)
+    and in the layout under test; ``humming`` lays them out with the humming package."""
+
+    def __init__(self, inter, live, fmt, gen, experts=E, latent=L, humming=True):
+        self.inter, self.live, self.fmt = inter, live, fmt
+        rows = (torch.arange(inter) < live).repeat(2)
+        self.ckpt = {"w13": random_mxfp4(experts, 2 * inter, latent, live_rows=rows.cuda(), generator=gen,
+                                         device="cuda", scale_exponent=-7),
+                     "w2": random_mxfp4(experts, latent, inter, live_k=live, generator=gen, device="cuda",
+                                        scale_exponent=-5)}
+        self.laid = {}
+        for name, (n, k) in (("w13", (2 * inter, latent)), ("w2", (latent, inter))):
+            w, s = self.ckpt[name]
+            if humming:
+                hw, hs, config = humming_layout(w, s, n, k)
+                assert (config.pad_shape_n, config.pad_shape_k) == (0, 0)
+                mine = fmt.from_checkpoint(w, s)
+                assert torch.equal(hw, mine[0]) and torch.equal(hs.view(torch.uint8), mine[1].view(torch.uint8)), \
+                    f"{name}: Humming's layout differs from rewriter.layers.experts'"
+                self.laid[name] = (hw, hs)
+            else:
+                self.laid[name] = fmt.from_checkpoint(w, s)
+
+    def args(self, x, weights, ids):
+        (w13, s13), (w2, s2) = self.laid["w13"], self.laid["w2"]
+        return (x, weights, ids, w13, s13, w2, s2, BETA, LINEAR_BETA, self.fmt.layout, self.live)
+
+    def reference(self, x, weights, ids):
+        """(activation [T, k, I_live], output [T, L]) in fp32 from the checkpoint's values."""
+        acts, outs = [], []
+        for t in range(x.shape[0]):
+            w13 = CHECKPOINT.dequant(self.ckpt["w13"][0][ids[t]], self.ckpt["w13"][1][ids[t]], torch.float32)
+            gate_up = torch.einsum("l,kol->ko", x[t].float(), w13).bfloat16().float()
+            g, u = gate_up[:, :self.inter], gate_up[:, self.inter:]
+            act = (BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * LINEAR_BETA * torch.tanh(u / LINEAR_BETA))
+            act = act.bfloat16()[:, :self.live]
+            w2 = CHECKPOINT.dequant(self.ckpt["w2"][0][ids[t]], self.ckpt["w2"][1][ids[t]], torch.float32)
+            outs.append(torch.einsum("ki,kli,k->l", act.float(), w2[..., :self.live], weights[t]))
+            acts.append(act)
+        return torch.stack(acts), torch.stack(outs)
+
+
+def routing(tokens, gen, experts=E, top_k=K):
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[0, 0] = experts - 1  # the last expert: its rows lie past 2^31 bytes of w13 at TP 8
+    scores = torch.sigmoid(torch.randn(tokens, top_k, generator=gen))
+    return (scores / scores.sum(-1, keepdim=True)).cuda(), ids.cuda()
+
+
+def check(experts, tokens, gen):
+    x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
+    weights, ids = routing(tokens, gen)
+    args = experts.args(x, weights, ids)
+    tpl, specs, fns = gpu_kernels(OP, args)
+    y = torch.full((tokens, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+    act = torch.full((tokens, K, experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = tpl.launch(fns, specs, args, out=(y, act))
+    torch.cuda.synchronize()
+    ref_act, ref = experts.reference(x, weights, ids)
+    assert out is y and torch.isfinite(act).all() and torch.isfinite(y).all()
+    assert rel_err(act, ref_act) <= TOL
+    assert rel_err(y, ref) <= TOL
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def humming_experts(request):
+    inter, live = SHAPES[request.param]
+    return Experts(inter, live, HUMMING, torch.Generator(device="cuda").manual_seed(inter))
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_kernels_read_the_layout_humming_leaves(humming_experts, tokens):
+    check(humming_experts, tokens, torch.Generator().manual_seed(tokens))
+
+
+@on_gpu
+def test_natural_nibble_order():
+    """Humming's native-dequant order (sm_100 with a recent NVRTC), laid out by our transform
+    (no sm_100 here to let Humming do it) and read by the kernels' natural-order path on sm_90."""
+    inter, live = SHAPES["tp16"]
+    experts = Experts(inter, live, NATIVE, torch.Generator(device="cuda").manual_seed(5), humming=False)
+    check(experts, 8, torch.Generator().manual_seed(6))
+
+
+@on_gpu
+def test_op_dispatches_to_the_kernels_in_a_cuda_graph(humming_experts):
+    """Through ``install_cuda_kernels``, captured; new x / routing copied in and replayed: the
+    ids are read on the GPU at replay time."""
+    from codegen import bind
+
+    bind.install_cuda_kernels()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, L, generator=gen).bfloat16().cuda()
+    args = list(humming_experts.args(x, *routing(8, gen)))
+    torch.ops.k3f.routed_experts_mxfp4(*args)  # compiles and loads outside the capture
+    before = bind.stats()[OP]["kernel"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.k3f.routed_experts_mxfp4(*args)
+    assert bind.stats()[OP]["kernel"] == before + 1
+    x2 = torch.randn(8, L, generator=gen).bfloat16().cuda()
+    weights, ids = routing(8, gen)
+    for dst, src in zip(args[:3], (x2, weights, ids)):
+        dst.copy_(src)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all()
+    assert rel_err(y, humming_experts.reference(x2, weights, ids)[1]) <= TOL
