@@ -1,13 +1,11 @@
 """The vLLM integration, with the real vllm==0.33.0 package (skipped where it is not installed):
 plugin discovery, the registry override, the knob, the deployment guard, the step guard on
-real forward contexts and metadata, stock fallback per step and per layer, TP agreement."""
+real forward contexts and metadata, stock fallback per step. Per-layer programs, fallback and
+TP agreement on vLLM's real model objects: tests/test_vllm_model.py."""
 from __future__ import annotations
 
 import importlib.metadata
 import os
-import re
-import socket
-import sys
 from types import SimpleNamespace
 from unittest import mock
 
@@ -25,15 +23,11 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
 )
 from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata  # noqa: E402
 
-from conftest import make_inputs, make_layer, rel_err  # noqa: E402
 from rewriter.config import KimiK3Config  # noqa: E402
 from rewriter.vllm import ARCHITECTURE, register  # noqa: E402
 from rewriter.vllm.guard import StepLog, decide_step, deployment_refusals  # noqa: E402
 from rewriter.vllm.knob import decode_backend  # noqa: E402
-from rewriter.vllm.programs import ProgramError, build_programs, served_batches  # noqa: E402
-from rewriter.vllm.runtime import run_layers  # noqa: E402
-
-HERE = os.path.dirname(__file__)
+from rewriter.vllm.programs import served_batches  # noqa: E402
 
 
 # ---- plugin and registry -----------------------------------------------------------
@@ -249,154 +243,7 @@ def test_in_tree_check_is_stood_down_only_while_building():
     assert stock.specialized_decode_config is original
 
 
-# ---- programs: per-layer fallback, and the layer loop on CPU -----------------------------------
-class _VllmStyleLayer(torch.nn.Module):
-    """A reference layer behind vLLM's layer signature, with vLLM's parameter names."""
-
-    def __init__(self, ref, context):
-        super().__init__()
-        self._modules, self._parameters = ref._modules, ref._parameters
-        self.ref, self.context, self.layer_idx = [ref], context, ref.layer_idx
-        self.self_attn.prefix = f"model.layers.{ref.layer_idx}.self_attn"
-        self.self_attn.conv_size = getattr(self.self_attn, "conv_size", 0)
-
-    def forward(self, positions, hidden_states, residual, prefix_sum):
-        from rewriter.vllm.runtime import state_inputs
-        ref = self.ref[0]
-        return ref(hidden_states if hidden_states is not None else prefix_sum, prefix_sum, residual,
-                   *state_inputs(self, self.context, prefix_sum.shape[0]))
-
-
-def _tiny_backbone(batch=4):
-    cfg = KimiK3Config.preset("tiny")
-    refs = [make_layer(cfg, i, dtype=torch.bfloat16, seed=200 + i) for i in range(4)]
-    metadata, slots = {}, {}
-    context = SimpleNamespace(attn_metadata=metadata, slot_mapping=slots)
-    layers = [_VllmStyleLayer(r, context) for r in refs]
-    for layer, ref in zip(layers, refs):
-        inputs = make_inputs(ref, batch=batch, context=5, block_size=4, seed=ref.layer_idx)
-        name = layer.self_attn.prefix
-        if ref.attention_kind == "kda":
-            layer.self_attn.kv_cache = (inputs["conv_state"], inputs["recurrent_state"])
-            metadata[name] = _kda_md(decodes=batch)
-            metadata[name].non_spec_state_indices_tensor = inputs["state_indices"]
-        else:
-            layer.self_attn.kv_cache = inputs["kv_cache"]
-            metadata[name] = _mla_md(decodes=batch, table=inputs["block_table"], seq_lens=inputs["seq_lens"],
-                                     slots=inputs["slot_mapping"])
-            slots[name] = inputs["slot_mapping"]
-    return cfg, layers, context
-
-
-def _snapshot(layers):
-    return [tuple(t.clone() for t in (l.self_attn.kv_cache if isinstance(l.self_attn.kv_cache, tuple)
-                                      else (l.self_attn.kv_cache,))) for l in layers]
-
-
-def _restore(layers, saved):
-    for l, s in zip(layers, saved):
-        current = l.self_attn.kv_cache if isinstance(l.self_attn.kv_cache, tuple) else (l.self_attn.kv_cache,)
-        for dst, src in zip(current, s):
-            dst.copy_(src)
-
-
-def test_a_layer_whose_compile_fails_falls_back_alone():
-    cfg, layers, context = _tiny_backbone()
-
-    def compile_fn(result, schedule):
-        if result.before.layer == 2:
-            raise ProgramError("kernel compile failed: forced for the test")
-
-    programs = build_programs(layers, cfg, tp=1, rank=0, arch="sm_90a", batches=(4,), compile_fn=compile_fn,
-                              progress=lambda line: None)
-    assert programs.fallbacks == {2: "kernel compile failed: forced for the test"}
-    assert {i for i, _ in programs.programs} == {0, 1, 3}
-    assert programs.programs[(1, 4)].kernels == 9
-    saved = _snapshot(layers)
-    x = torch.randn(4, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    mixed = run_layers(layers, programs, torch.arange(4), x.clone(), cfg.num_attn_res_blocks, context)
-    _restore(layers, saved)
-    from rewriter.vllm.programs import ProgramSet
-    stock = run_layers(layers, ProgramSet(batches=(4,)), torch.arange(4), x.clone(), cfg.num_attn_res_blocks, context)
-    written = 2  # layers 0 and 2 of 4 write AttnRes blocks (block size 2); the rest of the buffer is never read
-    for a, b in zip((*mixed[:2], mixed[2][:, :written]), (*stock[:2], stock[2][:, :written])):
-        assert rel_err(a, b) < 2e-2
-
-
-def test_default_compile_refuses_without_cuda_kernels():
-    cfg, layers, _ = _tiny_backbone()
-    programs = build_programs(layers[:2], cfg, tp=1, rank=0, arch="sm_90a", batches=(1, 4),
-                              progress=lambda line: None)
-    assert set(programs.fallbacks) == {0, 1}
-    assert all(r.startswith("no CUDA kernel registered for k3f::") for r in programs.fallbacks.values())
-
-
-def test_bind_names_what_does_not_match():
-    cfg, layers, _ = _tiny_backbone()
-    layers[1].block_sparse_moe.experts.w13_weight = torch.nn.Parameter(
-        torch.zeros(16, 48, 32, dtype=torch.uint8), requires_grad=False)  # e.g. a packed MXFP4 weight
-    programs = build_programs(layers[1:2], cfg, tp=1, rank=0, arch="sm_90a", batches=(1,),
-                              compile_fn=lambda r, s: None, progress=lambda line: None)
-    assert "block_sparse_moe.experts.w13_weight is (16, 48, 32) torch.uint8" in programs.fallbacks[1]
-
-
+# ---- programs ------------------------------------------------------------------------------------
 def test_served_batches():
     assert served_batches([1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]) == (
         1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
-
-
-# ---- TP ranks reach the same decisions -------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank, world, port, out_dir):
-    sys.path.insert(0, HERE)
-    import json
-
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from test_vllm_plugin import _decide, _kda_md, _mla_md, _tiny_backbone
-
-    from rewriter.vllm.programs import ProgramError, build_programs
-    cfg, layers, _ = _tiny_backbone()
-
-    def compile_fn(result, schedule):  # only rank 1 fails, and only on layer 1
-        if rank == 1 and result.before.layer == 1:
-            raise ProgramError("compile failed on rank 1")
-
-    programs = build_programs(layers, cfg, tp=1, rank=0, arch="sm_90a", batches=(4,), compile_fn=compile_fn,
-                              group=dist.group.WORLD, progress=lambda line: None)
-    decisions = [_decide(md).reason for md in (
-        {"l": _kda_md()}, {"l": _kda_md(prefills=1, decodes=0)}, {"l": _mla_md(prefills=1, decodes=2)})]
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"fallbacks": sorted(programs.fallbacks), "programs": sorted(map(list, programs.programs)),
-                   "decisions": decisions}, f)
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_tp_ranks_reach_the_same_decisions(tmp_path):
-    import json
-
-    import torch.multiprocessing as mp
-    mp.spawn(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2))
-    assert r0 == r1
-    assert r0["fallbacks"] == [1]  # rank 1's failure made rank 0 fall back on layer 1 too
-    assert [0, 4] in r0["programs"] and [1, 4] not in r0["programs"]
-    assert r0["decisions"] == ["pure decode", "prefill", "mixed batch (prefill and decode rows)"]
-
-
-def test_server_compile_step_names_what_stops_the_layer():
-    from rewriter.vllm.programs import compile_with_codegen
-    cfg, layers, _ = _tiny_backbone()
-    programs = build_programs(layers[1:2], cfg, tp=1, rank=0, arch="sm_90a", batches=(1,),
-                              compile_fn=compile_with_codegen("sm_90a"), progress=lambda line: None)
-    reason = programs.fallbacks[1]
-    # either CuTe DSL is missing, or a template refuses the tiny model's shapes (its hidden size
-    # 64 and head_dim 16 are below what the kernels take): both say why
-    assert reason.startswith("CuTe DSL kernels unavailable") or \
-        re.match(r"refused by the \w+ template: (K 64 |head_dim 16)", reason), reason

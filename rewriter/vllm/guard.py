@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rewriter.config import ConfigError, KimiK3Config
+from rewriter.vllm.experts import moe_backend_refusal
 
 log = logging.getLogger("rewriter.vllm")
 
@@ -91,6 +92,9 @@ def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = N
         mode = comp.cudagraph_mode
         if mode is None or mode.decode_mode() != CUDAGraphMode.FULL:
             reasons.append(f"no FULL decode CUDA graphs (cudagraph_mode={mode})")
+    backend = moe_backend_refusal(vllm_config)
+    if backend:
+        reasons.append(backend)
     if comp.mode == CompilationMode.STOCK_TORCH_COMPILE:
         reasons.append("torch.compile (a compiled forward would trace the decode loop)")
     if not getattr(vllm_config, "use_v2_model_runner", False):

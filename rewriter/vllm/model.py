@@ -3,6 +3,7 @@ decode forward, selected by ``additional_config={"decode_backend": "latency_spec
 
 With ``auto`` it is vLLM's class unchanged. With ``latency_specialized`` it
 - checks the deployment and stops startup with every unsupported setting listed;
+- asks vLLM for the MoE backend whose expert layout the kernels read (Humming, for MXFP4);
 - keeps vLLM's in-tree specialized decode (SM100/103, TP 8/16 only) off, since it
   claims the same knob and would refuse Hopper before our path is even considered;
 - builds its programs once the weights are loaded (in the V2 runner's model state);
@@ -22,6 +23,7 @@ from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 
 from rewriter.config import KimiK3Config
 from rewriter.vllm.guard import StepDecision, StepLog, arch_of, check_deployment, decide_step
+from rewriter.vllm.experts import select_moe_backend
 from rewriter.vllm.knob import REWRITER, decode_backend
 from rewriter.vllm.programs import ProgramSet, build_programs, compile_with_codegen, served_batches
 from rewriter.vllm.runtime import run_layers
@@ -94,6 +96,7 @@ class RewrittenKimiLinearForCausalLM(KimiLinearForCausalLM):
         backend = decode_backend(vllm_config.additional_config)
         if backend == REWRITER:
             check_deployment(vllm_config)
+            select_moe_backend(vllm_config)
             with in_tree_specialized_decode_off():
                 super().__init__(vllm_config=vllm_config, prefix=prefix)
             self.rewriter: RewriterDecode | None = RewriterDecode(vllm_config)

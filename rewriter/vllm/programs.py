@@ -1,7 +1,7 @@
 """Build, at server start, one program per decoder layer and batch size, and run them.
 
 For each layer of the loaded vLLM backbone: bind vLLM's parameter tensors to a reference
-layer by name (no copies), trace it, rewrite it and compile its kernels for every batch
+layer by name (no copies; routed experts in the format vLLM's MoE backend left them), trace it, rewrite it and compile its kernels for every batch
 size served. A layer whose program cannot be built (a parameter that is not what the
 kernels take, a missing kernel, a compile failure) keeps vLLM's stock forward, with the
 reason logged. Then every TP rank adopts the union of all ranks' fallbacks, so all ranks
@@ -24,11 +24,13 @@ from torch import fx, nn
 
 from rewriter.config import KimiK3Config
 from rewriter.layers import KimiDecoderLayer, build_layer
+from rewriter.layers.experts import ExpertFormat, mxfp4_scale_refusal
 from rewriter.program import LayerRunner
 from rewriter.rewrite import RewriteResult, is_fused, rewrite
 from rewriter.schedule import Schedule, build_schedule
 from rewriter.shape import DecodeShape
 from rewriter.trace import trace
+from rewriter.vllm.experts import ExpertLayoutError, served_expert_format
 
 log = logging.getLogger("rewriter.vllm")
 
@@ -46,8 +48,16 @@ def served_batches(capture_sizes: Iterable[int] = ()) -> tuple[int, ...]:
 
 def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int, rank: int,
                dtype: torch.dtype = torch.bfloat16) -> KimiDecoderLayer:
-    """A reference layer whose parameters ARE vLLM's loaded tensors, matched by name."""
-    ref = build_layer(cfg, layer_idx, tp=tp, rank=rank, dtype=dtype, device="meta")
+    """A reference layer whose parameters ARE vLLM's loaded tensors, matched by name; its routed
+    experts in the format vLLM's MoE backend left them (``served_expert_format``)."""
+    fmt = "bf16"
+    moe = getattr(vllm_layer, "block_sparse_moe", None)
+    if moe is not None and cfg.is_moe_layer(layer_idx):
+        try:
+            fmt = served_expert_format(moe.experts.routed_experts)
+        except (AttributeError, ExpertLayoutError) as e:
+            raise ProgramError(str(e)) from e
+    ref = build_layer(cfg, layer_idx, tp=tp, rank=rank, dtype=dtype, device="meta", experts=fmt)
     theirs = dict(vllm_layer.named_parameters())
     problems = []
     for name, mine in list(ref.named_parameters()):
@@ -55,14 +65,18 @@ def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int
         if src is None:
             problems.append(f"{name} missing")
         elif tuple(src.shape) != tuple(mine.shape) or src.dtype != mine.dtype:
-            problems.append(f"{name} is {tuple(src.shape)} {src.dtype}, the kernels take {tuple(mine.shape)} "
-                            f"{mine.dtype}")
+            problems.append(f"{name} is {tuple(src.shape)} {src.dtype} in vLLM, the reference layer "
+                            f"({ExpertFormat.parse(fmt).name} experts) takes {tuple(mine.shape)} {mine.dtype}")
         else:
             owner, _, leaf = name.rpartition(".")
             setattr(ref.get_submodule(owner) if owner else ref, leaf, src)
     if problems:
         raise ProgramError("parameters do not match the reference layer: " + "; ".join(problems[:4])
                            + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""))
+    if ref.expert_format is not None and ref.expert_format.quantized:
+        reason = mxfp4_scale_refusal(ref.block_sparse_moe.experts.routed_experts)
+        if reason:
+            raise ProgramError(reason)
     return ref
 
 

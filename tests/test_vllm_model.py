@@ -1,0 +1,438 @@
+"""The plugin on vLLM 0.33.0's REAL Kimi K3 model objects, on a CPU (``tests/vllm_model.py``):
+the loaded ``KimiLinearForCausalLM`` with bf16 and MXFP4 routed experts, vLLM's own KV cache and
+KDA state as its CPU model runner allocates and binds them, and decode metadata from vLLM's own
+builders. Binding by name, per-layer programs, one decode step against the reference layers,
+binding and layout refusals, the step guard, per-layer fallback and TP agreement.
+
+vLLM's stock layer forward cannot run on a CPU (Triton kernels): where a test needs a layer on
+the stock path to compute, that vLLM layer's ``forward`` is stood in for by its bound reference
+layer, called with vLLM's signature."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm")
+
+from conftest import rel_err  # noqa: E402
+from vllm_model import (  # noqa: E402
+    DecodeBatch,
+    bind_caches,
+    build_loaded,
+    decode_context,
+    decoder_layers,
+    prepare_decode,
+    text_config,
+)
+
+from rewriter.config import KimiK3Config  # noqa: E402
+from rewriter.layers import KimiDecoderLayer  # noqa: E402
+from rewriter.rewrite import is_fused  # noqa: E402
+from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noqa: E402
+from rewriter.vllm.guard import decide_step  # noqa: E402
+from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
+from rewriter.vllm.runtime import layer_name, run_layers, state_inputs  # noqa: E402
+
+B = 4  # the decode batch: vllm_model.SEQ_LENS, one new token per request
+ARCH = "sm_90a"
+TOL = 2e-2  # bf16 activations
+EXPERTS = {None: "bf16", "mxfp4": "mxfp4/checkpoint"}
+
+
+def _no_compile(result, schedule):
+    """On a CPU the fused ops run their reference implementations: nothing to compile."""
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+@dataclass
+class Served:
+    """One loaded real model with its caches bound and a decode step's metadata built."""
+
+    quant: str | None
+    model: torch.nn.Module
+    vllm_config: Any
+    cfg: KimiK3Config
+    layers: list[torch.nn.Module]
+    runner: Any
+    batch: DecodeBatch
+
+    @functools.cached_property
+    def programs(self) -> ProgramSet:
+        return build_programs(self.layers, self.cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=_no_compile,
+                              progress=_quiet)
+
+    def bind(self) -> list[KimiDecoderLayer]:
+        return [bind_layer(layer, self.cfg, layer.layer_idx, 1, 0) for layer in self.layers]
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        return self.model.model.num_attn_res_blocks
+
+
+def _serve(quant: str | None) -> Served:
+    model, vc = build_loaded(quant)
+    runner = bind_caches(model, vc)
+    return Served(quant, model, vc, text_config(vc), decoder_layers(model), runner, prepare_decode(runner))
+
+
+@pytest.fixture(scope="module")
+def bf16() -> Served:
+    return _serve(None)
+
+
+@pytest.fixture(scope="module")
+def mxfp4() -> Served:
+    return _serve("mxfp4")
+
+
+@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+def served(request) -> Served:
+    return request.getfixturevalue(request.param)
+
+
+# ---- caches: vLLM's own views, filled, snapshot, compared --------------------------------------------
+def _views(layer) -> tuple[torch.Tensor, ...]:
+    """The layer's cache tensors exactly as vLLM bound them (KDA: conv, recurrent; MLA: latent)."""
+    kv = layer.self_attn.kv_cache
+    return tuple(kv[:2]) if isinstance(kv, (tuple, list)) else (kv,)
+
+
+def _kda_slots(layer, batch: DecodeBatch) -> torch.Tensor:
+    return batch.attn_metadata[layer_name(layer.self_attn)].non_spec_state_indices_tensor[:B].long()
+
+
+def _mla_blocks(layer, batch: DecodeBatch) -> torch.Tensor:
+    """The blocks the decode step's requests hold (as vLLM's block table lists them)."""
+    decode = batch.attn_metadata[layer_name(layer.self_attn)].decode
+    size = layer.self_attn.kv_cache.shape[1]
+    held = [decode.block_table[r, :(int(n) + size - 1) // size] for r, n in enumerate(decode.seq_lens)]
+    return torch.cat(held).long()
+
+
+def _inserted(layer, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of the entries this step inserts into an MLA layer's latent cache."""
+    slots = batch.slot_mapping[layer_name(layer.self_attn)][:B].long()
+    size = layer.self_attn.kv_cache.shape[1]
+    return slots // size, slots % size
+
+
+def _is_kda(layer) -> bool:
+    return isinstance(layer.self_attn.kv_cache, (tuple, list))
+
+
+def _fill_caches(served: Served, seed: int) -> None:
+    """Seeded random values in every cache entry the step reads (never test on zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in served.layers:
+        if _is_kda(layer):
+            conv, recurrent = _views(layer)
+            slots = _kda_slots(layer, served.batch)
+            conv[slots] = torch.randn(conv[slots].shape, generator=g).to(conv.dtype)
+            recurrent[slots] = 0.1 * torch.randn(recurrent[slots].shape, generator=g)
+        else:
+            (kv,) = _views(layer)
+            blocks = _mla_blocks(layer, served.batch)
+            kv[blocks] = torch.randn(kv[blocks].shape, generator=g).to(kv.dtype)
+
+
+def _snapshot(served: Served) -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(v.clone() for v in _views(layer)) for layer in served.layers]
+
+
+def _restore(served: Served, saved: list[tuple[torch.Tensor, ...]]) -> None:
+    for layer, values in zip(served.layers, saved):
+        for view, value in zip(_views(layer), values):
+            view.copy_(value)
+
+
+def _touched(served: Served, caches: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+    """What a decode step writes, read from cache copies: KDA states of the used slots, MLA entries
+    inserted."""
+    out = {}
+    for layer, values in zip(served.layers, caches):
+        i = layer.layer_idx
+        if _is_kda(layer):
+            slots = _kda_slots(layer, served.batch)
+            out[f"layer {i} conv state"], out[f"layer {i} recurrent state"] = (v[slots] for v in values)
+        else:
+            block, offset = _inserted(layer, served.batch)
+            out[f"layer {i} latent entries"] = values[0][block, offset]
+    return out
+
+
+def _reference_step(served: Served, refs: list[KimiDecoderLayer], x: torch.Tensor, context: Any):
+    """vLLM's backbone loop (KimiLinearModel.forward with AttnRes) over the bound reference layers."""
+    prefix, hidden = x, None
+    blocks = x.new_empty(x.shape[0], served.num_attn_res_blocks, x.shape[1])
+    for layer, ref in zip(served.layers, refs):
+        hidden, prefix, blocks = ref(hidden if hidden is not None else prefix, prefix, blocks,
+                                     *state_inputs(layer, context, x.shape[0]))
+    return hidden, prefix, blocks
+
+
+def _written_blocks(cfg: KimiK3Config, num_layers: int) -> list[int]:
+    """AttnRes blocks a step writes (the rest of the buffer is never read)."""
+    return sorted({i // cfg.attn_res_block_size for i in range(num_layers) if i % cfg.attn_res_block_size == 0})
+
+
+def _embeddings(seed: int) -> torch.Tensor:
+    return torch.randn(B, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+# ---- 1. binding ------------------------------------------------------------------------------------
+def test_every_layer_binds_to_vllms_tensors(served):
+    theirs_by_layer = [dict(layer.named_parameters()) for layer in served.layers]
+    kinds = []
+    for layer, theirs in zip(served.layers, theirs_by_layer):
+        ref = bind_layer(layer, served.cfg, layer.layer_idx, 1, 0)
+        kinds.append((ref.attention_kind, ref.kind))
+        assert ref.expert_format is None if ref.kind == "dense" else ref.expert_format.name == EXPERTS[served.quant]
+        mine = dict(ref.named_parameters())
+        assert mine, layer.layer_idx
+        for name, p in mine.items():
+            src = theirs[name]
+            assert p is src, name  # the reference layer holds vLLM's parameter, not a copy
+            assert (p.data_ptr(), tuple(p.shape), p.dtype) == (src.data_ptr(), tuple(src.shape), src.dtype), name
+            assert not p.is_meta, name
+    assert kinds[:3] == [("kda", "dense"), ("kda", "kda"), ("mla", "mla")]  # dense layer 0, KDA+MoE, MLA+MoE
+    if served.quant == "mxfp4":
+        routed = served.layers[1].block_sparse_moe.experts.routed_experts
+        assert routed.w13_weight.dtype == torch.uint8 and routed.w13_weight_scale.dtype == torch.uint8
+
+
+# ---- 2. programs ----------------------------------------------------------------------------------
+def test_programs_for_every_layer(served):
+    programs = served.programs
+    assert programs.fallbacks == {}
+    assert sorted(programs.programs) == [(layer.layer_idx, B) for layer in served.layers]
+    for layer in served.layers:
+        gm = programs.get(layer.layer_idx, B).runner.module
+        fused = {n.target.name() for n in gm.graph.nodes if is_fused(n)}
+        assert fused and all(op.startswith("k3f::") for op in fused), (layer.layer_idx, fused)
+        theirs = dict(layer.named_parameters())
+        weights = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+        assert weights, layer.layer_idx
+        for name in weights:  # every weight the program reads is vLLM's tensor, by name, not a copy
+            assert gm.get_parameter(name).data_ptr() == theirs[name].data_ptr(), (layer.layer_idx, name)
+
+
+# ---- 3. one decode step on vLLM's caches and metadata ---------------------------------------------
+def test_decode_step_matches_the_reference_layers(served):
+    programs = served.programs
+    _fill_caches(served, seed=11)
+    before = _snapshot(served)
+    x = _embeddings(seed=3)
+    with decode_context(served.vllm_config, served.batch) as context:
+        got = run_layers(served.layers, programs, served.batch.positions, x.clone(), served.num_attn_res_blocks,
+                         context)
+    after_programs = _snapshot(served)
+    _restore(served, before)
+    with decode_context(served.vllm_config, served.batch) as context:
+        want = _reference_step(served, served.bind(), x.clone(), context)
+    after_reference = _snapshot(served)
+
+    written = _written_blocks(served.cfg, len(served.layers))
+    assert written == list(range(served.num_attn_res_blocks))
+    for name, a, b in (("hidden", got[0], want[0]), ("prefix sum", got[1], want[1]),
+                       ("AttnRes blocks", got[2][:, written], want[2][:, written])):
+        assert torch.isfinite(a).all() and b.abs().max() > 0, name
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+    old, new, ref = (_touched(served, c) for c in (before, after_programs, after_reference))
+    for name in ref:
+        assert not torch.equal(new[name], old[name]), f"{name}: the step did not write it"
+        assert rel_err(new[name], ref[name]) < TOL, (name, rel_err(new[name], ref[name]))
+    # vLLM's "SD" conv state holds the last inputs oldest first along dim 1: the step shifts it by one
+    for layer in served.layers:
+        if _is_kda(layer):
+            i = layer.layer_idx
+            assert torch.equal(new[f"layer {i} conv state"][:, :-1], old[f"layer {i} conv state"][:, 1:]), i
+    # nothing else changed: blocks no request holds, and the MLA blocks' other entries
+    held = torch.tensor(sorted({b for group in served.batch.block_ids for ids in group for b in ids}))
+    free = torch.ones(served.runner.kv_cache_config.num_blocks, dtype=torch.bool)
+    free[held] = False
+    for layer, was, now in zip(served.layers, before, after_programs):
+        assert all(torch.equal(a[free], b[free]) for a, b in zip(now, was)), layer.layer_idx
+        if not _is_kda(layer):
+            keep = torch.ones(was[0].shape[:2], dtype=torch.bool)
+            keep[_inserted(layer, served.batch)] = False
+            blocks = _mla_blocks(layer, served.batch)
+            assert torch.equal(now[0][blocks][keep[blocks]], was[0][blocks][keep[blocks]]), layer.layer_idx
+
+
+def test_caches_are_vllms_layout_as_allocated(bf16):
+    """vLLM's default conv state layout "SD": [slots, 3, dim] per slot, slots a page apart; the
+    state readers hand the reference views of it, never copies."""
+    layer = bf16.layers[1]
+    conv, recurrent = _views(layer)
+    assert conv.shape[1:] == (layer.self_attn.conv_size - 1, 3 * bf16.cfg.kda_num_heads * bf16.cfg.kda_head_dim)
+    assert not conv.is_contiguous() and conv.stride(0) * 2 == recurrent.stride(0) * 4  # one page per slot
+    with decode_context(bf16.vllm_config, bf16.batch) as context:
+        kda_conv, kda_recurrent, indices = state_inputs(layer, context, B)
+        kv, table, seq_lens, slots = state_inputs(bf16.layers[2], context, B)
+    assert kda_conv.data_ptr() == conv.data_ptr() and kda_conv.shape == conv.transpose(-1, -2).shape
+    assert kda_recurrent is recurrent
+    assert torch.equal(indices.long(), _kda_slots(layer, bf16.batch))
+    assert kv is bf16.layers[2].self_attn.kv_cache and kv.shape[-1] == 576  # kv_c 512 | k_pe 64
+    assert seq_lens.tolist() == list(bf16.batch.seq_lens) and slots.shape == (B,)
+
+
+# ---- 4. binding and layout refusals -----------------------------------------------------------------
+def test_a_binding_mismatch_keeps_the_layer_stock(served):
+    routed = served.layers[1].block_sparse_moe.experts.routed_experts
+    original = routed.w13_weight
+    E, rows, k = original.shape
+    if served.quant is None:  # bf16 experts where vLLM holds packed MXFP4 bytes
+        wrong, want = torch.zeros(E, rows, k // 2, dtype=torch.uint8), f"({E}, {rows}, {k}) torch.bfloat16"
+    else:  # MXFP4 codes where vLLM holds dense bf16 weights
+        wrong, want = torch.zeros(E, rows, 2 * k, dtype=torch.bfloat16), f"({E}, {rows}, {k}) torch.uint8"
+    routed.w13_weight = torch.nn.Parameter(wrong, requires_grad=False)
+    try:
+        programs = build_programs(served.layers[1:2], served.cfg, tp=1, rank=0, arch=ARCH, batches=(B,),
+                                  compile_fn=_no_compile, progress=_quiet)
+    finally:
+        routed.w13_weight = original
+    reason = programs.fallbacks[1]
+    assert programs.programs == {}
+    assert (f"block_sparse_moe.experts.routed_experts.w13_weight is {tuple(wrong.shape)} {wrong.dtype} in vLLM, "
+            f"the reference layer ({EXPERTS[served.quant]} experts) takes {want}") in reason, reason
+
+
+def test_served_expert_format_reads_vllms_backend(mxfp4, bf16):
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    routed = mxfp4.layers[1].block_sparse_moe.experts.routed_experts
+    assert served_expert_format(routed).name == "mxfp4/checkpoint"
+    assert routed.quant_method.mxfp4_backend is Mxfp4MoeBackend.NONE
+    with mock.patch.object(routed.quant_method, "mxfp4_backend", Mxfp4MoeBackend.MARLIN):
+        with pytest.raises(ExpertLayoutError, match="MARLIN MXFP4 MoE backend"):
+            served_expert_format(routed)
+        programs = build_programs(mxfp4.layers[1:2], mxfp4.cfg, tp=1, rank=0, arch=ARCH, batches=(B,),
+                                  compile_fn=_no_compile, progress=_quiet)
+        assert "MARLIN" in programs.fallbacks[1]
+    assert routed.quant_method.mxfp4_backend is Mxfp4MoeBackend.NONE
+
+    routed = bf16.layers[1].block_sparse_moe.experts.routed_experts
+    assert served_expert_format(routed).name == "bf16"
+    with mock.patch.object(routed.quant_method, "unquantized_backend", UnquantizedMoeBackend.FLASHINFER_CUTLASS):
+        with pytest.raises(ExpertLayoutError, match="FLASHINFER_CUTLASS MoE backend"):
+            served_expert_format(routed)
+    assert routed.quant_method.unquantized_backend is UnquantizedMoeBackend.TRITON
+
+
+# ---- 5. the step guard on the real forward context ----------------------------------------------------
+def test_step_guard_on_the_real_decode_context(bf16):
+    from vllm.config import CUDAGraphMode
+
+    with decode_context(bf16.vllm_config, bf16.batch, mode=CUDAGraphMode.FULL) as context:  # as a GPU capture
+        assert context.attn_metadata is bf16.batch.attn_metadata
+        assert decide_step(B, {1, 2, 4, 8}, True, context).reason == "pure decode"
+        assert decide_step(B, {1, 2, 8}, True, context).reason == "4 tokens: no program built for this batch size"
+        assert not decide_step(B, {4}, False, context).rewritten
+    with decode_context(bf16.vllm_config, bf16.batch, mode=CUDAGraphMode.PIECEWISE) as context:
+        assert decide_step(B, {4}, True, context).reason == "PIECEWISE CUDA graph"
+
+
+# ---- per-layer fallback ---------------------------------------------------------------------------------
+def test_a_layer_whose_compile_fails_falls_back_alone(bf16):
+    def compile_fn(result, schedule):
+        if result.before.layer == 2:
+            raise ProgramError("kernel compile failed: forced for the test")
+
+    programs = build_programs(bf16.layers, bf16.cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=compile_fn,
+                              progress=_quiet)
+    assert programs.fallbacks == {2: "kernel compile failed: forced for the test"}
+    # layer 5 has layer 2's attention but not its AttnRes position (no block write): its own graph
+    assert {i for i, _ in programs.programs} == {0, 1, 3, 4, 5}
+    assert programs.programs[(1, B)].kernels == 9
+
+    refs = bf16.bind()
+    _fill_caches(bf16, seed=5)
+    before = _snapshot(bf16)
+    x = _embeddings(seed=8)
+    stock_layer = bf16.layers[2]
+    with decode_context(bf16.vllm_config, bf16.batch) as context:
+        def stock_forward(positions, hidden_states, residual, prefix_sum):  # vLLM's signature; its body is Triton
+            return refs[2](hidden_states, prefix_sum, residual, *state_inputs(stock_layer, context, B))
+
+        with mock.patch.object(stock_layer, "forward", side_effect=stock_forward) as stock:
+            mixed = run_layers(bf16.layers, programs, bf16.batch.positions, x.clone(), bf16.num_attn_res_blocks,
+                               context)
+    assert stock.call_count == 1 and set(stock.call_args.kwargs) == {"positions", "hidden_states", "residual",
+                                                                      "prefix_sum"}
+    assert torch.equal(stock.call_args.kwargs["positions"], bf16.batch.positions)
+    _restore(bf16, before)
+    with decode_context(bf16.vllm_config, bf16.batch) as context:
+        want = _reference_step(bf16, refs, x.clone(), context)
+    written = _written_blocks(bf16.cfg, len(bf16.layers))
+    for a, b in zip((*mixed[:2], mixed[2][:, written]), (*want[:2], want[2][:, written])):
+        assert rel_err(a, b) < TOL
+
+
+def test_default_compile_refuses_without_cuda_kernels(bf16):
+    programs = build_programs(bf16.layers[:2], bf16.cfg, tp=1, rank=0, arch=ARCH, batches=(1, B), progress=_quiet)
+    assert set(programs.fallbacks) == {0, 1} and programs.programs == {}
+    assert all(r.startswith("no CUDA kernel registered for k3f::") for r in programs.fallbacks.values())
+
+
+def test_server_compile_step_names_what_stops_the_layer(bf16):
+    from rewriter.vllm.programs import compile_with_codegen
+
+    programs = build_programs(bf16.layers[1:2], bf16.cfg, tp=1, rank=0, arch=ARCH, batches=(1,),
+                              compile_fn=compile_with_codegen(ARCH), progress=_quiet)
+    reason = programs.fallbacks[1]
+    # either CuTe DSL is missing, or a template refuses the tiny model's shapes (its hidden size
+    # 64 and head_dim 16 are below what the kernels take): both say why
+    assert reason.startswith("CuTe DSL kernels unavailable") or \
+        re.match(r"refused by the \w+ template: (K 64 |head_dim 16)", reason), reason
+
+
+# ---- TP ranks reach the same decisions ----------------------------------------------------------------
+def _tp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.distributed import get_tp_group
+
+    model, vc = build_loaded(None, tp=world, rank=rank, init_method=init_method)
+    group = get_tp_group()
+    assert (group.world_size, group.rank_in_group) == (world, rank)
+
+    def compile_fn(result, schedule):  # only rank 1 fails, and only on layer 1
+        if rank == 1 and result.before.layer == 1:
+            raise ProgramError("compile failed on rank 1")
+
+    layers = decoder_layers(model)
+    programs = build_programs(layers, text_config(vc), tp=group.world_size, rank=group.rank_in_group, arch=ARCH,
+                              batches=(B,), compile_fn=compile_fn, group=group.cpu_group, progress=_quiet)
+    batch = prepare_decode(bind_caches(model, vc))
+    with decode_context(vc, batch, mode=CUDAGraphMode.FULL) as context:
+        decision = decide_step(B, set(programs.batches), True, context).reason
+    shard = layers[1].self_attn.in_proj_qkvgfab.weight.shape
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"fallbacks": {str(k): v for k, v in sorted(programs.fallbacks.items())},
+                   "programs": sorted(map(list, programs.programs)), "decision": decision,
+                   "shard": list(shard)}, f)
+
+
+@pytest.mark.slow
+def test_tp_ranks_reach_the_same_decisions(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp_worker, args=(2, f"file://{tmp_path}/dist-init", str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2))
+    assert r0["shard"] == r1["shard"] == [4 * 64 + 16 + 4 + 12, 64]  # each rank's q,k,v,g, f_a, beta, padding
+    assert r0["fallbacks"] == {"1": "its program failed to build on another TP rank"}
+    assert r1["fallbacks"] == {"1": "compile failed on rank 1"}
+    assert r0["programs"] == r1["programs"] == [[i, B] for i in (0, 2, 3, 4, 5)]
+    assert r0["decision"] == r1["decision"] == "pure decode"
