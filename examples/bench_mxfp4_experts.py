@@ -20,53 +20,18 @@ import sys
 import torch
 
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
+from bench_kernels import graph_us  # examples/: CUDA-graph replay timing
 from codegen.bind import device_arch, load_kernels
 from rewriter.cost import H200_COPY_TBPS
-from rewriter.layers.experts import GROUP, ExpertFormat, random_mxfp4
+from rewriter.layers.experts import GROUP, humming_relayout, random_mxfp4
 
 E, K, L = 896, 16, 3584
 BETA, LINEAR_BETA = 4.0, 25.0
 ROUTINGS = 20
 SHAPES = {16: (256, 192), 8: (384, 384)}  # TP -> (I held, I live) per rank
-HUMMING = ExpertFormat("mxfp4", "humming")
 SITU = ("[](float a, float b) { const float gate = (4.0f) * tanhf(a / (4.0f)); "
         "const float act = gate / (1.f + expf(-a)); const float up = (25.0f) * tanhf(b / (25.0f)); "
         "return act * up; }(a, b)")
-
-
-def graph_us(fn, reps: int = 15) -> float:
-    """Median microseconds of one replay of a CUDA graph holding ``fn``'s launches."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
-def humming_layout(packed, scale, n, k):
-    """vLLM's Humming transform of checkpoint tensors (as tests/test_kernels_mxfp4.py)."""
-    from humming.schema import HummingInputSchema, Mxfp4WeightSchema
-    from humming.transform import prepare_and_transform_humming_tensors
-
-    schema, tensors = Mxfp4WeightSchema().convert_humming(
-        tensors={"weight": packed, "weight_scale": scale}, shape_n_stacks=[n], shape_k_stacks=[k],
-        param_dtype=torch.bfloat16, num_experts=E)
-    config, out = prepare_and_transform_humming_tensors(
-        tensors=tensors, shape_n=n, shape_k=k, pad_n_to_multiple=256, pad_k_to_multiple=128,
-        input_schema=HummingInputSchema(), weight_schema=schema, has_bias=False, num_experts=E,
-        torch_dtype=torch.bfloat16, device=packed.device)
-    return out["weight"], out["weight_scale"], config
 
 
 class HummingMoE:
@@ -129,7 +94,7 @@ def bench(tp, gen) -> list[dict]:
     for name, (n, k, kw) in {"w13": (2 * inter, L, {"live_rows": rows, "scale_exponent": -7}),
                              "w2": (L, inter, {"live_k": live, "scale_exponent": -5})}.items():
         packed, scale = random_mxfp4(E, n, k, generator=gen, device="cuda", **kw)
-        w, s, configs[name] = humming_layout(packed, scale, n, k)
+        w, s, configs[name] = humming_relayout(packed, scale, n, k)
         laid[name] = (w, s)
         del packed, scale
     peer = HummingMoE(laid, configs, inter)

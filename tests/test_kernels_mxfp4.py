@@ -26,7 +26,8 @@ from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
 from codegen.templates import spec_for_call
 from rewriter.config import KimiK3Config
-from rewriter.layers.experts import GROUP, ExpertFormat, ExpertFormatError, pack_nibbles, random_mxfp4
+from rewriter.layers.experts import (GROUP, ExpertFormat, ExpertFormatError, humming_relayout, pack_nibbles,
+                                     random_mxfp4)
 
 OP = "k3f::routed_experts_mxfp4"
 K3 = KimiK3Config.preset("kimi-k3")
@@ -265,7 +266,7 @@ def test_specs_at_kimi_k3_shapes(shape):
     (mxfp4_args(layout="checkpoint"), "MXFP4 experts in the 'checkpoint' layout; the kernels read Humming's"),
     (mxfp4_args(tokens=65), "65 tokens outside 1..64"),
     (mxfp4_args(x=torch.float16), "x is fp16; the template is bf16 only"),
-    (mxfp4_args(scale=torch.uint8), "w13_scale is torch.uint8, expected torch.float8_e8m0fnu"),
+    (mxfp4_args(scale=torch.uint8), "w13_scale is uint8; the template is float8_e8m0fnu only"),
     (mxfp4_args(live=160), "I_live 160: multiples of 64"),
 ])
 def test_template_refuses_with_a_reason(args, reason):
@@ -328,25 +329,6 @@ def test_ptx(compiled, arch, name):
 
 # ---------------------------------------------------------------- 4. on the GPU
 
-def humming_layout(packed: torch.Tensor, scale: torch.Tensor, n: int, k: int):
-    """What vLLM's Humming backend does to checkpoint tensors [E, n, k/2], [E, n, k/32] on sm_90
-    (``quantization/utils/humming/moe.py``: the MXFP4 schema's conversion, then
-    ``prepare_and_transform_humming_tensors`` with vLLM's padding and bf16 activations), with the
-    humming package itself: (weight, scale, its LayerConfig)."""
-    from humming.schema import HummingInputSchema, Mxfp4WeightSchema
-    from humming.transform import prepare_and_transform_humming_tensors
-
-    experts = packed.shape[0]
-    schema, tensors = Mxfp4WeightSchema().convert_humming(
-        tensors={"weight": packed, "weight_scale": scale}, shape_n_stacks=[n], shape_k_stacks=[k],
-        param_dtype=torch.bfloat16, num_experts=experts)
-    config, out = prepare_and_transform_humming_tensors(
-        tensors=tensors, shape_n=n, shape_k=k, pad_n_to_multiple=256, pad_k_to_multiple=128,
-        input_schema=HummingInputSchema(), weight_schema=schema, has_bias=False, num_experts=experts,
-        torch_dtype=torch.bfloat16, device=packed.device)
-    return out["weight"], out["weight_scale"], config
-
-
 class Experts:
     """All E experts of one rank in checkpoint layout (random, zero in the padding as vLLM pads)
     and in the layout under test; ``humming`` lays them out with the humming package."""
@@ -362,7 +344,7 @@ class Experts:
         for name, (n, k) in (("w13", (2 * inter, latent)), ("w2", (latent, inter))):
             w, s = self.ckpt[name]
             if humming:
-                hw, hs, config = humming_layout(w, s, n, k)
+                hw, hs, config = humming_relayout(w, s, n, k)
                 assert (config.pad_shape_n, config.pad_shape_k) == (0, 0)
                 mine = fmt.from_checkpoint(w, s)
                 assert torch.equal(hw, mine[0]) and torch.equal(hs.view(torch.uint8), mine[1].view(torch.uint8)), \
@@ -422,6 +404,22 @@ def humming_experts(request):
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_kernels_read_the_layout_humming_leaves(humming_experts, tokens):
     check(humming_experts, tokens, torch.Generator().manual_seed(tokens))
+
+
+@on_gpu
+def test_served_format_reads_hummings_own_layer_configs():
+    """The LayerConfigs Humming's transform returns (what vLLM keeps as ``humming_configs``) say
+    Humming's sm_90 layout to ``served_expert_format``."""
+    from types import SimpleNamespace
+
+    from rewriter.vllm.experts import served_expert_format
+
+    configs = {}
+    for name, (n, k) in (("w13", (512, L)), ("w2", (L, 256))):
+        configs[name] = humming_relayout(*random_mxfp4(4, n, k, device="cuda"), n, k)[2]
+    module = SimpleNamespace(quant_method=SimpleNamespace(mxfp4_backend=SimpleNamespace(name="HUMMING")),
+                             humming_configs=configs)
+    assert served_expert_format(module) == HUMMING
 
 
 @on_gpu

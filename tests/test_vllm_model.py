@@ -332,6 +332,61 @@ def test_served_expert_format_reads_vllms_backend(mxfp4, bf16):
     assert routed.quant_method.unquantized_backend is UnquantizedMoeBackend.TRITON
 
 
+def test_mxfp4_checkpoints_ask_vllm_for_humming(mxfp4, bf16, monkeypatch):
+    """The plugin asks vLLM for the MoE backend whose layout the kernels read, decided from vLLM's
+    own resolution of the checkpoint's quantization, and refuses backends it cannot read."""
+    from rewriter.vllm.experts import HUMMING_INPUT_QUANT, moe_backend_refusal, select_moe_backend, serves_mxfp4
+
+    assert serves_mxfp4(mxfp4.vllm_config) and not serves_mxfp4(bf16.vllm_config)
+    kernel = mxfp4.vllm_config.kernel_config
+    assert kernel.moe_backend == "auto"
+    try:
+        select_moe_backend(mxfp4.vllm_config)
+        assert kernel.moe_backend == "humming" and moe_backend_refusal(mxfp4.vllm_config) is None
+        select_moe_backend(bf16.vllm_config)
+        assert bf16.vllm_config.kernel_config.moe_backend == "auto"  # bf16 experts: vLLM's choice stands
+        kernel.moe_backend = "marlin"
+        assert "MoE backend 'marlin' (--moe-backend)" in moe_backend_refusal(mxfp4.vllm_config)
+        kernel.moe_backend = "humming"
+        monkeypatch.setenv(HUMMING_INPUT_QUANT, '{"a_dtype": "float8e4m3"}')
+        assert f"{HUMMING_INPUT_QUANT} is set" in moe_backend_refusal(mxfp4.vllm_config)
+    finally:
+        kernel.moe_backend = "auto"
+
+
+def test_humming_layer_configs_pick_the_nibble_order():
+    """``served_expert_format`` on a module Humming transformed: the nibble order from its layer
+    configs' ``use_native_dequant``, anything but weight-only MXFP4 on bf16 refused by name. (The
+    configs here carry the fields of humming's LayerConfig, which cannot be built without a GPU;
+    tests/test_kernels_mxfp4.py checks real ones on the H200.)"""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    def configs(**changes):
+        base = dict(a_dtype="bfloat16", b_dtype="float4e2m1", bs_dtype="float8e8m0", weight_scale_group_size=32,
+                    use_fused_e8m0_scale=False, use_packed_k_layout=False, use_native_dequant=False, pad_shape_n=0,
+                    pad_shape_k=0)
+        return {"w13": SimpleNamespace(**base), "w2": SimpleNamespace(**{**base, **changes})}
+
+    def module(cfgs):
+        return SimpleNamespace(quant_method=SimpleNamespace(mxfp4_backend=Mxfp4MoeBackend.HUMMING),
+                               humming_configs=cfgs)
+
+    assert served_expert_format(module(configs())).name == "mxfp4/humming"
+    native = configs(use_native_dequant=True)
+    native["w13"].use_native_dequant = True
+    assert served_expert_format(module(native)).name == "mxfp4/humming_native"
+    for changes, reason in (({"a_dtype": "float8e4m3"}, "w2 config a_dtype=float8e4m3"),
+                            ({"use_fused_e8m0_scale": True}, "use_fused_e8m0_scale=True"),
+                            ({"pad_shape_k": 128}, "pad_shape_k=128"),
+                            ({"use_native_dequant": True}, "different nibble orders")):
+        with pytest.raises(ExpertLayoutError, match=re.escape(reason)):
+            served_expert_format(module(configs(**changes)))
+    with pytest.raises(ExpertLayoutError, match="without their layer configs"):
+        served_expert_format(module(None))
+
+
 # ---- 5. the step guard on the real forward context ----------------------------------------------------
 def test_step_guard_on_the_real_decode_context(bf16):
     from vllm.config import CUDAGraphMode

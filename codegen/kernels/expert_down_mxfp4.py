@@ -32,7 +32,8 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.mxfp4 import ORDERS, load_b, load_scales, load_weights, tile_mma
+from codegen.kernels.mxfp4 import (ORDERS, cluster_barrier, cluster_sum, load_b, load_scales, load_weights, tile_mma,
+                                   warp_registers)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -94,11 +95,8 @@ class ExpertDownMxfp4:
         r = lane // 4
         q = lane - r * 4
 
-        rW = cute.make_rmem_tensor((4, NKB), Int32)
-        rS = cute.make_rmem_tensor((2, NKB // 2), Int32)
+        rW, rS, acc = warp_registers(NKB)
         rB = cute.make_rmem_tensor((2, NKB), Int32)
-        acc = cute.make_rmem_tensor((4, 4), Float32)
-        acc.fill(0.0)
         smem = SmemAllocator()
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps)), byte_alignment=16)
         sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), byte_alignment=16)
@@ -125,26 +123,12 @@ class ExpertDownMxfp4:
             for w in cutlass.range_constexpr(1, self.warps):
                 total = total + sPart[tidx, w]
             sTot[tidx] = total
-        if const_expr(C > 1):
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.barrier()
+        cluster_barrier(C)
         if tidx < self.share:
             row = rank * self.share + tidx
-            total = cute.make_rmem_tensor((1,), Float32)
-            total.fill(0.0)
-            part = cute.make_rmem_tensor((1,), Float32)
-            for peer in cutlass.range_constexpr(C):
-                src = sTot
-                if const_expr(C > 1):
-                    src = cute.make_tensor(cute.arch.map_dsmem_ptr(sTot.iterator, peer), sTot.layout)
-                cute.autovec_copy(cute.local_tile(src, (1,), (row,)), part)  # peer order: deterministic
-                total.store(total.load() + part.load())
-            mOut[token, nt * TILE + row] = total[0].to(BFloat16)
+            mOut[token, nt * TILE + row] = cluster_sum(sTot, (1,), (row,), C)[0].to(BFloat16)
         if const_expr(C > 1):
-            cute.arch.cluster_arrive()  # peers may still be reading this CTA's sums
-            cute.arch.cluster_wait()
+            cluster_barrier(C)  # peers may still be reading this CTA's sums
 
 
 def build(spec) -> tuple[ExpertDownMxfp4, tuple]:

@@ -34,7 +34,8 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.mxfp4 import ORDERS, load_scales, load_weights, tile_mma
+from codegen.kernels.expert_up import ExpertUp
+from codegen.kernels.mxfp4 import ORDERS, cluster_barrier, cluster_sum, load_scales, load_weights, tile_mma, warp_registers
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -99,10 +100,7 @@ class ExpertUpMxfp4:
         r = lane // 4
         q = lane - r * 4
 
-        rW = cute.make_rmem_tensor((4, NKB), Int32)
-        rS = cute.make_rmem_tensor((2, NKB // 2), Int32)
-        acc = cute.make_rmem_tensor((4, 4), Float32)
-        acc.fill(0.0)
+        rW, rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps_per_tile, 2)), byte_alignment=16)
         sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, 2)), byte_alignment=16)
@@ -138,39 +136,15 @@ class ExpertUpMxfp4:
             for w in cutlass.range_constexpr(1, self.warps_per_tile):
                 total = total + sPart[row, w, h]
             sTot[row, h] = total
-        if const_expr(C > 1):
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.barrier()
+        cluster_barrier(C)
         if tidx < self.share:
             ch = rank * self.share + tidx
-            total = cute.make_rmem_tensor((1, 2), Float32)
-            total.fill(0.0)
-            part = cute.make_rmem_tensor((1, 2), Float32)
-            for peer in cutlass.range_constexpr(C):
-                src = sTot
-                if const_expr(C > 1):
-                    src = cute.make_tensor(cute.arch.map_dsmem_ptr(sTot.iterator, peer), sTot.layout)
-                cute.autovec_copy(cute.local_tile(src, (1, 2), (ch, 0)), part)  # peer order: deterministic
-                total.store(total.load() + part.load())
+            total = cluster_sum(sTot, (1, 2), (ch, 0), C)  # (gate, up)
             mA[token, slot, ctile * TILE + ch] = self.act(total[0, 0], total[0, 1]).to(BFloat16)
         if const_expr(C > 1):
-            cute.arch.cluster_arrive()  # peers may still be reading this CTA's sums
-            cute.arch.cluster_wait()
+            cluster_barrier(C)  # peers may still be reading this CTA's sums
 
-    def act(self, g_sum, u_sum):
-        """The activation of one channel, in fp32 from the bf16-rounded projections."""
-        g = g_sum.to(BFloat16).to(Float32)
-        u = u_sum.to(BFloat16).to(Float32)
-        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
-        if const_expr(self.beta is None):
-            return g * sig * u
-        gate = Float32(self.beta) * cute.math.tanh(g / Float32(self.beta)) * sig
-        if const_expr(self.linear_beta is not None):
-            u = Float32(self.linear_beta) * cute.math.tanh(u / Float32(self.linear_beta))
-        return gate * u
-
+    act = ExpertUp.act  # SiTU (or SiLU-and-mul) of one channel, as the bf16 experts compute it
 
 def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token

@@ -139,3 +139,34 @@ def tile_mma(rW: cute.Tensor, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: in
                 c = mma_mxfp4(rW[i3, i], mult[i3][0], mult[i3][1], b0, b1, [acc[j, i3] for j in range(4)], order)
                 for j in range(4):
                     acc[j, i3] = c[j]
+
+
+def warp_registers(nkb: int):
+    """A warp's registers for a run of ``nkb`` K blocks: weight words [4, nkb], scale words
+    [2, nkb / 2] and its four subtiles' fp32 accumulators [4, 4], zeroed."""
+    acc = cute.make_rmem_tensor((4, 4), Float32)
+    acc.fill(0.0)
+    return cute.make_rmem_tensor((4, nkb), Int32), cute.make_rmem_tensor((2, nkb // 2), Int32), acc
+
+
+def cluster_barrier(cluster: int):
+    """Every CTA of the cluster (or the CTA alone) has reached this point, its shared memory
+    writes visible to the others."""
+    if cluster > 1:
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+    else:
+        cute.arch.barrier()
+
+
+def cluster_sum(sTot: cute.Tensor, tile: tuple, coord: tuple, cluster: int) -> cute.Tensor:
+    """The ``tile`` of ``sTot`` at ``coord`` summed over the cluster's CTAs, in rank order (so
+    deterministically), through distributed shared memory; after ``cluster_barrier``."""
+    total = cute.make_rmem_tensor(tile, Float32)
+    total.fill(0.0)
+    part = cute.make_rmem_tensor(tile, Float32)
+    for peer in range(cluster):
+        src = sTot if cluster == 1 else cute.make_tensor(cute.arch.map_dsmem_ptr(sTot.iterator, peer), sTot.layout)
+        cute.autovec_copy(cute.local_tile(src, tile, coord), part)
+        total.store(total.load() + part.load())
+    return total

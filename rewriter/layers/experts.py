@@ -232,3 +232,24 @@ def mxfp4_scale_refusal(routed: "torch.nn.Module") -> str | None:
             return (f"{name} holds an E8M0 scale 2^{top - 127}; the MXFP4 kernels dequantize scales up to "
                     f"2^{MAX_KERNEL_SCALE - 127}")
     return None
+
+
+def humming_relayout(packed: Tensor, scale: Tensor, n: int, k: int) -> tuple[Tensor, Tensor, object]:
+    """What vLLM 0.33's Humming backend does to checkpoint-layout experts [E, n, k/2], [E, n, k/32]
+    after loading (``quantization/utils/humming/moe.py``: the MXFP4 schema's conversion, then
+    ``prepare_and_transform_humming_tensors`` with vLLM's padding and bf16 activations), done by
+    the humming package itself (humming-kernels, a CUDA device): (weight, scale, its LayerConfig).
+    The ground truth ``ExpertFormat.from_checkpoint`` is tested against, and the tensors the
+    benchmarks give both the kernels and Humming's own MoE."""
+    from humming.schema import HummingInputSchema, Mxfp4WeightSchema
+    from humming.transform import prepare_and_transform_humming_tensors
+
+    experts = packed.shape[0]
+    schema, tensors = Mxfp4WeightSchema().convert_humming(
+        tensors={"weight": packed, "weight_scale": scale}, shape_n_stacks=[n], shape_k_stacks=[k],
+        param_dtype=torch.bfloat16, num_experts=experts)
+    config, out = prepare_and_transform_humming_tensors(
+        tensors=tensors, shape_n=n, shape_k=k, pad_n_to_multiple=256, pad_k_to_multiple=128,
+        input_schema=HummingInputSchema(), weight_schema=schema, has_bias=False, num_experts=experts,
+        torch_dtype=torch.bfloat16, device=packed.device)
+    return out["weight"], out["weight_scale"], config
