@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--png", type=Path, metavar="PATH",
                      help="render the graphs before and after to PNG (needs Graphviz's dot on PATH)")
     ins.add_argument("--no-rules", action="store_true", help="skip the built-in rules (show the stock layer)")
+    ins.add_argument("--all-layers", action="store_true",
+                     help="one row per layer of the model: kind, rewritten or why not, kernels (--layer ignored)")
     add_compile_parser(sub)
     add_bench_parser(sub)
     return p
@@ -103,9 +105,33 @@ def _pair(path: Path) -> tuple[Path, Path]:
     return path, path.with_name(f"{path.stem}.after{path.suffix}")
 
 
+def run_inspect_all(args: argparse.Namespace) -> int:
+    """Every layer of the model, each distinct layer structure traced and rewritten once."""
+    from rewriter.layers import build_layer
+    from rewriter.report import build_model_report, layer_row, render_model_table
+
+    single = [f"--{n}" for n in ("dot", "png", "graph", "nodes") if getattr(args, n)]
+    if single:
+        raise ShapeError(f"--all-layers prints one row per layer; {', '.join(single)} take one --layer")
+    cfg = KimiK3Config.load(args.model)
+    rows, done = [], {}
+    for i in range(cfg.num_hidden_layers):
+        structure = build_layer(cfg, i, tp=args.tp, rank=args.rank, experts=args.experts).structure
+        if structure not in done:
+            done[structure] = layer_row(rewritten_layer(argparse.Namespace(**{**vars(args), "layer": i}),
+                                                        RuleSet() if args.no_rules else None), args.arch)
+        rows.append({**done[structure], "layer": i})
+    report = build_model_report(rows, model=args.model, tp=args.tp, rank=args.rank, batch=args.batch, q=args.q,
+                                arch=args.arch, experts=args.experts)
+    print(json.dumps(report, indent=1) if args.json else render_model_table(report))
+    return 0
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from rewriter.report import build_report, render_table, to_dot
 
+    if args.all_layers:
+        return run_inspect_all(args)
     if args.hbm_tbps <= 0:
         raise ShapeError(f"--hbm-tbps must be positive, got {args.hbm_tbps}")
     if args.png and shutil.which("dot") is None:

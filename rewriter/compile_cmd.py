@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rewriter.kernel_plan import plan
 
 
 def add_compile_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,53 +31,6 @@ def add_compile_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--dry-run", action="store_true", help="list the kernels and their specs, compile nothing")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     return c
-
-
-def _op_call(lg, node_names: list[str]) -> tuple[str, tuple[Any, ...]] | None:
-    """(fused op name, its arguments as meta values) of the kernel's k3f node, or None."""
-    nodes = {n.name: n for n in lg.graph.nodes}
-    for name in node_names:
-        n = nodes.get(name)
-        if n is not None and n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "k3f":
-            def val(a):
-                if hasattr(a, "meta"):
-                    return a.meta["val"]
-                if isinstance(a, (list, tuple)):
-                    return type(a)(val(x) for x in a)
-                return a
-
-            return n.target._schema.name, tuple(val(a) for a in n.args)
-    return None
-
-
-def plan(result, arch: str) -> list[dict[str, Any]]:
-    """One row per scheduled kernel: its status before compiling and, for a template, its spec."""
-    from codegen.templates import template
-    from rewriter.schedule import build_schedule
-
-    rows = []
-    for i, k in enumerate(build_schedule(result.after).kernels):
-        row: dict[str, Any] = {"index": i, "kernel": k.name, "source": k.source}
-        if not k.source.startswith("fused:"):
-            row["status"] = "stock"
-            row["detail"] = "vLLM stock kernel (not generated)"
-        else:
-            call = _op_call(result.after, k.nodes)
-            tpl = template(k.name.split(" #")[0])
-            row["op"] = call[0] if call else None
-            if tpl is None or call is None:
-                row["status"] = "no_template"
-                row["detail"] = "no CuTe DSL template yet"
-            else:
-                specs = tpl.make_specs(call[0], arch, call[1])
-                if isinstance(specs, str):
-                    row["status"] = "refused"
-                    row["detail"] = f"refused by the {tpl.kernel} template: {specs}"
-                else:
-                    row["status"] = "pending"
-                    row["specs"] = list(specs)
-        rows.append(row)
-    return rows
 
 
 def run_compile(args: argparse.Namespace) -> int:

@@ -195,3 +195,37 @@ def to_dot(lg: LayerGraph, title: str = "") -> str:
     out.extend(f'  "{a.name}" -> "{n.name}";' for n in lg.graph.nodes for a in n.all_input_nodes)
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+def layer_row(result: RewriteResult, arch: str) -> dict[str, Any]:
+    """One layer's line of the whole-model report: whether the server would run it as a program
+    (every scheduled kernel a CuTe DSL template's, ``rewriter.kernel_plan``) and why not."""
+    from rewriter.kernel_plan import plan, program_refusal
+
+    before, after = result.before, result.after
+    reason = program_refusal(plan(result, arch))
+    rewritten = sum(k.launches for k in build_schedule(after).kernels)
+    default = len(build_schedule(before).kernels)
+    return {"layer": before.layer, "layer_kind": before.kind, "rewritten": reason is None,
+            "default_kernels": default, "rewritten_kernels": rewritten,
+            "served_kernels": rewritten if reason is None else default, "reason": reason}
+
+
+def build_model_report(rows: list[dict[str, Any]], **header: Any) -> dict[str, Any]:
+    """The whole-model report (``inspect --all-layers``) from one ``layer_row`` per layer."""
+    return {**header, "layers": rows, "rewritten_layers": sum(r["rewritten"] for r in rows),
+            "total_default_kernels": sum(r["default_kernels"] for r in rows),
+            "total_served_kernels": sum(r["served_kernels"] for r in rows)}
+
+
+def render_model_table(r: dict[str, Any]) -> str:
+    n = len(r["layers"])
+    lines = [f"{r['model']}, TP {r['tp']} rank {r['rank']}, batch {r['batch']} x q {r['q']}, {r['arch']}, "
+             f"{r['experts']} routed experts: {r['rewritten_layers']} of {n} layers rewritten",
+             f"kernels per step: {r['total_default_kernels']} stock -> {r['total_served_kernels']} served "
+             "(rewritten layers' kernels, the others' stock ones)", "",
+             f"{'layer':>5}  {'kind':<6}{'rewritten':<11}{'stock':>6}{'kernels':>9}  why not"]
+    for row in r["layers"]:
+        lines.append(f"{row['layer']:>5}  {row['layer_kind']:<6}{'yes' if row['rewritten'] else 'no':<11}"
+                     f"{row['default_kernels']:>6}{row['rewritten_kernels']:>9}  {row['reason'] or ''}")
+    return "\n".join(lines)

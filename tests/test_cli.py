@@ -131,3 +131,27 @@ def test_custom_rule_example(capsys, tmp_path):
     assert "must define RULES, a list of rewriter.rules.Rule" in capsys.readouterr().err
     assert main(["inspect", "--rules", str(tmp_path / "missing.py")]) == 2
     assert "rules file not found" in capsys.readouterr().err
+
+
+def test_inspect_all_layers_reports_every_layer(capsys, k3):
+    """One row per layer of Kimi K3: its kind, whether the server would run it as a program
+    (every kernel a CuTe DSL template's), its kernels, and why not."""
+    report = json.loads(_inspect(capsys, "--model", "kimi-k3", "--all-layers", "--tp", "16", "--json"))
+    rows = report["layers"]
+    assert [r["layer"] for r in rows] == list(range(93))
+    for r in rows:
+        assert set(r) >= {"layer", "layer_kind", "rewritten", "default_kernels", "rewritten_kernels", "reason"}
+        assert r["layer_kind"] == k3.layer_kind(r["layer"])
+        assert r["rewritten"] == (r["reason"] is None) and (r["rewritten_kernels"] <= 13 or not r["rewritten"])
+    kda = [r for r in rows if r["layer_kind"] == "kda"]
+    assert all(r["rewritten"] and r["rewritten_kernels"] == 12 and r["default_kernels"] == 23 for r in kda)
+    assert len(kda) == 68 and report["rewritten_layers"] == 68
+    assert "no CuTe DSL template yet for dense_mlp" in rows[0]["reason"]
+    assert "mla_q_front" in rows[3]["reason"] and "no rule fuses mla.decode" in rows[3]["reason"]
+    assert report["total_served_kernels"] == sum(r["rewritten_kernels"] if r["rewritten"] else r["default_kernels"]
+                                                 for r in rows)
+    table = _inspect(capsys, "--model", "tiny", "--all-layers")  # below the kernels' sizes: every layer says why
+    assert "0 of 6 layers rewritten" in table
+    assert "    4  kda   no             20       12  refused by the attn_in_proj_gemv template: K 64" in table
+    assert main(["inspect", "--all-layers", "--dot", "x.dot"]) == 2
+    assert "--all-layers prints one row per layer; --dot take one --layer" in capsys.readouterr().err

@@ -487,7 +487,7 @@ def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch,
 @pytest.mark.parametrize("tp,batch", [(16, 1), (8, 8), (16, 64)])
 def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
     """The schedule's kernel count (rules' ``launches``) is what the templates really launch."""
-    from rewriter.compile_cmd import plan
+    from rewriter.kernel_plan import plan
     from rewriter.config import KimiK3Config
     from rewriter.layers import build_layer
     from rewriter.rewrite import rewrite

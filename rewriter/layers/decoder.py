@@ -89,6 +89,13 @@ class KimiDecoderLayer(nn.Module):
         return self.feed_forward(x), prefix, blocks
 
     @property
+    def structure(self) -> tuple:
+        """What a layer's graph depends on besides its weights: layers with the same structure
+        trace, rewrite and compile alike (Kimi K3 has 24 among its 93 layers)."""
+        return (self.attention_kind, self.kind, self.layer_idx == 0, self.prev_valid_blocks, self.is_block_write_layer,
+                self.expert_format)
+
+    @property
     def expert_format(self) -> ExpertFormat | None:
         moe = getattr(self, "block_sparse_moe", None)
         return None if moe is None else moe.experts.routed_experts.format

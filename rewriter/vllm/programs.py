@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from rewriter.config import KimiK3Config
 from rewriter.layers import KimiDecoderLayer, build_layer
+from rewriter.kernel_plan import plan, program_refusal
 from rewriter.layers.experts import ExpertFormat, mxfp4_scale_refusal
 from rewriter.program import LayerRunner
 from rewriter.rewrite import RewriteResult, is_fused, rewrite
@@ -107,18 +108,13 @@ def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = Non
         except ImportError as e:
             raise ProgramError(f"CuTe DSL kernels unavailable ({e}); pip install 'k3-decode-rewriter[cutedsl]'") \
                 from e
-        from rewriter.compile_cmd import plan
-
         reason = available()
         if reason:
             raise ProgramError(f"CuTe DSL kernels unavailable: {reason}")
         rows = plan(result, arch)
-        missing = [r["kernel"] for r in rows if r["status"] == "no_template"]
-        if missing:
-            raise ProgramError(f"no CuTe DSL template yet for {', '.join(missing)}")
-        refused = [r["detail"] for r in rows if r["status"] == "refused"]
-        if refused:
-            raise ProgramError(refused[0])
+        reason = program_refusal(rows)
+        if reason:
+            raise ProgramError(reason)
         for spec in (s for row in rows for s in row.get("specs", ())):
             try:
                 compile_kernel(spec, progress=lambda line: progress(f"rewriter: {line}"))
@@ -151,11 +147,6 @@ class ProgramSet:
         return self.programs.get((layer_idx, batch))
 
 
-def _structure(layer: KimiDecoderLayer) -> tuple:
-    return (layer.attention_kind, layer.kind, layer.layer_idx == 0, layer.prev_valid_blocks,
-            layer.is_block_write_layer)
-
-
 CompileFn = Callable[[RewriteResult, Schedule], None]
 
 
@@ -173,7 +164,7 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
         try:
             ref = bind_layer(vllm_layer, cfg, idx, tp, rank)
             for b in batches:
-                result, schedule = _built(built, (_structure(ref), b), ref, b, tp, rank, arch, compile_fn)
+                result, schedule = _built(built, (ref.structure, b), ref, b, tp, rank, arch, compile_fn)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
                 device = next(ref.parameters()).device
