@@ -6,7 +6,7 @@ implementation stays the op's reference, so a rewritten graph runs the kernel on
 and the reference everywhere else. A launcher takes the op's arguments and returns its
 outputs, or ``NotImplemented`` to decline a call (a shape no template takes, a tensor not
 16-byte aligned, an unknown GPU): the op's reference then runs on the GPU tensors, and the
-reason is counted in ``stats()``. Nothing registers at import: ``install_cuda_kernels()``
+reason is counted in ``stats()`` (a strict launcher, the server's, raises instead). Nothing registers at import: ``install_cuda_kernels()``
 (or ``register_cuda_impl``) must be called, and it refuses on a machine without CUDA
 unless told otherwise.
 
@@ -125,17 +125,27 @@ def load_kernels(op: str, arch: str, args: Sequence[Any], kernel: str | None = N
     return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
+class KernelDeclined(RuntimeError):
+    """A strict launcher's template refused a call: in a served step the reference must not run."""
+
+
 class TemplateLauncher:
     """The launcher of every template serving one fused op: picks the template that accepts
-    the call, gets its compiled kernel (memory, disk cache or compile) and launches it."""
+    the call, gets its compiled kernel (memory, disk cache or compile) and launches it.
+    ``strict`` (the server's): a call no template takes raises ``KernelDeclined`` naming why,
+    instead of running the op's reference on the GPU (correct, but silently far slower)."""
 
-    def __init__(self, op_name: str, arch: str | None = None):
+    def __init__(self, op_name: str, arch: str | None = None, strict: bool = False):
         self.op = _qualify(op_name)
         self.arch = arch
+        self.strict = strict
         self._fns: dict[Specs, tuple[Callable[..., Any], ...]] = {}
 
     def _decline(self, reason: str):
         _stats[self.op][f"declined: {reason}"] += 1
+        if self.strict:
+            raise KernelDeclined(f"{self.op}: no kernel takes this call ({reason}); the served path does not run "
+                                 "the reference")
         return NotImplemented
 
     def resolve(self, args: Sequence[Any]) -> tuple[Template, Specs, tuple[Callable[..., Any], ...]] | str:
@@ -172,11 +182,12 @@ class TemplateLauncher:
         return tpl.launch(fns, specs, args)
 
 
-def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = False) -> list[str]:
+def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = False,
+                         strict: bool = False) -> list[str]:
     """Register a ``TemplateLauncher`` for every fused op some template serves; returns the ops.
 
     Imports ``patterns`` (which defines the ``k3f`` ops). Ops without a template keep
-    running their reference on the GPU."""
+    running their reference on the GPU; ``strict`` launchers raise for calls no template takes."""
     import patterns.attention_projection
     import patterns.layer
     import patterns.moe
@@ -186,7 +197,7 @@ def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = 
     ops = sorted({op for t in TEMPLATES.values() for op in t.ops})
     for op in ops:
         current = _launchers.get(op)
-        if isinstance(current, TemplateLauncher) and current.arch == arch:
+        if isinstance(current, TemplateLauncher) and current.arch == arch and current.strict == strict:
             continue  # already installed: keep its loaded kernels (server start installs once per program)
-        register_cuda_impl(op, TemplateLauncher(op, arch), allow_without_cuda=allow_without_cuda)
+        register_cuda_impl(op, TemplateLauncher(op, arch, strict), allow_without_cuda=allow_without_cuda)
     return ops

@@ -67,7 +67,8 @@ class LayerGraph:
 
 def propagate_meta(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> None:
     """Stamp ``node.meta["val"]`` on every node of ``gm`` by running it on meta tensors."""
-    meta_inputs = [t if t is None else torch.empty_like(t, device="meta") for t in inputs]
+    meta_inputs = [t if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                   for t in inputs]  # strides kept: a template may refuse a strided state
     _MetaPropagator(gm).run(*meta_inputs)
 
 

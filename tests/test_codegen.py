@@ -230,6 +230,15 @@ def test_template_launcher_declines_what_it_cannot_run():
     assert any("CUDA" in r for r in bind.stats()["k3f::kda_in_proj"])
 
 
+def test_a_strict_launcher_raises_instead_of_running_the_reference():
+    """The server's launchers: a call no template takes is an error naming why, never the
+    reference on the GPU (correct but far slower, and silent)."""
+    launcher = bind.TemplateLauncher("kda_in_proj", arch="sm_90a", strict=True)
+    x, w = torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(3216, 7168, dtype=torch.bfloat16)
+    with pytest.raises(bind.KernelDeclined, match="k3f::kda_in_proj: no kernel takes this call .*CUDA"):
+        launcher(x, w, TP16_SPLIT)
+
+
 def test_compile_dry_run_lists_the_layer(capsys):
     assert main(["compile", "--layer", "1", "--tp", "16", "--batch", "1", "--arch", "sm_90a", "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -522,12 +531,12 @@ def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch
     import rewriter.vllm.programs as programs
 
     installed = []  # no CUDA here: record the registration instead of making it
-    monkeypatch.setattr(bind, "install_cuda_kernels", installed.append)
+    monkeypatch.setattr(bind, "install_cuda_kernels", lambda arch, strict: installed.append((arch, strict)))
     monkeypatch.setattr(programs, "require_cuda_kernels", lambda result, schedule: None)
     result = rewrite(trace(build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16), DecodeShape(batch=1, tp=16)))
     lines = []
     compile_with_codegen("sm_90a", progress=lines.append)(result, build_schedule(result.after))
-    assert installed == ["sm_90a"]
+    assert installed == [("sm_90a", True)]  # strict: a served step never runs a reference
     assert len(lines) == 12 and all(line.startswith("rewriter: compiling ") for line in lines)
     assert sum("kda_core" in line for line in lines) == 1
 

@@ -40,7 +40,8 @@ from rewriter.rewrite import is_fused  # noqa: E402
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noqa: E402
 from rewriter.vllm.guard import decide_step  # noqa: E402
 from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
-from rewriter.vllm.runtime import layer_name, run_layers, state_inputs  # noqa: E402
+from rewriter.vllm.runtime import run_layers  # noqa: E402
+from rewriter.vllm.state import layer_name, state_inputs  # noqa: E402
 
 B = 4  # the decode batch: vllm_model.SEQ_LENS, one new token per request
 ARCH = "sm_90a"
@@ -491,3 +492,34 @@ def test_tp_ranks_reach_the_same_decisions(tmp_path):
     assert r1["fallbacks"] == {"1": "compile failed on rank 1"}
     assert r0["programs"] == r1["programs"] == [[i, B] for i in (0, 2, 3, 4, 5)]
     assert r0["decision"] == r1["decision"] == "pure decode"
+
+
+# ---- the kernels asked about vLLM's state layout, before any step ------------------------------
+def test_a_state_layout_the_kernels_cannot_read_is_refused_when_vllm_binds_it():
+    """At the smallest sizes the KDA+MoE templates take, vLLM's real model with bf16 experts: the
+    KDA programs are fine on the layouts they were traced with, and once vLLM's caches are bound
+    (page-strided slots, the conv state width-major: "SD") the check at binding keeps those layers
+    on the stock forward, naming the state and its strides: never the reference in a served step."""
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
+
+    from rewriter.vllm.programs import check_cache_layouts
+    from rewriter.vllm.state import cache_tensors
+
+    model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
+    layers, cfg = decoder_layers(model), text_config(vc)
+    programs = build_programs(layers, cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=_no_compile,
+                              progress=_quiet)
+    assert not programs.fallbacks
+    kda = [i for i, layer in enumerate(layers) if cfg.layer_kind(layer.layer_idx) == "kda"]
+    traced = {n.name: n.meta["val"] for n in programs.get(kda[0], B).result.after.graph.nodes if n.op == "placeholder"}
+    assert programs.get(kda[0], B).state_refusal(traced, ARCH) is None  # the kernels take the traced layout
+    bind_caches(model, vc)
+    conv = cache_tensors(layers[kda[0]])["conv_state"]
+    assert not conv.is_contiguous()  # vLLM's own layout, as bound
+    check_cache_layouts(programs, layers, ARCH)
+    for i in kda:
+        reason = programs.fallbacks[layers[i].layer_idx]
+        assert reason.startswith("the state as vLLM lays it out: refused by the kda_core template: conv_state is "
+                                 f"not contiguous (strides {tuple(conv.stride())})"), reason
+        assert programs.get(layers[i].layer_idx, B) is None
+    assert "no CuTe DSL template yet for dense_mlp" in programs.fallbacks[0]

@@ -43,6 +43,14 @@ TINY_VLLM_CONFIG: dict[str, Any] = {
     **_TINY, "architectures": ["KimiLinearForCausalLM"], "torch_dtype": "bfloat16",
     "kv_lora_rank": 512, "qk_rope_head_dim": 64,
 }
+# The same, at the smallest sizes every KDA+MoE kernel template takes (hidden 512, two KDA heads of
+# 128, latent 256, expert intermediate 128): for checks of what the kernels accept on vLLM's tensors.
+KERNEL_SHAPED_VLLM_CONFIG: dict[str, Any] = {
+    **TINY_VLLM_CONFIG, "hidden_size": 512, "intermediate_size": 512, "num_attention_heads": 2,
+    "linear_attn_config": {**_TINY["linear_attn_config"], "num_heads": 2, "head_dim": 128},
+    "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 256, "routed_expert_hidden_size": 256,
+    "moe_intermediate_size": 128,
+}
 # What vLLM resolves the released compressed-tensors checkpoint to (KimiK3ForConditionalGeneration
 # Config in vllm/model_executor/models/config.py): Mxfp4MoEMethod for the routed experts, every
 # linear layer unquantized.
@@ -226,20 +234,21 @@ def make_checkpoint(cfg: dict, quant: str | None, seed: int = 0) -> dict[str, to
 
 
 def build_loaded(quant: str | None = None, *, tp: int = 1, rank: int = 0, init_method: str | None = None,
-                 seed: int = 0) -> tuple[torch.nn.Module, VllmConfig]:
-    """vLLM's KimiLinearForCausalLM for the tiny config, built as its loader builds it, a random
-    checkpoint loaded through its own ``load_weights``, then vLLM's post-load step.
+                 seed: int = 0, config: dict | None = None) -> tuple[torch.nn.Module, VllmConfig]:
+    """vLLM's KimiLinearForCausalLM for the tiny config (or ``config``), built as its loader builds
+    it, a random checkpoint loaded through its own ``load_weights``, then vLLM's post-load step.
     ``quant``: None (bf16 experts) or ``"mxfp4"``."""
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    vc = make_vllm_config(quant, tp)
+    config = config or TINY_VLLM_CONFIG
+    vc = make_vllm_config(quant, tp, config)
     with set_current_vllm_config(vc):
         init_distributed(tp, rank, init_method)
         with no_cuda_streams(), _moe_patch(quant), set_default_torch_dtype(vc.model_config.dtype), \
                 torch.device("cpu"):
             model = initialize_model(vllm_config=vc, model_config=vc.model_config)
-        loaded = model.load_weights(iter(make_checkpoint(TINY_VLLM_CONFIG, quant, seed).items()))
+        loaded = model.load_weights(iter(make_checkpoint(config, quant, seed).items()))
         missing = {n for n, _ in model.named_parameters()} - set(loaded)
         assert not missing, f"parameters the checkpoint did not load: {sorted(missing)}"
         post = mxfp4_moe_backend_none() if quant == "mxfp4" else contextlib.nullcontext()

@@ -6,7 +6,8 @@ With ``auto`` it is vLLM's class unchanged. With ``latency_specialized`` it
 - asks vLLM for the MoE backend whose expert layout the kernels read (Humming, for MXFP4);
 - keeps vLLM's in-tree specialized decode (SM100/103, TP 8/16 only) off, since it
   claims the same knob and would refuse Hopper before our path is even considered;
-- builds its programs once the weights are loaded (in the V2 runner's model state);
+- builds its programs once the weights are loaded (in the V2 runner's model state), and checks
+  them against the KV cache and KDA state once vLLM binds them;
 - routes each forward: pure decode steps of a built batch size being captured as FULL
   CUDA graphs run the programs, every other step runs vLLM's stock forward.
 """
@@ -25,7 +26,8 @@ from rewriter.config import KimiK3Config
 from rewriter.vllm.guard import StepDecision, StepLog, arch_of, check_deployment, decide_step
 from rewriter.vllm.experts import select_moe_backend
 from rewriter.vllm.knob import REWRITER, decode_backend
-from rewriter.vllm.programs import ProgramSet, build_programs, compile_with_codegen, served_batches
+from rewriter.vllm.programs import (ProgramSet, build_programs, check_cache_layouts, compile_with_codegen,
+                                    served_batches)
 from rewriter.vllm.runtime import run_layers
 
 log = logging.getLogger("rewriter.vllm")
@@ -65,6 +67,20 @@ class RewriterDecode:
         rewritten = len(layers) - len(self.programs.fallbacks)
         log.info("rewriter: %d of %d layers rewritten for batch sizes %s; %d keep the stock forward",
                  rewritten, len(layers), list(self.programs.batches), len(self.programs.fallbacks))
+
+    def check_caches(self, model: "RewrittenKimiLinearForCausalLM") -> None:
+        """Once vLLM has bound its caches: drop the programs whose kernels refuse the state as vLLM
+        laid it out (``check_cache_layouts``)."""
+        from vllm.distributed import get_tp_group
+
+        if self.programs is None:
+            return
+        backbone = model.model
+        layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
+        check_cache_layouts(self.programs, layers, arch_of(torch.cuda.get_device_capability()),
+                            group=get_tp_group().cpu_group)
+        log.info("rewriter: %d of %d layers rewritten on vLLM's caches", len(layers) - len(self.programs.fallbacks),
+                 len(layers))
 
     def decide(self, num_tokens: int) -> StepDecision:
         from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -131,6 +147,12 @@ def _with_rewriter(base: type) -> type:
         def __init__(self, vllm_config: Any, model: Any, *args: Any, **kwargs: Any):
             super().__init__(vllm_config, model, *args, **kwargs)
             text = model.get_language_model() if hasattr(model, "get_language_model") else model
+            self.rewriter_model = text
             text.rewriter.build(text)
+
+        def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().initialize_kv_cache(*args, **kwargs)
+            self.rewriter_model.rewriter.check_caches(self.rewriter_model)  # for every cache bound
+            return out
 
     return RewriterModelState

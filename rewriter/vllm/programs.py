@@ -30,8 +30,9 @@ from rewriter.program import LayerRunner
 from rewriter.rewrite import RewriteResult, is_fused, rewrite
 from rewriter.schedule import Schedule, build_schedule
 from rewriter.shape import DecodeShape
-from rewriter.trace import trace
+from rewriter.trace import propagate_meta, trace
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format
+from rewriter.vllm.state import cache_tensors
 
 log = logging.getLogger("rewriter.vllm")
 
@@ -120,7 +121,7 @@ def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = Non
                 compile_kernel(spec, progress=lambda line: progress(f"rewriter: {line}"))
             except CodegenError as e:
                 raise ProgramError(f"kernel compile failed: {e}") from e
-        install_cuda_kernels(arch)
+        install_cuda_kernels(arch, strict=True)  # in a served step a declined call raises, never runs slow
         require_cuda_kernels(result, schedule)
 
     return compile_fn
@@ -132,9 +133,24 @@ class LayerProgram:
     batch: int
     runner: LayerRunner  # the rewritten graph, kernel by kernel on its streams
     kernels: int
+    result: RewriteResult  # the rewrite it runs (its graph is shared by the layers of one structure)
+    structure: tuple  # KimiDecoderLayer.structure
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.runner(*inputs)
+
+    def state_refusal(self, states: dict[str, torch.Tensor], arch: str) -> str | None:
+        """Why the kernels cannot take these state tensors (shapes, dtypes, strides as vLLM laid
+        them out), or None: the graph's values re-derived from them (meta tensors, nothing run)
+        and every fused op's template asked again."""
+        graph = self.result.after.gm.graph
+        inputs = []
+        for node in graph.nodes:
+            if node.op != "placeholder":
+                continue
+            inputs.append(states.get(node.name, node.meta["val"]))
+        propagate_meta(self.result.after.gm, inputs)
+        return program_refusal(plan(self.result, arch))
 
 
 @dataclass
@@ -168,7 +184,8 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
                 device = next(ref.parameters()).device
-                out.programs[(idx, b)] = LayerProgram(idx, b, LayerRunner(rooted, schedule, device), len(schedule.kernels))
+                out.programs[(idx, b)] = LayerProgram(idx, b, LayerRunner(rooted, schedule, device), len(schedule.kernels),
+                                                      rooted, ref.structure)
         except Exception as e:  # noqa: BLE001  (any failure keeps this one layer on the stock forward)
             reason = str(e) if isinstance(e, ProgramError) else f"{type(e).__name__}: {e}"
             out.fallbacks[idx] = reason
@@ -196,6 +213,34 @@ def _built(cache: dict, key: tuple, ref: KimiDecoderLayer, batch: int, tp: int, 
     if isinstance(entry, ProgramError):
         raise entry
     return entry
+
+
+def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch: str, group: Any = None) -> None:
+    """Once vLLM has bound its KV cache and KDA state: every program's kernels asked about the
+    state tensors as vLLM laid them out (page-strided slots, its conv layout); a layer whose
+    kernels refuse them keeps the stock forward, with the reason, on every rank. So a state the
+    kernels cannot read is refused here, before any step, never run by the ops' references
+    inside a served step. Each layer structure and layout is checked once."""
+    checked: dict[tuple, str | None] = {}
+    for i, layer in enumerate(vllm_layers):
+        idx = getattr(layer, "layer_idx", i)
+        states = cache_tensors(layer)
+        layout = tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in sorted(states.items()))
+        for b in programs.batches:
+            program = programs.get(idx, b)
+            if program is None:
+                continue
+            key = (program.structure, b, layout)
+            if key not in checked:
+                checked[key] = program.state_refusal(states, arch)
+            if checked[key]:
+                reason = f"the state as vLLM lays it out: {checked[key]}"
+                programs.fallbacks[idx] = reason
+                for batch in programs.batches:
+                    programs.programs.pop((idx, batch), None)
+                log.warning("rewriter: layer %d keeps the stock forward: %s", idx, reason)
+                break
+    agree_across_ranks(programs, [getattr(m, "layer_idx", i) for i, m in enumerate(vllm_layers)], group)
 
 
 def agree_across_ranks(programs: ProgramSet, layer_ids: list[int], group: Any) -> None:

@@ -13,39 +13,7 @@ import torch
 from torch import nn
 
 from rewriter.vllm.programs import ProgramSet
-
-
-def layer_name(attention: nn.Module) -> str | None:
-    return getattr(attention, "prefix", None) or getattr(attention, "layer_name", None)
-
-
-def kda_state(attention: nn.Module, metadata: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
-    """(conv_state [slots, C, K-1], recurrent_state [slots, H, V, K], state_indices [B]) from vLLM."""
-    conv, recurrent = attention.kv_cache[:2]
-    if conv.shape[-1] != attention.conv_size - 1:  # vLLM may keep the conv state width-major
-        conv = conv.transpose(-1, -2)
-    indices = metadata.non_spec_state_indices_tensor
-    if indices is None:
-        raise ValueError(f"{layer_name(attention)}: KDA metadata has no decode state indices")
-    return conv, recurrent, indices[:num_tokens]
-
-
-def mla_state(attention: nn.Module, metadata: Any, slot_mapping: torch.Tensor, num_tokens: int
-              ) -> tuple[torch.Tensor, ...]:
-    """(kv_cache [blocks, block_size, 576], block_table, seq_lens, slot_mapping) from vLLM."""
-    decode = metadata.decode
-    if decode is None:
-        raise ValueError(f"{layer_name(attention)}: MLA metadata has no decode part")
-    return attention.kv_cache, decode.block_table, decode.seq_lens, slot_mapping[:num_tokens]
-
-
-def state_inputs(vllm_layer: nn.Module, context: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
-    attention = vllm_layer.self_attn
-    name = layer_name(attention)
-    metadata = context.attn_metadata[name]
-    if hasattr(metadata, "non_spec_state_indices_tensor"):
-        return kda_state(attention, metadata, num_tokens)
-    return mla_state(attention, metadata, context.slot_mapping[name], num_tokens)
+from rewriter.vllm.state import state_inputs
 
 
 def run_layers(layers: list[nn.Module], programs: ProgramSet, positions: torch.Tensor, embeddings: torch.Tensor,

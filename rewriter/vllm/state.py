@@ -1,0 +1,55 @@
+"""Read vLLM's KV cache, KDA state and decode metadata as the reference layers' inputs.
+
+Views only, never copies: the programs update vLLM's own state in place, as its kernels do.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def layer_name(attention: nn.Module) -> str | None:
+    return getattr(attention, "prefix", None) or getattr(attention, "layer_name", None)
+
+
+def cache_tensors(vllm_layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's KV cache / KDA state as vLLM bound it, as views under the names of the
+    reference layer's inputs: KDA ``conv_state`` [slots, C, K-1] (a transposed view when vLLM
+    keeps it width-major, its default) and ``recurrent_state`` [slots, H, V, K]; MLA
+    ``kv_cache`` [blocks, block_size, 576]. Slots are vLLM's pages: not contiguous across slots."""
+    attention = vllm_layer.self_attn
+    if hasattr(attention, "conv_size"):
+        conv, recurrent = attention.kv_cache[:2]
+        if conv.shape[-1] != attention.conv_size - 1:  # vLLM may keep the conv state width-major
+            conv = conv.transpose(-1, -2)
+        return {"conv_state": conv, "recurrent_state": recurrent}
+    return {"kv_cache": attention.kv_cache}
+
+
+def kda_state(vllm_layer: nn.Module, metadata: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
+    """(conv_state, recurrent_state, state_indices [B]) from vLLM's state and metadata."""
+    indices = metadata.non_spec_state_indices_tensor
+    if indices is None:
+        raise ValueError(f"{layer_name(vllm_layer.self_attn)}: KDA metadata has no decode state indices")
+    caches = cache_tensors(vllm_layer)
+    return caches["conv_state"], caches["recurrent_state"], indices[:num_tokens]
+
+
+def mla_state(vllm_layer: nn.Module, metadata: Any, slot_mapping: torch.Tensor, num_tokens: int
+              ) -> tuple[torch.Tensor, ...]:
+    """(kv_cache, block_table, seq_lens, slot_mapping) from vLLM's cache and metadata."""
+    decode = metadata.decode
+    if decode is None:
+        raise ValueError(f"{layer_name(vllm_layer.self_attn)}: MLA metadata has no decode part")
+    return cache_tensors(vllm_layer)["kv_cache"], decode.block_table, decode.seq_lens, slot_mapping[:num_tokens]
+
+
+def state_inputs(vllm_layer: nn.Module, context: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
+    attention = vllm_layer.self_attn
+    name = layer_name(attention)
+    metadata = context.attn_metadata[name]
+    if hasattr(metadata, "non_spec_state_indices_tensor"):
+        return kda_state(vllm_layer, metadata, num_tokens)
+    return mla_state(vllm_layer, metadata, context.slot_mapping[name], num_tokens)
