@@ -2,8 +2,10 @@
 
 These are the ops that touch decode state or other GPUs, and the MXFP4 expert
 dequantization: the all-reduce, the KDA short-conv and recurrent decode steps, the MLA
-latent-cache insert and decode attention, the dequantization of selected expert rows. Keeping them opaque makes the traced graph show exactly where state is
-read and written, and lets kernels register as their CUDA implementation later.
+latent-cache insert and decode attention, the dequantization of selected expert rows.
+Keeping them opaque makes the traced graph show exactly where state is read and written
+(and keeps the dequantization one node), and lets kernels register as their CUDA
+implementation later.
 Each has a CPU reference implementation (plain, loop-based where that makes the math
 obvious) and a fake implementation, so graphs trace on meta tensors with no memory.
 

@@ -194,9 +194,9 @@ MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
     """(cluster, warps per tile) of ``expert_up_mxfp4``: the longest even run of K blocks per warp
-    up to 14, then the rest of L over a cluster of up to 8 CTAs of up to 2 warps per tile (L =
-    3584: 224 blocks = 8 CTAs x 2 warps x 14; CTAs of 4 warps at 130 registers a thread: three
-    fit an SM)."""
+    up to 14, then the rest of L over a cluster of up to 8 CTAs, each with the fewest warps per
+    tile (1, 2 or 4) that keep the cluster that small (L = 3584: 224 blocks = 8 CTAs x 2 warps x
+    14; CTAs of 4 warps at 130 registers a thread: three fit an SM)."""
     kb = latent // 16
     for per_warp in range(MXFP4_MAX_KB_PER_WARP, 1, -2):
         if kb % per_warp:

@@ -103,11 +103,11 @@ class KimiDecoderLayer(nn.Module):
     def live_fractions(self) -> dict[str, float]:
         """Parameters of which only a share holds real values (the zero-padded expert shards)."""
         moe = getattr(self, "block_sparse_moe", None)
-        if moe is None or moe.experts.routed_experts.live_fraction() == 1.0:
+        live = 1.0 if moe is None else moe.experts.routed_experts.live_fraction()
+        if live == 1.0:
             return {}
-        routed = moe.experts.routed_experts
-        return {f"block_sparse_moe.experts.routed_experts.{name}": routed.live_fraction()
-                for name, _ in routed.named_parameters()}
+        return {f"block_sparse_moe.experts.routed_experts.{name}": live
+                for name, _ in moe.experts.routed_experts.named_parameters()}
 
     def param_shardings(self) -> dict:
         """Sharding of every parameter, by its (vLLM) name (None: made per rank, never cut)."""

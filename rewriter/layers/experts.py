@@ -36,8 +36,6 @@ E2M1_RMS = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5  # of uni
 GROUP = 32  # values per E8M0 scale along K
 LAYOUTS = {"bf16": ("dense",), "mxfp4": ("checkpoint", "humming", "humming_native")}
 HUMMING_TILE_N, HUMMING_TILE_K = 64, 16
-
-
 MAX_KERNEL_SCALE = 128  # E8M0 bytes the kernels' in-register dequant takes: scales up to 2 (codegen/kernels/mxfp4.py)
 
 
@@ -87,21 +85,6 @@ class ExpertFormat:
                                     f"{HUMMING_TILE_K}, got N {n}, K {k}")
         return {"weight": ((experts, k // 16, 2 * n), torch.int32),
                 "weight_scale": ((experts, k // GROUP, n), torch.float8_e8m0fnu)}
-
-    def check(self, name: str, weight: Tensor, scale: Tensor | None, experts: int, n: int, k: int) -> str | None:
-        """Why ``weight`` / ``scale`` are not this format's tensors for ``experts`` x [n, k], or None."""
-        want = self.tensors(experts, n, k)
-        for part, t in (("weight", weight), ("weight_scale", scale)):
-            if part not in want:
-                continue
-            shape, dtype = want[part]
-            label = name if part == "weight" else f"{name}_scale"
-            if t is None:
-                return f"{label} missing ({self.name} experts need it)"
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                return (f"{label} is {tuple(t.shape)} {t.dtype}, {self.name} experts of [{n}, {k}] are "
-                        f"{shape} {dtype}")
-        return None
 
     # ---- values ------------------------------------------------------------------------
     def codes(self, weight: Tensor) -> Tensor:
@@ -162,7 +145,6 @@ def _nibble_axes(native: bool) -> tuple[str, str, str]:
 
 _N_AXES = ("nt", "i3", "i4", "r")
 _K_AXES = ("kb", "i5", "q", "i6")
-_SIZES = {"i3": 4, "i4": 2, "r": 8, "i5": 2, "q": 4, "i6": 2}
 
 
 def _humming_words(codes: Tensor, native: bool) -> Tensor:
@@ -203,12 +185,12 @@ def _humming_scale_to_rows(s: Tensor) -> Tensor:
     return s.reshape(*lead, g, n // 64, 8, 8).transpose(-1, -2).reshape(*lead, g, n).transpose(-1, -2)
 
 
-def random_mxfp4(experts: int, n: int, k: int, *, live_rows: int | None = None, live_k: int | None = None,
+def random_mxfp4(experts: int, n: int, k: int, *, live_rows: int | Tensor | None = None, live_k: int | None = None,
                  generator: torch.Generator | None = None, device: str | torch.device = "cpu",
                  scale_exponent: int = -6) -> tuple[Tensor, Tensor]:
     """Random checkpoint-layout MXFP4 tensors: uniform codes, scale exponents around
     ``scale_exponent`` (+-2, as real weights' are), and zeros (code 0, scale byte 0, as vLLM
-    pads) outside ``live_rows`` rows (a callable mask or a count) and ``live_k`` columns."""
+    pads) outside ``live_rows`` (a boolean row mask, or the first rows' count) and ``live_k`` columns."""
     g = generator
     codes = torch.randint(0, 16, (experts, n, k), generator=g, device=device, dtype=torch.uint8)
     exps = torch.randint(scale_exponent - 2, scale_exponent + 3, (experts, n, k // GROUP), generator=g, device=device)

@@ -55,7 +55,6 @@ class KimiMoE(nn.Module):
             inter = -(-inter // 64) * 64
         self.experts.routed_experts = RoutedExperts(experts, latent, inter, s.expert_intermediate_unpadded,
                                                     inter_full, fmt, dtype)
-        self.experts.shardings = {}
         self.shared_experts = nn.Module()
         shared_full = cfg.moe_intermediate_size * cfg.num_shared_experts
         self.shared_experts.gate_up_proj = Weight((2 * s.shared_intermediate, hidden), dtype,

@@ -1,8 +1,8 @@
 """Build, at server start, one program per decoder layer and batch size, and run them.
 
 For each layer of the loaded vLLM backbone: bind vLLM's parameter tensors to a reference
-layer by name (no copies; routed experts in the format vLLM's MoE backend left them), trace it, rewrite it and compile its kernels for every batch
-size served. A layer whose program cannot be built (a parameter that is not what the
+layer by name (no copies; routed experts in the format vLLM's MoE backend left them), trace
+it, rewrite it and compile its kernels for every batch size served. A layer whose program cannot be built (a parameter that is not what the
 kernels take, a missing kernel, a compile failure) keeps vLLM's stock forward, with the
 reason logged. Then every TP rank adopts the union of all ranks' fallbacks, so all ranks
 take the same path before any program's collective runs.
@@ -143,13 +143,8 @@ class LayerProgram:
         """Why the kernels cannot take these state tensors (shapes, dtypes, strides as vLLM laid
         them out), or None: the graph's values re-derived from them (meta tensors, nothing run)
         and every fused op's template asked again."""
-        graph = self.result.after.gm.graph
-        inputs = []
-        for node in graph.nodes:
-            if node.op != "placeholder":
-                continue
-            inputs.append(states.get(node.name, node.meta["val"]))
-        propagate_meta(self.result.after.gm, inputs)
+        gm = self.result.after.gm
+        propagate_meta(gm, [states.get(n.name, n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"])
         return program_refusal(plan(self.result, arch))
 
 
