@@ -42,8 +42,9 @@ def k3() -> KimiK3Config:
     return KimiK3Config.preset("kimi-k3")
 
 
-def make_layer(cfg, layer_idx, *, tp=1, rank=0, dtype=torch.float32, seed=0):
-    return init_random_(build_layer(cfg, layer_idx, tp=tp, rank=rank, dtype=dtype, device="cpu"), seed=seed)
+def make_layer(cfg, layer_idx, *, tp=1, rank=0, dtype=torch.float32, seed=0, experts="bf16"):
+    return init_random_(build_layer(cfg, layer_idx, tp=tp, rank=rank, dtype=dtype, device="cpu", experts=experts),
+                        seed=seed)
 
 
 def make_inputs(layer, *, batch=3, q=1, context=5, block_size=4, seed=1, dtype=None):

@@ -84,6 +84,29 @@ def test_all_rules_equivalent_bf16(tiny, layer_idx):
     _assert_equivalent(lg, result.after, make_inputs(layer, batch=5, context=5, block_size=4, seed=3), 2e-2)
 
 
+@pytest.mark.parametrize("experts", ["mxfp4", "mxfp4/checkpoint"])
+@pytest.mark.parametrize("layer_idx", [1, 2])
+def test_mxfp4_routed_experts_rule_matches_refuses_and_is_equivalent(tiny, layer_idx, experts):
+    """On MXFP4 experts (Humming's layout, or the checkpoint's) ``routed_experts_mxfp4`` takes the
+    routed experts and the bf16 rule does not; alone and with every rule the rewrite equals the
+    reference (bf16: the MXFP4 reference dequantizes to the activation dtype); past 64 tokens it
+    refuses and the layer stays as it was."""
+    layer = make_layer(tiny, layer_idx, seed=40 + layer_idx, dtype=torch.bfloat16, experts=experts)
+    lg = trace(layer, DecodeShape(batch=3, context=5, block_size=4))
+    inputs = make_inputs(layer, batch=3, context=5, block_size=4, seed=8)
+    alone = rewrite(lg, _only("routed_experts_mxfp4"))
+    assert [m.rule for m in alone.matches] == ["routed_experts_mxfp4"]
+    assert rewrite(lg, _only("routed_experts")).matches == []
+    _assert_equivalent(lg, alone.after, inputs, 2e-2)
+    everything = rewrite(lg)
+    assert "routed_experts_mxfp4" in {m.rule for m in everything.matches}
+    _assert_equivalent(lg, everything.after, inputs, 2e-2)
+    big = trace(layer, DecodeShape(batch=65, context=3, block_size=4))
+    refused = rewrite(big, _only("routed_experts_mxfp4"))
+    assert refused.matches == [] and [(r.rule, r.reason) for r in refused.refusals] == [
+        ("routed_experts_mxfp4", "batch 65 > 64: rules are specialized for decode batches of 1..64 tokens")]
+
+
 def test_input_projection_rules_split_by_batch(tiny):
     layer = make_layer(tiny, 1)
     for batch, rule, refused_reason in ((1, "attn_in_proj.small", None),
