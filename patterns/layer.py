@@ -110,6 +110,6 @@ RULES = [
     Rule("attn_res_norm", "layer", _attn_res_variants, common_guard,
          doc="AttnRes before attention (prefix add, block write, mix) + input_layernorm"),
     Rule("mla_out_gate", "layer", _mla_out_variants, common_guard, doc="W_UV per head + sigmoid output gate"),
-    Rule("dense_mlp", "layer", _dense_variants, common_guard, communicates=True,
-         doc="dense MLP: gate_up, SiTU, down, all-reduce"),
+    Rule("dense_mlp", "layer", _dense_variants, common_guard, communicates=True, launches=2,
+         doc="dense MLP: gate_up + SiTU, down, all-reduce"),
 ]

@@ -13,12 +13,14 @@ Conventions shared with vLLM 0.33.0:
 - decode tokens are laid out request-major: token ``t`` belongs to request
   ``t // q_len``; ``q_len`` (tokens per request, 1 for plain decode) is
   ``num_tokens // num_requests``;
-- a negative state index or slot is a padding row: no state is read or written and
-  its output is zero.
+- a KDA state index <= 0 is a padding row (vLLM pads with 0, its null block, and its
+  KDA kernels skip index <= 0): no state is read or written and its output is zero; a
+  negative MLA cache slot is a padding token (vLLM's PAD_SLOT_ID, -1): nothing is written.
 
 On CUDA the KDA steps run batched (``_conv_update_batched``, ``_recurrent_step_batched``:
 gathers and ``index_copy_``, no host sync), so the reference layer can be captured in a
-CUDA graph and compiled; they treat a padding row as vLLM's null block, slot 0.
+CUDA graph and compiled; a padding row reads slot 0 (vLLM's null block) and writes it back
+unchanged.
 
 ``collectives_excluded()`` lets one GPU run a TP > 1 rank's graph for timing: the
 all-reduce becomes a copy and the gather repeats the local share (shapes right, values not).
@@ -125,7 +127,7 @@ def kda_conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices
     out = torch.zeros_like(x)
     w = weight.float()
     for b, slot in enumerate(state_indices.tolist()):
-        if slot < 0:
+        if slot <= 0:
             continue
         window = conv_state[slot].float()  # [C, K-1]
         for j in range(q_len):
@@ -144,15 +146,15 @@ def _(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> T
 
 
 def _slots(state_indices: Tensor) -> tuple[Tensor, Tensor]:
-    """(slot per request with padding rows sent to slot 0, mask of real rows)."""
-    valid = state_indices >= 0
+    """(slot per request with padding rows sent to slot 0, mask of real rows: index > 0)."""
+    valid = state_indices > 0
     return torch.where(valid, state_indices, 0).long(), valid
 
 
 @kda_conv_update.register_kernel("cuda")
 def _conv_update_batched(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> Tensor:
     """``kda_conv_update`` for all requests at once (no host sync); padding rows write slot 0's
-    own values back, so slot 0 must belong to no request (vLLM's null block)."""
+    own values back (vLLM's null block, which belongs to no request)."""
     batch = state_indices.shape[0]
     q_len = _tokens_per_request(x.shape[0], batch, "k3::kda_conv_update")
     slots, valid = _slots(state_indices)
@@ -185,7 +187,7 @@ def kda_recurrent_step(
     q_len = _tokens_per_request(num_tokens, state_indices.shape[0], "k3::kda_recurrent_step")
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     for b, slot in enumerate(state_indices.tolist()):
-        if slot < 0:
+        if slot <= 0:
             continue
         s = state[slot].float()  # [H, V, K]
         for j in range(q_len):

@@ -7,6 +7,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ARCHES = ("sm_90a", "sm_100a", "sm_103a")
+CONV_LAYOUTS = ("SD", "DS")  # vLLM's VLLM_SSM_CONV_STATE_LAYOUT: per slot [3, dim] (its default) or [dim, 3]
 
 
 class ShapeError(ValueError):
@@ -19,7 +20,9 @@ class DecodeShape:
 
     ``context`` is the number of tokens each request already holds in the MLA latent
     cache before this step and ``block_size`` the cache's page size; both only set
-    cache sizes and the bytes an attention step reads.
+    cache sizes and the bytes an attention step reads. ``conv_layout`` is how vLLM keeps
+    each KDA slot's conv state (``SD``: [3, dim], its default; ``DS``: [dim, 3]): the
+    kernels read it in place, so it is part of what they are compiled for.
     """
 
     batch: int
@@ -30,6 +33,7 @@ class DecodeShape:
     q: int = 1
     context: int = 4096
     block_size: int = 64
+    conv_layout: str = "SD"
 
     def __post_init__(self) -> None:
         for name in ("batch", "tp", "q", "block_size"):
@@ -42,6 +46,9 @@ class DecodeShape:
             raise ShapeError(f"DecodeShape.context must be an int >= 0, got {self.context!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ShapeError(f"DecodeShape.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.conv_layout not in CONV_LAYOUTS:
+            raise ShapeError(f"DecodeShape.conv_layout must be one of {', '.join(CONV_LAYOUTS)}, "
+                             f"got {self.conv_layout!r}")
         if self.arch not in ARCHES:
             raise ShapeError(f"DecodeShape.arch must be one of {', '.join(ARCHES)}, got {self.arch!r}")
 

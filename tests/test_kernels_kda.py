@@ -17,6 +17,7 @@ import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
 from codegen import bind
 from codegen.cache import KernelCache
 from codegen.templates import spec_for_call, template
+from rewriter.layers.state import kda_state_pages
 
 ARCHS = ("sm_90a", "sm_100a")
 D = 128
@@ -30,14 +31,17 @@ def meta(*shape, dtype=torch.bfloat16):
 
 
 def kda_args(heads=6, requests=1, q=1, slots=8, head_dim=D, width=4, lower_bound=LB, tokens=None,
-             dtypes=None, make=meta):
-    """The 16 arguments of ``k3f::kda_core`` (meta tensors unless ``make`` says otherwise)."""
+             dtypes=None, make=meta, layout="SD"):
+    """The 16 arguments of ``k3f::kda_core`` (meta tensors unless ``make`` says otherwise), the
+    states in vLLM's pages (``layout``: SD or DS; None: contiguous tensors)."""
     p, t = heads * head_dim, requests * q if tokens is None else tokens
     dt = {"act": torch.bfloat16, "idx": torch.int32, **(dtypes or {})}
+    conv, state = make(slots, 3 * p, width - 1), make(slots, heads, head_dim, head_dim, dtype=torch.float32)
+    if layout:
+        conv, state = kda_state_pages(conv, state, layout)
     return (make(t, 3 * p, dtype=dt["act"]), make(t, p), make(t, head_dim), make(t, heads), make(p, head_dim),
             make(3 * p, 1, width, dtype=torch.float32), make(heads, dtype=torch.float32),
-            make(p, dtype=torch.float32), make(head_dim), make(slots, 3 * p, width - 1),
-            make(slots, heads, head_dim, head_dim, dtype=torch.float32), make(requests, dtype=dt["idx"]),
+            make(p, dtype=torch.float32), make(head_dim), conv, state, make(requests, dtype=dt["idx"]),
             heads, head_dim, lower_bound, EPS)
 
 
@@ -56,20 +60,25 @@ def test_specs_at_kimi_k3_shapes(shape):
     spec = kda_spec("sm_90a", kda_args(heads=h))
     assert spec.kernel == "kda_core" and spec.op == "k3f::kda_core"
     assert spec.shape_dict == {"heads": h, "head_dim": D, "q_len": 1}
-    assert spec.param_dict == {"lower_bound": LB, "eps": EPS}
-    assert spec.label() == f"kda_core head_dim=128 heads={h} q_len=1 lower_bound=-5.0 sm_90a"
+    assert spec.param_dict == {"lower_bound": LB, "eps": EPS, "conv_layout": "SD"}
+    assert spec.label() == f"kda_core head_dim=128 heads={h} q_len=1 conv_layout=SD lower_bound=-5.0 sm_90a"
     # requests and slots are runtime sizes: one compile serves every batch of q = 1
     assert kda_spec("sm_90a", kda_args(heads=h, requests=64, slots=300)) == spec
     assert kda_spec("sm_100a", kda_args(heads=h)) == spec.with_arch("sm_100a")
     two = kda_spec("sm_90a", kda_args(heads=h, requests=3, q=2))
     assert two.shape_dict["q_len"] == 2 and two != spec
     assert kda_spec("sm_90a", kda_args(heads=h, lower_bound=None)).param_dict["lower_bound"] is None
+    # the conv layout is compiled in; the page stride is not (contiguous states are pages too)
+    ds = kda_spec("sm_90a", kda_args(heads=h, layout="DS"))
+    assert ds.param_dict["conv_layout"] == "DS" and ds != spec
+    assert kda_spec("sm_90a", kda_args(heads=h, layout=None)) == ds
     assert template("kda_core").ops == ("k3f::kda_core",)
 
 
-def _noncontiguous_conv_state():
+def _strided_state(i, view):
+    """kda_args with state ``i`` (9: conv, 10: recurrent) replaced by ``view`` of a bigger buffer."""
     args = list(kda_args())
-    args[9] = meta(8, 3, 3 * 768).transpose(1, 2)
+    args[i] = view
     return tuple(args)
 
 
@@ -83,14 +92,15 @@ def _replace(i, value, **kw):
     (kda_args(heads=8, head_dim=16), "head_dim 16: the kernel is built for 128"),  # the tiny preset
     (kda_args(dtypes={"act": torch.float32}), "mixed_qkv is fp32; the template is bf16 only"),
     (kda_args(dtypes={"idx": torch.int64}), "state_indices is int64; the template is int32 only"),
-    (_noncontiguous_conv_state(), "conv_state is not contiguous"),
+    (_strided_state(9, meta(8, 3 * 768, 6)[:, :, ::2]), "a slot must hold its [3, 3P] (SD) or [3P, 3] (DS)"),
+    (_strided_state(9, meta(8, 3 * 768 * 3 + 4)[:, 4:].unflatten(1, (3 * 768, 3))), "multiples of 8 and 4"),
+    (_strided_state(10, meta(8, 6, 128, 256, dtype=torch.float32)[..., :128]), "a slot must hold [H, V, K]"),
     (kda_args(width=3), "conv width 3: the kernel takes 4"),
     (kda_args(requests=3, tokens=4), "4 tokens do not split evenly over 3 requests"),
     (kda_args(requests=2, q=9), "9 tokens per request outside 1..8"),
     (_replace(4, meta(768, 64)), "f_b_weight must be [768, 128]"),
     (_replace(10, meta(8, 6, 128, 64, dtype=torch.float32)), "recurrent_state must be [8, 6, 128, 128]"),
     (_replace(6, meta(6)), "a_log is bf16; the template is fp32 only"),
-    (kda_args(slots=30000), "32-bit offsets"),
 ])
 def test_refusals_say_why(args, reason):
     tpl, why = spec_for_call("k3f::kda_core", "sm_90a", args)
@@ -166,7 +176,8 @@ def test_kda_core_ptx(compiled, key):
         assert _count(ptx, "ex2.approx") == 10 + 10 * q
     else:
         assert len(re.findall(r"setp.gt.f32\s+%p\d+, %r\d+, 0f41A00000;", ptx)) == q  # softplus: x > 20
-    assert _count(ptx, "ld.global.b16") == 1 and _count(ptx, "ld.global.b32") == 3  # beta; slot, A_log, dt_bias
+    assert _count(ptx, "ld.global.b16") == 1  # beta
+    assert _count(ptx, "ld.global.s32") + _count(ptx, "ld.global.b32") == 3  # slot, A_log, dt_bias
     assert "st.global.b16" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
 
 
@@ -181,28 +192,36 @@ TOL = 1e-2  # bf16 outputs
 STATE_TOL = 1e-3  # the fp32 recurrent state
 
 
-def kda_inputs(heads, requests, q, gen, lower_bound=LB, skip=()):
+def kda_inputs(heads, requests, q, gen, lower_bound=LB, skip=(), layout="SD"):
     """CPU inputs with realistic magnitudes (gates away from saturation), ``requests`` random
-    distinct slots out of ``requests + 3`` (``skip``: requests given slot -1), every slot no
-    request uses filled with NaN (the kernel must neither read nor write it)."""
-    p, t, slots = heads * D, requests * q, requests + 3
+    distinct slots out of 1 .. ``requests + 3`` (``skip``: padding requests, given slot 0 as
+    vLLM does, or -1), the states in vLLM's pages (``layout``), every slot no request uses
+    (the null block 0 included) filled with NaN (the kernel must neither read nor write it)."""
+    p, t, slots = heads * D, requests * q, requests + 4
 
     def rnd(*shape, scale=1.0, shift=0.0, dtype=torch.bfloat16):
         return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
 
-    idx = torch.randperm(slots, generator=gen)[:requests].to(torch.int32)
-    for r in skip:
-        idx[r] = -1
-    conv_state = rnd(slots, 3 * p, 3)
-    state = rnd(slots, heads, D, D, scale=0.1, dtype=torch.float32)
+    idx = (torch.randperm(slots - 1, generator=gen)[:requests] + 1).to(torch.int32)
+    for n, r in enumerate(skip):
+        idx[r] = -(n % 2)  # 0, vLLM's padding, then -1
+    conv_state, state = kda_state_pages(rnd(slots, 3 * p, 3), rnd(slots, heads, D, D, scale=0.1, dtype=torch.float32),
+                                        layout)
     unused = torch.ones(slots, dtype=torch.bool)
-    unused[idx[idx >= 0].long()] = False
+    unused[idx[idx > 0].long()] = False
     conv_state[unused] = float("nan")
     state[unused] = float("nan")
     return (rnd(t, 3 * p), rnd(t, p), rnd(t, D), rnd(t, heads), rnd(p, D, scale=0.05),
             rnd(3 * p, 1, 4, scale=0.3, dtype=torch.float32), rnd(heads, scale=0.2, dtype=torch.float32),
             rnd(p, scale=0.5, shift=-3.0, dtype=torch.float32), rnd(D, scale=0.1, shift=1.0), conv_state, state, idx,
             heads, D, lower_bound, EPS), unused
+
+
+def to_gpu(cpu, layout):
+    """The inputs on the GPU, the states in vLLM's pages there too (``.cuda()`` would compact them)."""
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+    gpu[9], gpu[10] = kda_state_pages(gpu[9], gpu[10], layout)
+    return gpu
 
 
 def reference(cpu):
@@ -218,7 +237,7 @@ def check(out, conv_state, state, ref, unused, idx, q):
     used = ~unused
     assert out.shape == ref_out.shape and torch.isfinite(out).all()
     assert rel_err(out, ref_out) <= TOL
-    skipped = (idx < 0).repeat_interleave(q)
+    skipped = (idx <= 0).repeat_interleave(q)
     assert (out.cpu()[skipped] == 0).all()  # a request without a slot: rows of 0
     conv_state, state = conv_state.cpu(), state.cpu()
     assert torch.equal(conv_state[used], ref_conv[used])  # the last 3 inputs, bf16: exact
@@ -229,24 +248,27 @@ def check(out, conv_state, state, ref, unused, idx, q):
 class TestKdaCoreOnGpu:
     pytestmark = GPU_MARKS
 
-    @pytest.mark.parametrize("requests,q,skip,lower_bound", [
-        (1, 1, (), LB),
-        (5, 1, (3,), LB),  # a padding request (slot -1) in the middle
-        (64, 1, (), LB),
-        (3, 2, (0,), LB),
-        (4, 4, (), LB),
-        (2, 8, (), LB),
-        (4, 1, (), None),  # the unbounded (softplus) decay
+    @pytest.mark.parametrize("requests,q,skip,lower_bound,layout", [
+        (1, 1, (), LB, "SD"),
+        (5, 1, (3, 1), LB, "SD"),  # padding requests (slot 0, vLLM's, and -1) in the middle
+        (64, 1, (), LB, "SD"),
+        (3, 2, (0,), LB, "SD"),
+        (4, 4, (), LB, "SD"),
+        (2, 8, (), LB, "SD"),
+        (4, 1, (), None, "SD"),  # the unbounded (softplus) decay
+        (5, 1, (2,), LB, "DS"),  # vLLM told VLLM_SSM_CONV_STATE_LAYOUT=DS
+        (3, 4, (), LB, "DS"),
     ])
     @pytest.mark.parametrize("shape", list(HEADS))
-    def test_kda_core(self, shape, requests, q, skip, lower_bound):
+    def test_kda_core(self, shape, requests, q, skip, lower_bound, layout):
         from codegen.compiler import compile_kernel
 
         heads = HEADS[shape]
         gen = torch.Generator().manual_seed(1000 * heads + 10 * requests + q)
-        cpu, unused = kda_inputs(heads, requests, q, gen, lower_bound, skip)
+        cpu, unused = kda_inputs(heads, requests, q, gen, lower_bound, skip, layout)
         ref = reference(cpu)
-        gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+        gpu = to_gpu(cpu, layout)
+        assert gpu[9].stride(0) > gpu[9][0].numel()  # page-strided on the GPU too
         tpl, specs = spec_for_call("k3f::kda_core", gpu_arch(), gpu)
         assert tpl is not None, specs
         assert tpl.runtime_check(gpu) is None
@@ -261,7 +283,7 @@ class TestKdaCoreOnGpu:
         gen = torch.Generator().manual_seed(11)
         cpu, unused = kda_inputs(HEADS["tp16"], 4, 1, gen, skip=(2,))
         ref = reference(cpu)
-        gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+        gpu = to_gpu(cpu, "SD")
         conv0, state0 = gpu[9].clone(), gpu[10].clone()
         before = bind.stats().get("k3f::kda_core", {}).get("kernel", 0)
         out = torch.ops.k3f.kda_core(*gpu)  # compiles and loads outside the capture

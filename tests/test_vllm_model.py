@@ -272,6 +272,44 @@ def test_decode_step_matches_the_reference_layers(served):
             assert torch.equal(now[0][blocks][keep[blocks]], was[0][blocks][keep[blocks]]), layer.layer_idx
 
 
+def test_a_step_padded_as_for_a_full_cuda_graph_leaves_the_real_rows_and_the_null_block_alone(bf16):
+    """vLLM pads a FULL-graph step with requests whose KDA state index is 0 (its null block), MLA
+    length 0 and slot -1 (its builders, read back here): the programs for the padded batch give the
+    real requests what the unpadded step gives them, and write no cache entry of the null block
+    or of any block no real request holds."""
+    from vllm_model import prepare_decode
+
+    padded = prepare_decode(bf16.runner, padded_to=B + 2)
+    for layer in bf16.layers:
+        m = padded.attn_metadata[layer_name(layer.self_attn)]
+        if _is_kda(layer):
+            assert m.non_spec_state_indices_tensor[B:B + 2].tolist() == [0, 0]
+        else:
+            assert m.decode.seq_lens[B:].tolist() == [0, 0]
+            assert padded.slot_mapping[layer_name(layer.self_attn)][B:].tolist() == [-1, -1]
+    programs = build_programs(bf16.layers, bf16.cfg, tp=1, rank=0, arch=ARCH, batches=(B + 2,),
+                              compile_fn=_no_compile, progress=_quiet)
+    _fill_caches(bf16, seed=12)
+    before = _snapshot(bf16)
+    x = _embeddings(seed=5)
+    pad = torch.randn(2, x.shape[1], generator=torch.Generator().manual_seed(6)).to(x.dtype)
+    with decode_context(bf16.vllm_config, padded) as context:
+        got = run_layers(bf16.layers, programs, padded.positions_padded, torch.cat([x, pad]),
+                         bf16.num_attn_res_blocks, context)
+    after_padded = _snapshot(bf16)
+    _restore(bf16, before)
+    with decode_context(bf16.vllm_config, bf16.batch) as context:
+        want = run_layers(bf16.layers, bf16.programs, bf16.batch.positions, x.clone(), bf16.num_attn_res_blocks,
+                          context)
+    after = _snapshot(bf16)
+    for name, a, b in (("hidden", got[0][:B], want[0]), ("prefix sum", got[1][:B], want[1])):
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+    for layer, was, now, unpadded in zip(bf16.layers, before, after_padded, after):
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(now, was)), layer.layer_idx  # the null block
+        # entries no step wrote may hold anything, NaN included: compare where both are numbers
+        assert all(rel_err(a.nan_to_num(), b.nan_to_num()) < TOL for a, b in zip(now, unpadded)), layer.layer_idx
+
+
 def test_caches_are_vllms_layout_as_allocated(bf16):
     """vLLM's default conv state layout "SD": [slots, 3, dim] per slot, slots a page apart; the
     state readers hand the reference views of it, never copies."""
@@ -495,11 +533,12 @@ def test_tp_ranks_reach_the_same_decisions(tmp_path):
 
 
 # ---- the kernels asked about vLLM's state layout, before any step ------------------------------
-def test_a_state_layout_the_kernels_cannot_read_is_refused_when_vllm_binds_it():
-    """At the smallest sizes the KDA+MoE templates take, vLLM's real model with bf16 experts: the
-    KDA programs are fine on the layouts they were traced with, and once vLLM's caches are bound
-    (page-strided slots, the conv state width-major: "SD") the check at binding keeps those layers
-    on the stock forward, naming the state and its strides: never the reference in a served step."""
+def test_vllms_state_layout_is_taken_and_one_the_kernels_cannot_read_is_refused_when_bound():
+    """At the smallest sizes the KDA+MoE templates take, vLLM's real model with bf16 experts: once
+    vLLM's CPU runner binds its caches (page-strided slots, the conv state "SD", its default) the
+    KDA programs built for that layout keep their kernels; programs built for "DS" are refused
+    (their kernels would compile inside a step), and so is a state no kernel reads (a strided
+    channel), each naming why: never the reference in a served step."""
     from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     from rewriter.vllm.programs import check_cache_layouts
@@ -507,19 +546,33 @@ def test_a_state_layout_the_kernels_cannot_read_is_refused_when_vllm_binds_it():
 
     model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
     layers, cfg = decoder_layers(model), text_config(vc)
-    programs = build_programs(layers, cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=_no_compile,
-                              progress=_quiet)
-    assert not programs.fallbacks
-    kda = [i for i, layer in enumerate(layers) if cfg.layer_kind(layer.layer_idx) == "kda"]
-    traced = {n.name: n.meta["val"] for n in programs.get(kda[0], B).result.after.graph.nodes if n.op == "placeholder"}
-    assert programs.get(kda[0], B).state_refusal(traced, ARCH) is None  # the kernels take the traced layout
+    kda = [layer for layer in layers if cfg.layer_kind(layer.layer_idx) == "kda"]
+
+    def programs(layout="SD"):
+        return build_programs(layers, cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=_no_compile,
+                              progress=_quiet, conv_layout=layout)
+
+    sd, ds = programs("SD"), programs("DS")
+    assert not sd.fallbacks and not ds.fallbacks
     bind_caches(model, vc)
-    conv = cache_tensors(layers[kda[0]])["conv_state"]
-    assert not conv.is_contiguous()  # vLLM's own layout, as bound
-    check_cache_layouts(programs, layers, ARCH)
-    for i in kda:
-        reason = programs.fallbacks[layers[i].layer_idx]
-        assert reason.startswith("the state as vLLM lays it out: refused by the kda_core template: conv_state is "
-                                 f"not contiguous (strides {tuple(conv.stride())})"), reason
-        assert programs.get(layers[i].layer_idx, B) is None
-    assert "no CuTe DSL template yet for dense_mlp" in programs.fallbacks[0]
+    conv = cache_tensors(kda[0])["conv_state"]
+    assert conv.stride(0) > conv[0].numel() and conv.stride(1) == 1  # vLLM's own pages, SD
+    check_cache_layouts(sd, layers, ARCH)
+    assert all(sd.get(layer.layer_idx, B) is not None for layer in kda), sd.fallbacks
+    check_cache_layouts(ds, layers, ARCH)
+    for layer in kda:
+        reason = ds.fallbacks[layer.layer_idx]
+        assert reason.startswith("the state as vLLM lays it out: it needs kernels not built for the traced layout: "
+                                 "kda_core"), reason
+        assert "conv_layout=SD" in reason and ds.get(layer.layer_idx, B) is None
+
+    raw, recurrent = kda[0].self_attn.kv_cache[:2]
+    wide = torch.empty(raw.shape[0], raw.shape[1], 2 * raw.shape[2], dtype=raw.dtype)
+    kda[0].self_attn.kv_cache = [wide[..., ::2], recurrent]  # every other channel: no kernel reads that
+    fresh = programs()
+    check_cache_layouts(fresh, layers, ARCH)
+    reason = fresh.fallbacks[kda[0].layer_idx]
+    assert reason.startswith("the state as vLLM lays it out: refused by the kda_core template: conv_state strides"), \
+        reason
+    assert all(fresh.get(layer.layer_idx, B) is not None for layer in kda[1:])
+    assert 0 not in fresh.fallbacks  # the dense layer too

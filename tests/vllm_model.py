@@ -305,6 +305,7 @@ class DecodeBatch:
     block_ids: list[list[list[int]]]  # [cache group][request] -> block ids
     attn_metadata: dict[str, Any]  # layer name -> metadata (vLLM's builders)
     slot_mapping: dict[str, torch.Tensor]  # layer name -> slots (what set_forward_context gets)
+    padded_tokens: int  # the step's tokens with the padding rows of a FULL CUDA graph
 
     @property
     def num_tokens(self) -> int:
@@ -314,15 +315,24 @@ class DecodeBatch:
     def positions(self) -> torch.Tensor:
         return torch.tensor(self.seq_lens, dtype=torch.int64) - 1
 
+    @property
+    def positions_padded(self) -> torch.Tensor:
+        """Positions of the padded step (0 for the padding rows, as vLLM leaves them)."""
+        return torch.cat([self.positions, self.positions.new_zeros(self.padded_tokens - self.num_tokens)])
 
-def prepare_decode(runner: Any, seq_lens: tuple[int, ...] = SEQ_LENS, seed: int = 0) -> DecodeBatch:
+
+def prepare_decode(runner: Any, seq_lens: tuple[int, ...] = SEQ_LENS, seed: int = 0,
+                   padded_to: int | None = None) -> DecodeBatch:
     """Fill the runner's persistent input buffers for a decode step (as ``_prepare_inputs`` does),
     with shuffled block ids drawn without replacement from the one pool every cache group shares,
-    then vLLM's ``_get_slot_mappings`` and ``_build_attention_metadata`` (its real builders)."""
+    then vLLM's ``_get_slot_mappings`` and ``_build_attention_metadata`` (its real builders).
+    ``padded_to``: the step padded to that many requests of one token, as for a FULL CUDA graph
+    (vLLM's builders give the padding rows the null block and its slot mapping PAD_SLOT_ID)."""
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import MambaSpec
 
     B = len(seq_lens)
+    P = padded_to or B
     pool = (torch.randperm(runner.kv_cache_config.num_blocks - 1, generator=torch.Generator().manual_seed(seed))
             + 1).tolist()
     block_ids = []
@@ -339,12 +349,12 @@ def prepare_decode(runner: Any, seq_lens: tuple[int, ...] = SEQ_LENS, seed: int 
     batch.num_computed_tokens_cpu_tensor[:B] = lens - 1
     batch.num_prompt_tokens_cpu_tensor[:B] = 1
     runner.query_start_loc.np[0] = 0
-    runner.query_start_loc.np[1:B + 1] = range(1, B + 1)
-    runner.query_start_loc.np[B + 1:] = B
+    runner.query_start_loc.np[1:P + 1] = range(1, P + 1)
+    runner.query_start_loc.np[P + 1:] = P
     runner.query_start_loc.copy_to_gpu()
     runner.optimistic_seq_lens_cpu[:B], runner.optimistic_seq_lens_cpu[B:] = lens, 0
     runner.seq_lens[:B], runner.seq_lens[B:] = lens, 0
-    runner.positions[:B] = (lens - 1).to(torch.int64)
+    runner.positions[:B], runner.positions[B:P] = (lens - 1).to(torch.int64), 0
     for gid in range(len(block_ids)):
         table = batch.block_table[gid]
         if table.slot_mapping_mode.name == "TOKEN_TO_KV_SLOT":
@@ -353,10 +363,10 @@ def prepare_decode(runner: Any, seq_lens: tuple[int, ...] = SEQ_LENS, seed: int 
             blocks = table.block_table.gpu[torch.arange(B), pos // table.block_size].to(torch.int64)
             table.slot_mapping.gpu[:B] = blocks * table.block_size + pos % table.block_size
     with set_current_vllm_config(runner.vllm_config):
-        by_group, by_layer = runner._get_slot_mappings(num_tokens_padded=B, num_reqs_padded=B, num_tokens_unpadded=B)
+        by_group, by_layer = runner._get_slot_mappings(num_tokens_padded=P, num_reqs_padded=P, num_tokens_unpadded=B)
         metadata, _ = runner._build_attention_metadata(num_tokens=B, num_reqs=B, max_query_len=1,
-                                                       slot_mappings=by_group)
-    return DecodeBatch(tuple(seq_lens), block_ids, metadata, by_layer)
+                                                       num_tokens_padded=P, num_reqs_padded=P, slot_mappings=by_group)
+    return DecodeBatch(tuple(seq_lens), block_ids, metadata, by_layer, P)
 
 
 @contextlib.contextmanager
@@ -367,6 +377,6 @@ def decode_context(vc: VllmConfig, batch: DecodeBatch, mode: Any = None) -> Iter
     from vllm.forward_context import get_forward_context, set_forward_context
 
     with torch.inference_mode(), set_current_vllm_config(vc), set_forward_context(
-            batch.attn_metadata, vc, num_tokens=batch.num_tokens, slot_mapping=batch.slot_mapping,
+            batch.attn_metadata, vc, num_tokens=batch.padded_tokens, slot_mapping=batch.slot_mapping,
             cudagraph_runtime_mode=CUDAGraphMode.NONE if mode is None else mode):
         yield get_forward_context()

@@ -13,8 +13,14 @@ in order (D = 128 channels per head, P = H * D):
     S      = S * exp(g)  (per K column);  S += sigmoid(beta[t, h]) * (v - S k) k^T;  o = bf16(S q)
     out[t] = bf16(o * rsqrt(mean(o^2) + eps) * norm_weight * sigmoid(g_out[t]))
 
-``S`` is ``recurrent_state[s, h]``, fp32 [V = D, K = D], updated in place. A request with a
-negative slot reads and writes no state and its output rows are 0.
+``S`` is ``recurrent_state[s, h]``, fp32 [V = D, K = D], updated in place. A request whose
+slot is <= 0 (vLLM's padding rows, slot 0 its null block) reads and writes no state and its
+output rows are 0.
+
+The states are read where vLLM keeps them: one page per slot, so the slot stride of both is
+a runtime value (the page, 64-bit offsets); within a slot the recurrent state is
+[H, V, K] contiguous and the conv state [3, 3P] (``SD``, vLLM's default: tap-major) or
+[3P, 3] (``DS``), a compile-time choice.
 
 Work split: grid (B, H), 512 threads, launched with programmatic dependent launch (PDL).
 Before ``griddepcontrol.wait`` a CTA loads only weights, which no kernel writes: the conv
@@ -30,7 +36,8 @@ with ``vector % 4 == i % 4``: a warp reads 8 rows x 64 contiguous bytes per load
   a 4-lane butterfly (the row's 4 threads all hold g1 then), and exp(g) goes to shared
   memory;
 - the conv: 48 threads of 8 channels each (16 per q, k, v): the fp32 conv taps (8 streamed
-  128-bit loads, before the wait), the conv state (3 x 128-bit, bf16) and x in 128-bit
+  128-bit loads, before the wait), the conv state (3 x 128-bit, bf16: one per tap in SD, the
+  8 channels' 24 contiguous values in DS) and x in 128-bit
   loads, the tokens in order, the new conv state written back as 3 x 128-bit stores; q and
   k (warp 0, 16 lanes each) get their L2 norms from a 16-lane butterfly; q, k, v go to
   shared memory (fp32);
@@ -66,9 +73,10 @@ QK_EPS = 1e-6  # rewriter.layers.common.l2_normalize
 
 class KdaCore:
     """Compile-time configuration: heads H, tokens per request q, the decay's lower bound
-    (None: the softplus form), the gated norm's eps. head_dim is 128, conv width 4."""
+    (None: the softplus form), the gated norm's eps, the conv state's layout in a slot
+    (``SD`` or ``DS``). head_dim is 128, conv width 4."""
 
-    def __init__(self, heads: int, q_len: int, lower_bound: float | None, eps: float):
+    def __init__(self, heads: int, q_len: int, lower_bound: float | None, eps: float, conv_layout: str = "SD"):
         if heads < 1:
             raise ValueError(f"heads {heads} must be >= 1")
         if not 1 <= q_len <= MAX_Q:
@@ -78,6 +86,9 @@ class KdaCore:
         self.q_len = q_len
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.eps = float(eps)
+        if conv_layout not in ("SD", "DS"):
+            raise ValueError(f"conv_layout {conv_layout!r}: SD or DS")
+        self.conv_layout = conv_layout
 
     @cute.jit
     def __call__(self, mQKV: cute.Tensor, mGOut: cute.Tensor, mFa: cute.Tensor, mBeta: cute.Tensor,
@@ -129,7 +140,7 @@ class KdaCore:
         cute.arch.griddepcontrol_launch_dependents()
 
         slot = mIdx[req]
-        if slot >= 0:
+        if slot > 0:
             # 1. the head's state rows: every load issued before any other work
             ld_state = g2r_stream_atom(Float32)
             gRow = mState[slot, head, row, None]
@@ -212,18 +223,18 @@ class KdaCore:
         seg = tidx // 16
         c8 = tidx % 16
         ch0 = self.conv_channel(head, tidx)  # first global channel
-        # the 8 channels' conv state: 24 contiguous bf16 (channel-major, oldest first)
+        # the 8 channels' conv state, 3 x 128 bits: SD, tap u's 8 channels at u * 3P + ch0; DS,
+        # 24 contiguous bf16 (channel-major, oldest first)
         rCS = cute.make_rmem_tensor((VEC, 3), BFloat16)
         gCS = mConvS[slot, None]
         for u in cutlass.range_constexpr(3):
-            cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(gCS, (VEC,), (ch0 // CONV_CH * 3 + u,)),
+            cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
                       rCS[None, u])
         rX = cute.make_rmem_tensor((VEC, Q), BFloat16)
         for j in cutlass.range_constexpr(Q):
             cute.copy(g2r_atom(BFloat16), cute.local_tile(mQKV[req * Q + j, None], (VEC,), (ch0 // VEC,)),
                       rX[None, j])
-        window = [[rCS[(3 * c + i) % VEC, (3 * c + i) // VEC] for i in range(3)]
-                  for c in range(CONV_CH)]
+        window = [[self.conv_tap(rCS, c, i) for i in range(3)] for c in range(CONV_CH)]
         scale = Float32(1.0)
         rY = cute.make_rmem_tensor((CONV_CH,), Float32)
         st_s = r2s_atom(Float32)
@@ -249,9 +260,27 @@ class KdaCore:
         rOut = cute.make_rmem_tensor((VEC, 3), BFloat16)
         for c in cutlass.range_constexpr(CONV_CH):
             for i in cutlass.range_constexpr(3):
-                rOut[(3 * c + i) % VEC, (3 * c + i) // VEC] = window[c][i]
+                self.set_conv_tap(rOut, c, i, window[c][i])
         for u in cutlass.range_constexpr(3):
-            cute.copy(r2g_atom(BFloat16), rOut[None, u], cute.local_tile(gCS, (VEC,), (ch0 // CONV_CH * 3 + u,)))
+            cute.copy(r2g_atom(BFloat16), rOut[None, u], cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)))
+
+    def conv_vector(self, ch0, u):
+        """Which 128-bit vector of a slot's conv state is the ``u``-th of channels [ch0, ch0 + 8)."""
+        if const_expr(self.conv_layout == "SD"):
+            return u * (3 * self.proj // VEC) + ch0 // VEC
+        return ch0 // CONV_CH * 3 + u
+
+    def conv_tap(self, r, c, i):
+        """Tap ``i`` (oldest first) of channel ``c`` in the 3 loaded vectors ``r``."""
+        if const_expr(self.conv_layout == "SD"):
+            return r[c, i]
+        return r[(3 * c + i) % VEC, (3 * c + i) // VEC]
+
+    def set_conv_tap(self, r, c, i, value):
+        if const_expr(self.conv_layout == "SD"):
+            r[c, i] = value
+        else:
+            r[(3 * c + i) % VEC, (3 * c + i) // VEC] = value
 
     def load_fb(self, mFbW, rW, n, part):
         """This thread's quarter of f_b_proj weight row ``n``: 4 streamed 128-bit loads."""
@@ -312,9 +341,10 @@ def build(spec) -> tuple[KdaCore, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     s, p = spec.shape_dict, spec.param_dict
     h, q = s["heads"], s["q_len"]
-    kernel = KdaCore(h, q, p["lower_bound"], p["eps"])
+    kernel = KdaCore(h, q, p["lower_bound"], p["eps"], p["conv_layout"])
     d, pr = HEAD_DIM, h * HEAD_DIM
     tokens, requests, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()  # runtime sizes
+    conv_page, state_page = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=F32_VEC)  # slot strides
 
     def t(dtype, shape, stride, align=16):
         return make_fake_tensor(dtype, shape, stride, assumed_align=align)
@@ -328,8 +358,8 @@ def build(spec) -> tuple[KdaCore, tuple]:
             t(Float32, (h,), (1,), 4),  # A_log
             t(Float32, (pr,), (1,), 4),  # dt_bias
             t(BFloat16, (d,), (1,)),  # norm_weight
-            t(BFloat16, (slots, 3 * pr * (CONV_WIDTH - 1)), (3 * pr * (CONV_WIDTH - 1), 1)),  # conv_state, flat
-            t(Float32, (slots, h, d, d), (h * d * d, d * d, d, 1)),  # recurrent_state
+            t(BFloat16, (slots, 3 * pr * (CONV_WIDTH - 1)), (conv_page, 1)),  # conv_state, a slot's page flat
+            t(Float32, (slots, h, d, d), (state_page, d * d, d, 1)),  # recurrent_state
             t(Int32, (requests,), (1,), 4),  # state_indices
             t(BFloat16, (tokens, pr), (pr, 1)),  # out
             make_fake_stream(use_tvm_ffi_env_stream=True))

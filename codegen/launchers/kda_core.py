@@ -1,5 +1,8 @@
 """``kda_core``: f_b_proj + short conv + gates + delta-rule update + sigmoid-gated RMSNorm
-(``k3f::kda_core``); one kernel, one CTA per (request, head), the tokens of a request in order."""
+(``k3f::kda_core``); one kernel, one CTA per (request, head), the tokens of a request in order.
+
+The conv and recurrent states are taken as vLLM lays them out (one page per slot: any slot
+stride, the conv state SD or DS within a slot), read and written in place."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -8,7 +11,7 @@ from typing import Any
 import torch
 
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, check_tensors, shape_is
+from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
 
 KDA_HEAD_DIM = 128  # codegen/kernels/kda_core.py: 4 threads x 32 fp32 per state row, 512 threads
 KDA_CONV_WIDTH = 4
@@ -26,11 +29,11 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
     if h < 1:
         return f"heads {h} must be >= 1"
     reason = (check_tensors({"mixed_qkv": mixed_qkv, "g_out": g_out, "f_a": f_a, "beta": beta,
-                             "f_b_weight": f_b_weight, "norm_weight": norm_weight, "conv_state": conv_state},
-                            torch.bfloat16)
-              or check_tensors({"conv_weight": conv_weight, "a_log": a_log, "dt_bias": dt_bias,
-                                "recurrent_state": recurrent_state}, torch.float32)
-              or check_tensors({"state_indices": state_indices}, torch.int32))
+                             "f_b_weight": f_b_weight, "norm_weight": norm_weight}, torch.bfloat16)
+              or check_tensors({"conv_weight": conv_weight, "a_log": a_log, "dt_bias": dt_bias}, torch.float32)
+              or check_tensors({"state_indices": state_indices}, torch.int32)
+              or _dtype_is("conv_state", conv_state, torch.bfloat16)
+              or _dtype_is("recurrent_state", recurrent_state, torch.float32))
     if reason:
         return reason
     if mixed_qkv.dim() != 2:
@@ -55,8 +58,15 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
               or shape_is("recurrent_state", recurrent_state, (slots, h, d, d)))
     if reason:
         return reason
-    if recurrent_state.numel() >= 2**31:
-        return f"recurrent_state has {recurrent_state.numel()} elements: the kernel indexes it with 32-bit offsets"
+    layout = conv_layout(conv_state)
+    if layout is None:
+        return (f"conv_state strides {tuple(conv_state.stride())}: a slot must hold its [3, 3P] (SD) or "
+                f"[3P, 3] (DS) values contiguously")
+    if recurrent_state.stride()[1:] != (d * d, d, 1):
+        return f"recurrent_state strides {tuple(recurrent_state.stride())}: a slot must hold [H, V, K] contiguously"
+    if conv_state.stride(0) % 8 or recurrent_state.stride(0) % 4:
+        return (f"slot strides {conv_state.stride(0)} (conv_state) and {recurrent_state.stride(0)} "
+                f"(recurrent_state) must be multiples of 8 and 4 elements (128-bit accesses)")
     if b < 1 or t % b:
         return f"{t} tokens do not split evenly over {b} requests"
     q = t // b
@@ -65,7 +75,18 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
     return (KernelSpec.make("kda_core", op, arch, shapes={"heads": h, "head_dim": d, "q_len": q},
                             dtypes={"act": "bf16", "weight": "bf16", "conv_state": "bf16", "state": "fp32"},
                             params={"lower_bound": None if lower_bound is None else float(lower_bound),
-                                    "eps": float(eps)}),)
+                                    "eps": float(eps), "conv_layout": layout}),)
+
+
+def conv_layout(conv_state: Any) -> str | None:
+    """``SD`` or ``DS``: how a [slots, 3P, 3] conv state view keeps a slot, or None if neither."""
+    _, channels, width = conv_state.shape
+    inner = tuple(conv_state.stride()[1:])
+    return "SD" if inner == (1, channels) else "DS" if inner == (width, 1) else None
+
+
+def _dtype_is(name: str, t: Any, dtype: torch.dtype) -> str | None:
+    return None if t.dtype == dtype else f"{name} is {dtype_name(t.dtype)}; the template takes {dtype_name(dtype)}"
 
 
 def _kda_core_runtime(args: Sequence[Any]) -> str | None:
@@ -79,9 +100,10 @@ def _kda_core_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], ou
     (mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state, recurrent_state,
      state_indices) = args[:12]
     out = out if out is not None else g_out.new_empty(g_out.shape)
-    # flat 2-D views: 128-bit accesses over a channel group's conv state and a channel's taps
+    # flat 2-D views: a channel's taps; a slot's conv state as one row (its page stride kept)
     conv_w = conv_weight.view(conv_weight.shape[0], conv_weight.shape[2])
-    conv_s = conv_state.view(conv_state.shape[0], conv_state.shape[1] * conv_state.shape[2])
+    conv_s = conv_state.as_strided((conv_state.shape[0], conv_state.shape[1] * conv_state.shape[2]),
+                                   (conv_state.stride(0), 1))
     fn(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_w, a_log, dt_bias, norm_weight, conv_s, recurrent_state,
        state_indices, out)
     return out

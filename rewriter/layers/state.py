@@ -1,7 +1,8 @@
 """Decode inputs for a layer at a DecodeShape: activations, AttnRes buffers and attention state.
 
-Laid out as vLLM lays them out: KDA state per slot (conv state dim-first), state
-indices per request; MLA latent cache in pages of ``block_size`` tokens with a block
+Laid out as vLLM lays them out: KDA state in one page per slot (the conv state in the
+shape's layout, then the recurrent state: neither contiguous across slots), state
+indices per request (slot 0 is vLLM's null block, never a request's); MLA latent cache in pages of ``block_size`` tokens with a block
 table, cached lengths and the slots of this step's tokens. On the meta device only
 shapes are made; elsewhere values are random (and indices a random permutation, so a
 layer that ignored the indirection would fail).
@@ -50,8 +51,8 @@ def decode_inputs(layer: KimiDecoderLayer, shape: DecodeShape, device: str | tor
         slots = batch + 1  # slot 0 stays unused, as vLLM reserves it
         shapes = attn.state_shapes(slots, dtype)
         (conv_shape, conv_dtype), (rec_shape, rec_dtype) = shapes["conv_state"], shapes["recurrent_state"]
-        inputs["conv_state"] = randn(*conv_shape, dt=conv_dtype)
-        inputs["recurrent_state"] = randn(*rec_shape, dt=rec_dtype, scale=0.1)
+        inputs["conv_state"], inputs["recurrent_state"] = kda_state_pages(
+            randn(*conv_shape, dt=conv_dtype), randn(*rec_shape, dt=rec_dtype, scale=0.1), shape.conv_layout)
         inputs["state_indices"] = index(perm(batch) + 1)
     else:
         bs, seq_len = shape.block_size, shape.seq_len
@@ -65,6 +66,39 @@ def decode_inputs(layer: KimiDecoderLayer, shape: DecodeShape, device: str | tor
         slots = table.gather(1, (pos // bs).expand(batch, -1)) * bs + pos % bs
         inputs["slot_mapping"] = index(slots.reshape(-1))
     return inputs
+
+
+def kda_state_pages(conv_state: torch.Tensor, recurrent_state: torch.Tensor, layout: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of a KDA conv state [slots, C, K-1] and recurrent state [slots, H, V, K] laid out
+    as vLLM's cache allocator lays them: one page per slot, the conv state first (``SD``:
+    [K-1, C], ``DS``: [C, K-1]), then the recurrent state; returned as views in the reference
+    layers' shapes, whose slot stride is the page."""
+    slots, channels, width = conv_state.shape
+    conv_bytes = channels * width * conv_state.element_size()
+    rec_bytes = recurrent_state[0].numel() * recurrent_state.element_size()
+    page = -(-(conv_bytes + rec_bytes) // 16) * 16
+    raw = torch.empty(slots * page, dtype=torch.uint8, device=conv_state.device)
+    conv_raw = raw.view(conv_state.dtype)
+    conv_page = page // conv_state.element_size()
+    if layout == "SD":
+        conv = conv_raw.as_strided((slots, width, channels), (conv_page, channels, 1)).transpose(1, 2)
+    elif layout == "DS":
+        conv = conv_raw.as_strided((slots, channels, width), (conv_page, width, 1))
+    else:
+        raise ShapeError(f"conv state layout must be SD or DS, got {layout!r}")
+    inner = torch.empty(recurrent_state.shape[1:], device="meta").stride()  # contiguous within a slot
+    size = recurrent_state.element_size()
+    rec = raw.view(recurrent_state.dtype).as_strided(recurrent_state.shape, (page // size, *inner),
+                                                     storage_offset=-(-conv_bytes // size))
+    conv.copy_(conv_state)
+    rec.copy_(recurrent_state)
+    return conv, rec
+
+
+def conv_layout_of(conv_state: torch.Tensor) -> str:
+    """``SD`` or ``DS``: which way a [slots, C, K-1] conv state view keeps each slot."""
+    return "SD" if conv_state.shape[1] > 1 and conv_state.stride(1) == 1 else "DS"
 
 
 def state_shardings(layer: KimiDecoderLayer) -> dict[str, Sharding]:
@@ -83,5 +117,9 @@ def shard_decode_inputs(full: OrderedDict[str, torch.Tensor], layer: KimiDecoder
                         ) -> OrderedDict[str, torch.Tensor]:
     """Rank ``layer.rank``'s decode inputs cut from TP 1 inputs (copies: ranks update state in place)."""
     cuts = state_shardings(layer)
-    return OrderedDict((name, cuts.get(name, REPLICATED).local(t, layer.tp, layer.rank).clone())
-                       for name, t in full.items())
+    out = OrderedDict((name, cuts.get(name, REPLICATED).local(t, layer.tp, layer.rank).clone())
+                      for name, t in full.items())
+    if "conv_state" in out:  # a rank's own pages, in the layout of the full state
+        out["conv_state"], out["recurrent_state"] = kda_state_pages(out["conv_state"], out["recurrent_state"],
+                                                                    conv_layout_of(full["conv_state"]))
+    return out

@@ -54,6 +54,7 @@ class RewriterDecode:
 
     def build(self, model: "RewrittenKimiLinearForCausalLM") -> None:
         from vllm.distributed import get_tp_group
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
         cfg = KimiK3Config.from_dict(self.vllm_config.model_config.hf_text_config.to_dict(), name="served model")
         group = get_tp_group()
@@ -63,7 +64,7 @@ class RewriterDecode:
         arch = arch_of(torch.cuda.get_device_capability())
         self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
                                        batches=served_batches(capture), compile_fn=compile_with_codegen(arch),
-                                       group=group.cpu_group)
+                                       group=group.cpu_group, conv_layout=get_conv_state_layout())
         rewritten = len(layers) - len(self.programs.fallbacks)
         log.info("rewriter: %d of %d layers rewritten for batch sizes %s; %d keep the stock forward",
                  rewritten, len(layers), list(self.programs.batches), len(self.programs.fallbacks))

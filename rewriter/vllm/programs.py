@@ -135,6 +135,7 @@ class LayerProgram:
     kernels: int
     result: RewriteResult  # the rewrite it runs (its graph is shared by the layers of one structure)
     structure: tuple  # KimiDecoderLayer.structure
+    kernel_specs: frozenset  # the specs its kernels were compiled for (on the traced state layout)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.runner(*inputs)
@@ -142,10 +143,20 @@ class LayerProgram:
     def state_refusal(self, states: dict[str, torch.Tensor], arch: str) -> str | None:
         """Why the kernels cannot take these state tensors (shapes, dtypes, strides as vLLM laid
         them out), or None: the graph's values re-derived from them (meta tensors, nothing run)
-        and every fused op's template asked again."""
+        and every fused op's template asked again; a template that takes them but would need a
+        kernel other than those compiled at build (another conv layout) refuses too, since it
+        would compile inside a served step."""
         gm = self.result.after.gm
         propagate_meta(gm, [states.get(n.name, n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"])
-        return program_refusal(plan(self.result, arch))
+        rows = plan(self.result, arch)
+        reason = program_refusal(rows)
+        if reason:
+            return reason
+        other = [spec.label() for row in rows for spec in row.get("specs", ()) if spec not in self.kernel_specs]
+        if other:
+            return (f"it needs kernels not built for the traced layout: {', '.join(other)} (build the programs "
+                    f"for vLLM's layout: DecodeShape.conv_layout)")
+        return None
 
 
 @dataclass
@@ -163,8 +174,10 @@ CompileFn = Callable[[RewriteResult, Schedule], None]
 
 def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, rank: int, arch: str,
                    batches: Iterable[int], compile_fn: CompileFn = require_cuda_kernels,
-                   group: Any = None, progress: Callable[[str], None] | None = None) -> ProgramSet:
-    """Programs for every (layer, batch); layers that fail on any rank fall back on all."""
+                   group: Any = None, progress: Callable[[str], None] | None = None,
+                   conv_layout: str = "SD") -> ProgramSet:
+    """Programs for every (layer, batch), traced on KDA state in ``conv_layout`` (vLLM's
+    ``get_conv_state_layout()``); layers that fail on any rank fall back on all."""
     batches = tuple(sorted(set(batches)))
     progress = progress or (lambda line: log.info("%s", line))
     out = ProgramSet(batches=batches)
@@ -175,12 +188,13 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
         try:
             ref = bind_layer(vllm_layer, cfg, idx, tp, rank)
             for b in batches:
-                result, schedule = _built(built, (ref.structure, b), ref, b, tp, rank, arch, compile_fn)
+                shape = DecodeShape(batch=b, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout)
+                result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
                 device = next(ref.parameters()).device
-                out.programs[(idx, b)] = LayerProgram(idx, b, LayerRunner(rooted, schedule, device), len(schedule.kernels),
-                                                      rooted, ref.structure)
+                out.programs[(idx, b)] = LayerProgram(idx, b, LayerRunner(rooted, schedule, device),
+                                                      len(schedule.kernels), rooted, ref.structure, specs)
         except Exception as e:  # noqa: BLE001  (any failure keeps this one layer on the stock forward)
             reason = str(e) if isinstance(e, ProgramError) else f"{type(e).__name__}: {e}"
             out.fallbacks[idx] = reason
@@ -192,16 +206,18 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
     return out
 
 
-def _built(cache: dict, key: tuple, ref: KimiDecoderLayer, batch: int, tp: int, rank: int, arch: str,
-           compile_fn: CompileFn) -> tuple[RewriteResult, Schedule]:
+def _built(cache: dict, structure: tuple, ref: KimiDecoderLayer, shape: DecodeShape, compile_fn: CompileFn
+           ) -> tuple[RewriteResult, Schedule, frozenset]:
     """Trace, rewrite, schedule and compile once per layer structure and batch; later layers
     of the same structure reuse the graph (re-rooted on their own weights) and its kernels."""
+    key = (structure, shape.batch)
     if key not in cache:
-        result = rewrite(trace(ref, DecodeShape(batch=batch, tp=tp, rank=rank, arch=arch)))
+        result = rewrite(trace(ref, shape))
         schedule = build_schedule(result.after)
         try:
             compile_fn(result, schedule)
-            cache[key] = (result, schedule)
+            specs = frozenset(spec for row in plan(result, shape.arch) for spec in row.get("specs", ()))
+            cache[key] = (result, schedule, specs)
         except ProgramError as e:
             cache[key] = e
     entry = cache[key]

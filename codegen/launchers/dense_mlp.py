@@ -1,0 +1,96 @@
+"""``dense_mlp``: layer 0's dense MLP (``k3f::dense_mlp``), gate_up + SiTU, down, all-reduce.
+
+The shared experts' two kernels with the dense MLP's sizes (``expert_up`` then
+``expert_down``, one expert, weight 1; ``codegen/launchers/experts.py``), then, at TP > 1,
+``k3::all_reduce`` of the bf16 partial, as the reference. Kimi K3's dense intermediate per
+rank (2112 at TP 16, 4224 at TP 8) is not a multiple of the shared experts' 16 lanes x 8 per
+row, so the down projection shares a row among as many lanes as divide it (8 at TP 16, 16 at
+TP 8) and splits the row's I over 3 warps (11 128-bit vectors per lane).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from codegen.launchers.experts import MAX_CHUNK, _act_params, _common_refusal, _outputs, shared_tiling
+from codegen.spec import KernelSpec
+from codegen.template import Template, aligned, check_tensors, shape_is
+from rewriter import ops
+
+MAX_VEC_PER_LANE = 12  # down-projection weight vectors a lane holds (fp32 once converted: 8 registers each)
+MAX_K_WARPS = 4
+ROW_WARPS = 2
+
+
+def dense_tiling(tokens: int, hidden: int, inter: int) -> tuple[dict[str, Any], dict[str, Any]] | str:
+    """(up, down) tiling, or why the sizes do not fit. Up: the shared experts' (H split over 4
+    warps of 7 vectors per lane at H = 7168, one channel per CTA). Down: a row shared by the
+    most lanes (of 16, 8, 4) that divide I / 8, and its I split over the fewest warps
+    (``k_warps``) that leave a lane at most 12 vectors (TP 16: 8 lanes x 3 warps x 11), one
+    row per lane, 2 row groups per CTA."""
+    chunk = min(tokens, MAX_CHUNK)
+    vec = inter // 8
+    for lanes in (16, 8, 4):
+        if vec % lanes or lanes < chunk:
+            continue
+        per = vec // lanes
+        k_warps = next((k for k in range(1, MAX_K_WARPS + 1) if per % k == 0 and per // k <= MAX_VEC_PER_LANE), None)
+        if k_warps is not None:
+            break
+    else:
+        return (f"I {inter}: its {vec} vectors do not split over 4, 8 or 16 lanes x at most {MAX_K_WARPS} warps "
+                f"into at most {MAX_VEC_PER_LANE} per lane")
+    rows_per_cta = 32 // lanes * ROW_WARPS
+    if hidden % rows_per_cta:
+        return f"H {hidden} is not a multiple of {rows_per_cta} rows per CTA"
+    up = shared_tiling(tokens, hidden, inter)[0]
+    down = {"routed": False, "lanes_per_row": lanes, "rows_per_lane": 1, "slot_warps": 1, "row_warps": ROW_WARPS,
+            "slots_per_step": 1, "chunk": chunk, "k_warps": k_warps}
+    return up, down
+
+
+def _dense_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    x, gate_up, down_w, beta, linear_beta = args[:5]
+    if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
+        return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
+                f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
+    t, hidden = x.shape
+    inter = gate_up.shape[0] // 2
+    reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
+              or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
+              or shape_is("down_weight", down_w, (hidden, inter)) or _common_refusal(t, "H", hidden))
+    if reason:
+        return reason
+    act = _act_params(beta, linear_beta)
+    if isinstance(act, str):
+        return act
+    tiling = dense_tiling(t, hidden, inter)
+    if isinstance(tiling, str):
+        return tiling
+    up, down = tiling
+    shapes = {"experts": 1, "top_k": 1, "inter": inter, "tokens": t}
+    dtypes = {"act": "bf16", "weight": "bf16"}
+    return (KernelSpec.make("expert_up", op, arch, shapes={**shapes, "latent": hidden}, dtypes=dtypes,
+                            params={**up, **act}),
+            KernelSpec.make("expert_down", op, arch, shapes={**shapes, "rows": hidden}, dtypes=dtypes, params=down))
+
+
+def _dense_runtime(args: Sequence[Any]) -> str | None:
+    x, gate_up, down_w = args[:3]
+    return aligned({"x": x, "gate_up_weight": gate_up, "down_weight": down_w})
+
+
+def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (up, down), x = fns, args[0]
+    gate_up, down_w, _, _, group, tp = args[1:7]
+    y, act = _outputs(x, x.shape[1], (x.shape[0], 1, down_w.shape[1]), out)
+    up(x, None, gate_up.view(1, *gate_up.shape), act)
+    down(act, None, None, down_w.view(1, *down_w.shape), y)
+    return torch.ops.k3.all_reduce(y, group, tp) if ops.reduces(tp) else y
+
+
+TEMPLATE = Template("dense_mlp", ("k3f::dense_mlp",), _dense_specs, _dense_runtime, _dense_launch,
+                    doc="dense MLP for 1..64 tokens: gate/up + SiTU, then down (the shared experts' kernels), "
+                        "then the all-reduce (TP > 1)")
