@@ -82,9 +82,9 @@ def _kda_core_variants(ctx: RuleContext):
 
 @fused_op("mla_q_front", mutates_args=("kv_cache",))
 def mla_q_front_op(q_c: Tensor, kv_c: Tensor, k_pe: Tensor, q_a_norm: Tensor, kv_a_norm: Tensor, q_b_weight: Tensor,
-                   kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor, heads: int, nope: int, rope: int,
-                   v_dim: int, kv_lora: int, eps: float) -> Tensor:
-    return mla_q_front(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache, slot_mapping,
+                   kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor, kv_scale: Tensor, heads: int, nope: int,
+                   rope: int, v_dim: int, kv_lora: int, eps: float) -> Tensor:
+    return mla_q_front(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache, slot_mapping, kv_scale,
                        heads=heads, nope=nope, rope=rope, v_dim=v_dim, kv_lora=kv_lora, eps=eps)[0]
 
 
@@ -93,14 +93,14 @@ def _mla_q_front_variants(ctx: RuleContext):
         return []
     d = ctx.layer.self_attn.dims
 
-    def pattern(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache, slot_mapping):
+    def pattern(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache, slot_mapping, kv_scale):
         return mla_q_front(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache, slot_mapping,
-                           **d)
+                           kv_scale, **d)
 
-    def replacement(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache, slot_mapping):
+    def replacement(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache, slot_mapping, kv_scale):
         q = torch.ops.k3f.mla_q_front(q_c, kv_c, k_pe, q_a_norm, kv_a_norm, q_b_weight, kv_b_weight, kv_cache,
-                                      slot_mapping, d["heads"], d["nope"], d["rope"], d["v_dim"], d["kv_lora"],
-                                      d["eps"])
+                                      slot_mapping, kv_scale, d["heads"], d["nope"], d["rope"], d["v_dim"],
+                                      d["kv_lora"], d["eps"])
         return q, q  # the pattern's second result is the cache insert, which nothing reads
 
     return [(pattern, replacement)]

@@ -71,6 +71,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batches (default 1 8 64)")
     b.add_argument("--experts", default="mxfp4", choices=("mxfp4", "bf16"),
                    help="routed experts: the checkpoint's MXFP4 in Humming's layout (default), or bf16")
+    b.add_argument("--context", type=int, default=4096,
+                   help="tokens each request already holds in the MLA cache (default 4096)")
+    b.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="MLA latent cache: bf16 or fp8 E4M3 with one per-tensor scale (default bf16)")
     b.add_argument("--copies", type=int, help="layers per timed call (default: 4x the L2 in weights)")
     b.add_argument("--reps", type=int, default=30, help="timed replays per row (default 30)")
     b.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to run (default all)")
@@ -82,6 +86,8 @@ def _check_args(args: argparse.Namespace) -> None:
     from rewriter.shape import ShapeError
 
     bad = [f"--tp {t}" for t in args.tp if t < 1] + [f"--batch {b}" for b in args.batch if b < 1]
+    if args.context < 0:
+        bad.append(f"--context {args.context}")
     if args.copies is not None and args.copies < 1:
         bad.append(f"--copies {args.copies}")
     if args.reps < 3:
@@ -150,14 +156,14 @@ def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
 class _Case:
     """``copies`` layers of one TP shape and batch on the GPU, with their inputs."""
 
-    def __init__(self, cfg, layer_idx: int, tp: int, batch: int, copies: int, arch: str, experts: str):
+    def __init__(self, cfg, layer_idx: int, shape, copies: int, experts: str):
         from rewriter.layers import build_layer
         from rewriter.layers.state import decode_inputs
         from rewriter.layers.weights import init_random_
-        from rewriter.shape import DecodeShape
 
-        self.shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch)
-        self.layers = [init_random_(build_layer(cfg, layer_idx, tp=tp, device="cuda", experts=experts), seed=1000 + i)
+        self.shape = shape
+        self.layers = [init_random_(build_layer(cfg, layer_idx, tp=shape.tp, device="cuda", experts=experts),
+                                    seed=1000 + i)
                        for i in range(copies)]
         self.inputs = [list(decode_inputs(layer, self.shape, device="cuda", seed=i).values())
                        for i, layer in enumerate(self.layers)]
@@ -197,12 +203,13 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     from rewriter.shape import DecodeShape
     from rewriter.trace import trace
 
-    meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch)
+    meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch, context=args.context,
+                             kv_cache_dtype=args.kv_cache_dtype)
     floor = floor_bytes(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape).graph, meta_shape)
     floor_us = hbm_us(floor, H200_COPY_TBPS)
     copies = copies_for(floor, args.copies)
     progress(f"TP {tp} batch {batch}: {copies} layer copies, HBM floor {floor / 1e6:.1f} MB = {floor_us:.1f} us")
-    case = _Case(cfg, args.layer, tp, batch, copies, arch, args.experts)
+    case = _Case(cfg, args.layer, meta_shape, copies, args.experts)
     rows = []
     if "rewritten" in args.paths:
         bind.install_cuda_kernels(arch)
@@ -264,8 +271,8 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     return rows
 
 
-def render(rows: list[Row], device: str, experts: str) -> str:
-    lines = [f"{device}; {experts} routed experts; one rank of each TP shape, collectives excluded; weights "
+def render(rows: list[Row], device: str, experts: str, layer: str = "") -> str:
+    lines = [f"{device}; {layer}{experts} routed experts; one rank of each TP shape, collectives excluded; weights "
              "rotated past the L2",
              f"{'TP':>3} {'batch':>5}  {'path':<14}{'kernels':>8}{'us/layer':>10}{'floor us':>10}{'% floor':>9}  note"]
     for r in rows:
@@ -297,7 +304,11 @@ def run_bench(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()  # the shape's layer copies are gone
     if args.json:
         print(json.dumps({"device": device, "model": args.model, "layer": args.layer, "experts": args.experts,
+                          "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
                           "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}, indent=1))
     else:
-        print(render(rows, device, args.experts))
+        kind = cfg.layer_kind(args.layer)
+        mla = f", context {args.context}, {args.kv_cache_dtype} latent cache" if cfg.attention_kind(args.layer) == "mla" \
+            else ""
+        print(render(rows, device, args.experts, f"layer {args.layer} ({kind}{mla}); "))
     return 0

@@ -25,7 +25,7 @@ from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
 from rewriter.rewrite import RewriteResult
 from rewriter.rules import RuleError, RuleSet, default_rules, load_rules_file
-from rewriter.shape import ARCHES, DecodeShape, ShapeError
+from rewriter.shape import ARCHES, CONV_LAYOUTS, KV_CACHE_DTYPES, DecodeShape, ShapeError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -56,6 +56,10 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
                    help="routed experts: the released checkpoint's MXFP4 in the layout vLLM serves (Humming's; "
                         "default) or bf16")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
+                   help="MLA latent cache: bf16 or fp8 (E4M3, one per-tensor scale: vLLM's --kv-cache-dtype fp8)")
+    p.add_argument("--conv-layout", choices=CONV_LAYOUTS, default="SD",
+                   help="how vLLM keeps a KDA slot's conv state (VLLM_SSM_CONV_STATE_LAYOUT; default SD, vLLM's)")
     p.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
                    help="a Python file whose RULES list is added to the built-in rules (repeatable)")
 
@@ -69,7 +73,8 @@ def rewritten_layer(args: argparse.Namespace, rules: RuleSet | None = None) -> R
     cfg = KimiK3Config.load(args.model)
     dtype = DTYPES[args.dtype]
     shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
-                        context=args.context, block_size=args.block_size)
+                        context=args.context, block_size=args.block_size, conv_layout=args.conv_layout,
+                        kv_cache_dtype=args.kv_cache_dtype)
     layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype, experts=args.experts)
     rules = default_rules() if rules is None else rules
     for path in args.rules:

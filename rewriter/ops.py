@@ -233,34 +233,57 @@ def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, s
 
 
 # ---- MLA: latent cache insert and decode attention -------------------------------
+FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)  # vLLM keeps a per-tensor fp8 cache as uint8
+
+
+def cache_is_fp8(kv_cache: Tensor) -> bool:
+    return kv_cache.dtype in FP8_CACHE_DTYPES
+
+
+def _cache_values(entries: Tensor, kv_scale: Tensor) -> Tensor:
+    """Cache entries as fp32: bf16 as stored; fp8 E4M3 times the per-tensor scale (vLLM's ``_k_scale``)."""
+    if cache_is_fp8(entries):
+        return entries.view(torch.float8_e4m3fn).float() * kv_scale.float().reshape(())
+    return entries.float()
+
+
+def _to_cache(entry: Tensor, kv_cache: Tensor, kv_scale: Tensor) -> Tensor:
+    """Values as the cache stores them: bf16, or fp8 E4M3 of value / scale (in the cache's own dtype)."""
+    if cache_is_fp8(kv_cache):
+        return (entry.float() / kv_scale.float().reshape(())).to(torch.float8_e4m3fn).view(kv_cache.dtype)
+    return entry.to(kv_cache.dtype)
+
+
 @torch.library.custom_op("k3::mla_cache_insert", mutates_args=("kv_cache",))
-def mla_cache_insert(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
+def mla_cache_insert(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
     """Write each token's latent [kv_c | k_pe] into ``kv_cache`` at its slot.
 
-    kv_cache: [num_blocks, block_size, L + R] (a contiguous [B, S, L + R] cache is the
-    case block_size = S); slot = block * block_size + offset; negative slots are skipped.
+    kv_cache: [num_blocks, block_size, L + R], bf16 or fp8 E4M3 (uint8 storage, as vLLM's
+    ``--kv-cache-dtype fp8``) holding value / ``kv_scale`` (fp32 [1], vLLM's ``_k_scale``;
+    unused for bf16); a contiguous [B, S, L + R] cache is the case block_size = S;
+    slot = block * block_size + offset; negative slots (padding tokens) are skipped.
     """
     block_size = kv_cache.shape[1]
-    entry = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
+    entry = _to_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache, kv_scale)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
             kv_cache[slot // block_size, slot % block_size] = entry[t]
 
 
 @mla_cache_insert.register_fake
-def _(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor) -> None:
+def _(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
     return None
 
 
 @torch.library.custom_op("k3::mla_decode", mutates_args=())
-def mla_decode(
-    q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, scale: float, kv_lora_rank: int
-) -> Tensor:
+def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, kv_scale: Tensor,
+               scale: float, kv_lora_rank: int) -> Tensor:
     """Multi-query attention of absorbed queries over the latent cache.
 
     q: [T, H, L + R]; kv_cache: paged [num_blocks, block_size, L + R] with
-    block_table [B, max_blocks], or contiguous [B, S, L + R] with block_table None;
-    seq_lens: [B] cached tokens per request, the current step's tokens included.
+    block_table [B, max_blocks], or contiguous [B, S, L + R] with block_table None; bf16,
+    or fp8 E4M3 read as stored value x ``kv_scale``; seq_lens: [B] cached tokens per
+    request, the current step's tokens included (0: a padding request, output 0).
     Token j of a request with q_len tokens sees positions 0 .. seq_len - q_len + j.
     Scores are q . entry (all L + R values), values are the first L (kv_c) of each
     entry. Returns [T, H, L] in q's dtype.
@@ -277,7 +300,7 @@ def mla_decode(
             block_size = kv_cache.shape[1]
             n_blocks = -(-seq_len // block_size)
             entries = kv_cache[block_table[b, :n_blocks].long()].reshape(-1, kv_cache.shape[-1])[:seq_len]
-        entries = entries.float()  # [S, L + R]
+        entries = _cache_values(entries, kv_scale)  # [S, L + R] fp32
         for j in range(q_len):
             t = b * q_len + j
             visible = seq_len - q_len + j + 1
@@ -288,7 +311,7 @@ def mla_decode(
 
 
 @mla_decode.register_fake
-def _(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, scale: float,
+def _(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, kv_scale: Tensor, scale: float,
       kv_lora_rank: int) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
 

@@ -8,6 +8,7 @@ import torch
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ARCHES = ("sm_90a", "sm_100a", "sm_103a")
 CONV_LAYOUTS = ("SD", "DS")  # vLLM's VLLM_SSM_CONV_STATE_LAYOUT: per slot [3, dim] (its default) or [dim, 3]
+KV_CACHE_DTYPES = ("bf16", "fp8")  # the MLA latent cache: bf16, or fp8 E4M3 with a per-tensor scale
 
 
 class ShapeError(ValueError):
@@ -22,7 +23,9 @@ class DecodeShape:
     cache before this step and ``block_size`` the cache's page size; both only set
     cache sizes and the bytes an attention step reads. ``conv_layout`` is how vLLM keeps
     each KDA slot's conv state (``SD``: [3, dim], its default; ``DS``: [dim, 3]): the
-    kernels read it in place, so it is part of what they are compiled for.
+    kernels read it in place, so it is part of what they are compiled for. ``kv_cache_dtype`` is
+    the MLA latent cache's: ``bf16`` or ``fp8`` (E4M3 with one per-tensor scale, vLLM's
+    ``--kv-cache-dtype fp8``).
     """
 
     batch: int
@@ -34,6 +37,7 @@ class DecodeShape:
     context: int = 4096
     block_size: int = 64
     conv_layout: str = "SD"
+    kv_cache_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("batch", "tp", "q", "block_size"):
@@ -49,6 +53,9 @@ class DecodeShape:
         if self.conv_layout not in CONV_LAYOUTS:
             raise ShapeError(f"DecodeShape.conv_layout must be one of {', '.join(CONV_LAYOUTS)}, "
                              f"got {self.conv_layout!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ShapeError(f"DecodeShape.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.arch not in ARCHES:
             raise ShapeError(f"DecodeShape.arch must be one of {', '.join(ARCHES)}, got {self.arch!r}")
 

@@ -47,9 +47,9 @@ def make_layer(cfg, layer_idx, *, tp=1, rank=0, dtype=torch.float32, seed=0, exp
                         seed=seed)
 
 
-def make_inputs(layer, *, batch=3, q=1, context=5, block_size=4, seed=1, dtype=None):
+def make_inputs(layer, *, batch=3, q=1, context=5, block_size=4, seed=1, dtype=None, kv_cache_dtype="bf16"):
     shape = DecodeShape(batch=batch, tp=layer.tp, rank=layer.rank, q=q, context=context, block_size=block_size,
-                        dtype=dtype or layer.input_layernorm.weight.dtype)
+                        dtype=dtype or layer.input_layernorm.weight.dtype, kv_cache_dtype=kv_cache_dtype)
     return decode_inputs(layer, shape, device="cpu", seed=seed)
 
 

@@ -82,5 +82,5 @@ def test_mla_layer_steps_equal_full_sequence(tiny, context):
                        kv_lora=attn.kv_lora, nope=attn.nope, rope=attn.rope, v_dim=attn.v_dim, eps=attn.eps)
     s = _clone(full)
     got = torch.stack([attn(_tokens(x, n), s["kv_cache"], s["block_table"], per_step(n)["seq_lens"],
-                            per_step(n)["slot_mapping"]) for n in range(N)], dim=1).flatten(0, 1)
+                            per_step(n)["slot_mapping"], s["kv_scale"]) for n in range(N)], dim=1).flatten(0, 1)
     assert rel_err(got, expected) < TOL

@@ -8,6 +8,9 @@ from conftest import rel_err
 k3 = torch.ops.k3
 
 
+ONE = torch.ones(1)  # the KV cache scale, unused by a bf16 / fp32 cache
+
+
 def _rand(*shape, seed=0, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -24,8 +27,8 @@ def test_mla_decode_paged_equals_contiguous_and_formula():
             rows = contiguous[b, p * bs:(p + 1) * bs]
             paged[table[b, p], :rows.shape[0]] = rows
     q = _rand(B, H, L + R, seed=3)
-    a = k3.mla_decode(q, contiguous, None, seq_lens, 0.1, L)
-    b = k3.mla_decode(q, paged, table.int(), seq_lens, 0.1, L)
+    a = k3.mla_decode(q, contiguous, None, seq_lens, ONE, 0.1, L)
+    b = k3.mla_decode(q, paged, table.int(), seq_lens, ONE, 0.1, L)
     assert rel_err(a, b) < 1e-6
     for i in range(B):  # the formula, request by request
         n = int(seq_lens[i])
@@ -38,18 +41,38 @@ def test_mla_decode_is_causal_within_a_step():
     L, R = 8, 4
     cache = _rand(1, 5, L + R, seed=4)
     q = _rand(2, 2, L + R, seed=5)
-    out = k3.mla_decode(q, cache, None, torch.tensor([5], dtype=torch.int32), 0.3, L)
-    first_alone = k3.mla_decode(q[:1], cache, None, torch.tensor([4], dtype=torch.int32), 0.3, L)
+    out = k3.mla_decode(q, cache, None, torch.tensor([5], dtype=torch.int32), ONE, 0.3, L)
+    first_alone = k3.mla_decode(q[:1], cache, None, torch.tensor([4], dtype=torch.int32), ONE, 0.3, L)
     assert rel_err(out[:1], first_alone) < 1e-6
 
 
 def test_cache_insert_writes_slots_and_skips_padding():
     cache = torch.zeros(3, 4, 6)
     kv_c, k_pe = _rand(3, 4, seed=6), _rand(3, 2, seed=7)
-    k3.mla_cache_insert(cache, kv_c, k_pe, torch.tensor([5, -1, 11]))
+    k3.mla_cache_insert(cache, kv_c, k_pe, torch.tensor([5, -1, 11]), ONE)
     assert torch.equal(cache[1, 1], torch.cat([kv_c[0], k_pe[0]]))
     assert torch.equal(cache[2, 3], torch.cat([kv_c[2], k_pe[2]]))
     assert int((cache.abs().sum(-1) > 0).sum()) == 2  # the padding row wrote nothing
+
+
+def test_fp8_cache_stores_value_over_scale_and_decode_reads_it_back():
+    """vLLM's per-tensor fp8 cache (uint8 storage): the insert stores E4M3(value / scale), the
+    decode reads E4M3 x scale, so it attends over the same values as a cache of the dequantized
+    entries; a padding request (length 0) gets zeros."""
+    L, R, scale = 16, 8, torch.tensor([0.37])
+    cache = torch.zeros(2, 4, L + R, dtype=torch.uint8)
+    kv_c, k_pe = _rand(5, L, seed=20).bfloat16(), _rand(5, R, seed=21).bfloat16()
+    k3.mla_cache_insert(cache, kv_c, k_pe, torch.tensor([0, 1, 2, 3, 4]), scale)
+    stored = cache.view(torch.float8_e4m3fn).float()
+    want = (torch.cat([kv_c, k_pe], -1).float() / 0.37).to(torch.float8_e4m3fn).float()
+    assert torch.equal(stored.reshape(-1, L + R)[:5], want)
+    dequant = stored * 0.37
+    assert rel_err(dequant.reshape(-1, L + R)[:5], torch.cat([kv_c, k_pe], -1).float()) < 0.07  # E4M3: 3 bits
+    q = _rand(2, 3, L + R, seed=22).bfloat16()
+    seq_lens, table = torch.tensor([5, 0], dtype=torch.int32), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    got = k3.mla_decode(q, cache, table, seq_lens, scale, 0.2, L)
+    ref = k3.mla_decode(q, dequant.bfloat16(), table, seq_lens, ONE, 0.2, L)
+    assert rel_err(got[:1], ref[:1]) < 1e-2 and torch.count_nonzero(got[1]) == 0
 
 
 def test_conv_update_formula_and_state_shift():
@@ -57,11 +80,12 @@ def test_conv_update_formula_and_state_shift():
     x, w = _rand(2, C, seed=8), _rand(C, K, seed=9)
     state = _rand(3, C, K - 1, seed=10)
     before = state.clone()
-    out = k3.kda_conv_update(x, state, w, torch.tensor([2, -1]))
+    out = k3.kda_conv_update(torch.cat([x, x[:1]]), state, w, torch.tensor([2, -1, 0]))
     window = torch.cat([before[2], x[0].unsqueeze(-1)], dim=-1)
     assert rel_err(out[0], torch.nn.functional.silu((window * w).sum(-1))) < 1e-6
     assert torch.equal(state[2], window[:, 1:])
-    assert torch.count_nonzero(out[1]) == 0 and torch.equal(state[:2], before[:2])  # padding row
+    # padding rows, -1 and vLLM's 0 (its null block): no output, no state touched
+    assert torch.count_nonzero(out[1:]) == 0 and torch.equal(state[:2], before[:2])
 
 
 def test_recurrent_step_pads_and_updates_only_its_slots():
@@ -70,7 +94,7 @@ def test_recurrent_step_pads_and_updates_only_its_slots():
     g, beta = -torch.rand(T, H, K), torch.rand(T, H)
     state = _rand(4, H, K, K, seed=14)
     before = state.clone()
-    out = k3.kda_recurrent_step(q, k, v, g, beta, state, torch.tensor([3, -1]))
+    out = k3.kda_recurrent_step(q, k, v, g, beta, state, torch.tensor([3, 0]))  # 0: vLLM's padding row
     s = before[3] * torch.exp(g[0]).unsqueeze(1)
     s = s + torch.einsum("hv,hk->hvk", (v[0] - torch.einsum("hvk,hk->hv", s, k[0])) * beta[0, :, None], k[0])
     assert rel_err(state[3], s) < 1e-6
@@ -82,7 +106,7 @@ def test_fake_impls_give_shapes_on_meta():
     m = torch.device("meta")
     out = k3.mla_decode(torch.empty(4, 6, 576, device=m), torch.empty(9, 64, 576, device=m),
                         torch.empty(4, 2, dtype=torch.int32, device=m), torch.empty(4, dtype=torch.int32, device=m),
-                        0.07, 512)
+                        torch.empty(1, device=m), 0.07, 512)
     assert out.shape == (4, 6, 512) and out.device == m
     x = torch.empty(4, 48, device=m)
     assert k3.kda_conv_update(x, torch.empty(5, 48, 3, device=m), torch.empty(48, 4, device=m),

@@ -71,17 +71,25 @@ def _cached_entries(inputs, block_size, context):
     return per_request
 
 
-@pytest.mark.parametrize("batch,q,context", [(1, 1, 0), (3, 1, 5), (2, 2, 6)])
-def test_mla_attention_matches_unabsorbed_math(tiny, batch, q, context):
+@pytest.mark.parametrize("batch,q,context,kv_cache_dtype,tol", [
+    (1, 1, 0, "bf16", FP32_TOL), (3, 1, 5, "bf16", FP32_TOL), (2, 2, 6, "bf16", FP32_TOL),
+    (3, 1, 5, "fp8", 3e-2),  # the history read as E4M3 x scale; this step's own entry is stored as E4M3 too
+])
+def test_mla_attention_matches_unabsorbed_math(tiny, batch, q, context, kv_cache_dtype, tol):
     layer = make_layer(tiny, 2, seed=batch + q + context)
     attn = layer.self_attn
-    inputs = make_inputs(layer, batch=batch, q=q, context=context, block_size=4, seed=context)
+    inputs = make_inputs(layer, batch=batch, q=q, context=context, block_size=4, seed=context,
+                         kv_cache_dtype=kv_cache_dtype)
     x = inputs["prefix_sum"]
     history = _cached_entries(inputs, 4, context)
+    if kv_cache_dtype == "fp8":
+        assert inputs["kv_cache"].dtype == torch.uint8 and float(inputs["kv_scale"]) != 1.0
+        history = [h.view(torch.float8_e4m3fn).float() * inputs["kv_scale"] for h in history]
     expected = ind.mla(ind.sub(layer.state_dict(), "self_attn"), x, history, heads=attn.heads, q_lora=attn.q_lora,
                        kv_lora=attn.kv_lora, nope=attn.nope, rope=attn.rope, v_dim=attn.v_dim, eps=attn.eps)
-    out = attn(x, inputs["kv_cache"], inputs["block_table"], inputs["seq_lens"], inputs["slot_mapping"])
-    assert rel_err(out, expected) < FP32_TOL
+    out = attn(x, inputs["kv_cache"], inputs["block_table"], inputs["seq_lens"], inputs["slot_mapping"],
+               inputs["kv_scale"])
+    assert rel_err(out, expected) < tol
 
 
 def test_moe_matches_math(tiny):

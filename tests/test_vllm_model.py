@@ -38,7 +38,7 @@ from rewriter.config import KimiK3Config  # noqa: E402
 from rewriter.layers import KimiDecoderLayer  # noqa: E402
 from rewriter.rewrite import is_fused  # noqa: E402
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noqa: E402
-from rewriter.vllm.guard import decide_step  # noqa: E402
+from rewriter.vllm.guard import KV_CACHE_DTYPES, decide_step  # noqa: E402
 from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
 from rewriter.vllm.runtime import run_layers  # noqa: E402
 from rewriter.vllm.state import layer_name, state_inputs  # noqa: E402
@@ -72,7 +72,11 @@ class Served:
     @functools.cached_property
     def programs(self) -> ProgramSet:
         return build_programs(self.layers, self.cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=_no_compile,
-                              progress=_quiet)
+                              progress=_quiet, kv_cache_dtype=self.kv_cache_dtype)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype]
 
     def bind(self) -> list[KimiDecoderLayer]:
         return [bind_layer(layer, self.cfg, layer.layer_idx, 1, 0) for layer in self.layers]
@@ -82,8 +86,12 @@ class Served:
         return self.model.model.num_attn_res_blocks
 
 
-def _serve(quant: str | None) -> Served:
-    model, vc = build_loaded(quant)
+def _serve(quant: str | None, kv_cache_dtype: str = "auto") -> Served:
+    model, vc = build_loaded(quant, kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype != "auto":  # a checkpoint's scale, as loaded: not 1, so a kernel ignoring it would show
+        for layer in decoder_layers(model):
+            if hasattr(layer.self_attn, "_k_scale"):
+                layer.self_attn._k_scale.fill_(0.37)
     runner = bind_caches(model, vc)
     return Served(quant, model, vc, text_config(vc), decoder_layers(model), runner, prepare_decode(runner))
 
@@ -98,7 +106,13 @@ def mxfp4() -> Served:
     return _serve("mxfp4")
 
 
-@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+@pytest.fixture(scope="module")
+def fp8_cache() -> Served:
+    """bf16 experts, the MLA latent cache fp8 E4M3 (--kv-cache-dtype fp8)."""
+    return _serve(None, "fp8")
+
+
+@pytest.fixture(scope="module", params=["bf16", "mxfp4", "fp8_cache"])
 def served(request) -> Served:
     return request.getfixturevalue(request.param)
 
@@ -145,7 +159,10 @@ def _fill_caches(served: Served, seed: int) -> None:
         else:
             (kv,) = _views(layer)
             blocks = _mla_blocks(layer, served.batch)
-            kv[blocks] = torch.randn(kv[blocks].shape, generator=g).to(kv.dtype)
+            values = torch.randn(kv[blocks].shape, generator=g)
+            if kv.dtype == torch.uint8:  # vLLM's fp8 cache: E4M3 of value / _k_scale
+                values = (values / layer.self_attn._k_scale).to(torch.float8_e4m3fn).view(torch.uint8)
+            kv[blocks] = values.to(kv.dtype)
 
 
 def _snapshot(served: Served) -> list[tuple[torch.Tensor, ...]]:
@@ -319,12 +336,14 @@ def test_caches_are_vllms_layout_as_allocated(bf16):
     assert not conv.is_contiguous() and conv.stride(0) * 2 == recurrent.stride(0) * 4  # one page per slot
     with decode_context(bf16.vllm_config, bf16.batch) as context:
         kda_conv, kda_recurrent, indices = state_inputs(layer, context, B)
-        kv, table, seq_lens, slots = state_inputs(bf16.layers[2], context, B)
+        kv, table, seq_lens, slots, kv_scale = state_inputs(bf16.layers[2], context, B)
     assert kda_conv.data_ptr() == conv.data_ptr() and kda_conv.shape == conv.transpose(-1, -2).shape
     assert kda_recurrent is recurrent
     assert torch.equal(indices.long(), _kda_slots(layer, bf16.batch))
     assert kv is bf16.layers[2].self_attn.kv_cache and kv.shape[-1] == 576  # kv_c 512 | k_pe 64
     assert seq_lens.tolist() == list(bf16.batch.seq_lens) and slots.shape == (B,)
+    scale = bf16.layers[2].self_attn._k_scale
+    assert kv_scale.shape == (1,) and kv_scale.data_ptr() == scale.data_ptr()  # its _k_scale, as a view
 
 
 # ---- 4. binding and layout refusals -----------------------------------------------------------------

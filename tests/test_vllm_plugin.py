@@ -110,17 +110,30 @@ def test_startup_refusal_lists_every_reason():
     cfg.parallel_config.pipeline_parallel_size = 2
     cfg.parallel_config.enable_expert_parallel = True
     cfg.lora_config = object()
-    cfg.cache_config.cache_dtype = "fp8"
+    cfg.cache_config.cache_dtype = "fp8_ds_mla"
     cfg.model_config.enforce_eager = True
     cfg.use_v2_model_runner = False
     with pytest.raises(ValueError) as e:
         check_deployment(cfg, capability=(8, 9))
     text = str(e.value)
     for reason in ("this GPU (sm_89", "pipeline parallelism (pipeline_parallel_size=2)", "expert parallelism",
-                   "LoRA", "hidden_act is 'silu'", "KV cache dtype 'fp8'", "eager mode (--enforce-eager)",
+                   "LoRA", "hidden_act is 'silu'", "KV cache dtype 'fp8_ds_mla'", "eager mode (--enforce-eager)",
                    "the V1 model runner"):
         assert reason in text, reason
     assert text.count("\n  - ") >= 8  # one error, every reason on its own line
+
+
+@pytest.mark.parametrize("dtype,refused", [("auto", False), ("bfloat16", False), ("fp8", False),
+                                           ("fp8_e4m3", False), ("fp8_ds_mla", True), ("fp8_e5m2", True)])
+def test_kv_cache_dtypes(dtype, refused):
+    """A per-tensor fp8 E4M3 MLA cache is served (the kernels read E4M3 x _k_scale); vLLM's
+    fp8_ds_mla (656-byte self-scaled tiles) and E5M2 are refused by name."""
+    cfg = _config()
+    cfg.cache_config.cache_dtype = dtype
+    reasons = [r for r in deployment_refusals(cfg, capability=(9, 0)) if "KV cache dtype" in r]
+    assert bool(reasons) == refused, reasons
+    if refused:
+        assert reasons[0].startswith(f"KV cache dtype {dtype!r}") and "fp8_e4m3" in reasons[0]
 
 
 def test_model_dtype_and_graph_mode_refusals():

@@ -4,7 +4,7 @@ A test helper, not a test file. It builds the model vLLM's loader builds, loads 
 checkpoint under the Hugging Face names through the model's own ``load_weights``, runs vLLM's
 ``process_weights_after_loading``, lets vLLM's CPU model runner allocate and bind the KV cache
 and KDA state, and builds real decode metadata with vLLM's own builders, the way the engine
-core and model runner do. Nothing is faked past the four patches below, each a context
+core and model runner do. Nothing is faked past the patches below, each a context
 manager active only where it is needed:
 
 - ``no_cuda_streams``: the model creates a CUDA stream at construction;
@@ -12,7 +12,10 @@ manager active only where it is needed:
   refuses SiTU);
 - ``mxfp4_moe_backend_none``: MXFP4 experts get ``Mxfp4MoeBackend.NONE`` (kept as loaded);
 - ``keep_linear_weight``: the CPU linear repack needs ``torch.ops._C`` kernels the CUDA wheel
-  lacks.
+  lacks;
+- ``fp8_mla_cache_on_cpu`` (only with ``kv_cache_dtype="fp8"``): vLLM's CPU platform has no MLA
+  kernel for an fp8 cache and refuses to pick a backend; the layer keeps its fp8 cache
+  dtype, so vLLM still allocates the uint8 cache and ``_k_scale`` a GPU would get.
 
 vLLM's stock layer forward cannot run on a CPU (its ops are Triton kernels); the plugin's
 programs and the reference layers can, on vLLM's tensors and caches.
@@ -112,6 +115,21 @@ def keep_linear_weight() -> contextlib.AbstractContextManager:
     return _patched(lu, "dispatch_cpu_unquantized_gemm", dispatch)
 
 
+def fp8_mla_cache_on_cpu() -> contextlib.AbstractContextManager:
+    """Why: vLLM's CPU platform refuses an fp8 MLA cache for its own MLA kernel; the backend is
+    picked as for a bf16 cache, the cache itself stays fp8 (the layer's kv_cache_dtype)."""
+    from vllm.platforms import current_platform
+
+    pick = current_platform.get_attn_backend_cls
+
+    def get_attn_backend_cls(selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_mla:
+            attn_selector_config = attn_selector_config._replace(kv_cache_dtype="auto")
+        return pick(selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads)
+
+    return _patched(current_platform, "get_attn_backend_cls", get_attn_backend_cls)
+
+
 def _moe_patch(quant: str | None) -> contextlib.AbstractContextManager:
     return {None: unquantized_moe_triton, "mxfp4": mxfp4_moe_backend_none}[quant]()
 
@@ -132,9 +150,10 @@ def init_distributed(tp: int = 1, rank: int = 0, init_method: str | None = None)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None = None) -> VllmConfig:
+def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None = None,
+                     kv_cache_dtype: str = "auto") -> VllmConfig:
     """A fresh VllmConfig per model (vLLM registers every attention layer's name in it) for a folder
-    holding only a ``config.json``."""
+    holding only a ``config.json``; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
 
@@ -149,7 +168,7 @@ def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None 
     return VllmConfig(
         model_config=model,
         # prefix caching would switch mamba_cache_mode to "align", whose state-index gather is Triton
-        cache_config=CacheConfig(mamba_cache_mode="none", enable_prefix_caching=False),
+        cache_config=CacheConfig(mamba_cache_mode="none", enable_prefix_caching=False, cache_dtype=kv_cache_dtype),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
                                          is_encoder_decoder=False),
@@ -234,18 +253,20 @@ def make_checkpoint(cfg: dict, quant: str | None, seed: int = 0) -> dict[str, to
 
 
 def build_loaded(quant: str | None = None, *, tp: int = 1, rank: int = 0, init_method: str | None = None,
-                 seed: int = 0, config: dict | None = None) -> tuple[torch.nn.Module, VllmConfig]:
+                 seed: int = 0, config: dict | None = None, kv_cache_dtype: str = "auto"
+                 ) -> tuple[torch.nn.Module, VllmConfig]:
     """vLLM's KimiLinearForCausalLM for the tiny config (or ``config``), built as its loader builds
     it, a random checkpoint loaded through its own ``load_weights``, then vLLM's post-load step.
-    ``quant``: None (bf16 experts) or ``"mxfp4"``."""
+    ``quant``: None (bf16 experts) or ``"mxfp4"``; ``kv_cache_dtype``: ``--kv-cache-dtype``."""
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = config or TINY_VLLM_CONFIG
-    vc = make_vllm_config(quant, tp, config)
+    vc = make_vllm_config(quant, tp, config, kv_cache_dtype)
     with set_current_vllm_config(vc):
         init_distributed(tp, rank, init_method)
-        with no_cuda_streams(), _moe_patch(quant), set_default_torch_dtype(vc.model_config.dtype), \
+        fp8 = fp8_mla_cache_on_cpu() if kv_cache_dtype.startswith("fp8") else contextlib.nullcontext()
+        with no_cuda_streams(), _moe_patch(quant), fp8, set_default_torch_dtype(vc.model_config.dtype), \
                 torch.device("cpu"):
             model = initialize_model(vllm_config=vc, model_config=vc.model_config)
         loaded = model.load_weights(iter(make_checkpoint(config, quant, seed).items()))

@@ -126,8 +126,10 @@ class KDADecoderLayer(KimiDecoderLayer):
 
 class MLADecoderLayer(KimiDecoderLayer):
     def forward(self, hidden_states: Tensor | None, prefix_sum: Tensor, blocks: Tensor, kv_cache: Tensor,
-                block_table: Tensor | None, seq_lens: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self._forward(hidden_states, prefix_sum, blocks, (kv_cache, block_table, seq_lens, slot_mapping))
+                block_table: Tensor | None, seq_lens: Tensor, slot_mapping: Tensor, kv_scale: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        return self._forward(hidden_states, prefix_sum, blocks,
+                             (kv_cache, block_table, seq_lens, slot_mapping, kv_scale))
 
 
 def build_layer(cfg: KimiK3Config, layer_idx: int, tp: int = 1, rank: int = 0, dtype: torch.dtype = torch.bfloat16,

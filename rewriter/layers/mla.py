@@ -21,7 +21,7 @@ k3 = torch.ops.k3
 
 
 class MultiHeadLatentAttention(nn.Module):
-    STATE_NAMES = ("kv_cache", "block_table", "seq_lens", "slot_mapping")
+    STATE_NAMES = ("kv_cache", "block_table", "seq_lens", "slot_mapping", "kv_scale")
 
     def __init__(self, cfg: KimiK3Config, tp: int, dtype: torch.dtype, tp_group: str):
         super().__init__()
@@ -48,12 +48,15 @@ class MultiHeadLatentAttention(nn.Module):
                          eps=self.eps)
 
     def forward(self, x: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-                slot_mapping: Tensor) -> Tensor:
+                slot_mapping: Tensor, kv_scale: Tensor) -> Tensor:
+        """``kv_cache`` bf16, or fp8 E4M3 (vLLM's uint8 storage) with ``kv_scale`` its per-tensor
+        scale (fp32 [1], vLLM's ``_k_scale``; unused for a bf16 cache)."""
         q_c, kv_c, k_pe, gate = mla_in_proj(x, self.fused_qkv_a_g_proj.weight, self.split_sizes)
         mqa_q, _ = mla_q_front(q_c, kv_c, k_pe, self.q_a_layernorm.weight, self.kv_a_layernorm.weight,
-                               self.q_b_proj.weight, self.kv_b_proj.weight, kv_cache, slot_mapping, **self.dims)
+                               self.q_b_proj.weight, self.kv_b_proj.weight, kv_cache, slot_mapping, kv_scale,
+                               **self.dims)
         with region("mla.decode"):
-            latent = k3.mla_decode(mqa_q, kv_cache, block_table, seq_lens, self.scale, self.kv_lora)
+            latent = k3.mla_decode(mqa_q, kv_cache, block_table, seq_lens, kv_scale, self.scale, self.kv_lora)
         o = mla_out_gate(latent, self.kv_b_proj.weight, gate, heads=self.heads, nope=self.nope, v_dim=self.v_dim,
                          kv_lora=self.kv_lora)
         return o_proj_all_reduce(o, self.o_proj.weight, self.tp_group, self.tp)
@@ -72,8 +75,8 @@ def mla_in_proj(x: Tensor, weight: Tensor, split_sizes: list[int]) -> tuple[Tens
 
 
 def mla_q_front(q_c: Tensor, kv_c: Tensor, k_pe: Tensor, q_a_norm: Tensor, kv_a_norm: Tensor, q_b_weight: Tensor,
-                kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor, *, heads: int, nope: int, rope: int,
-                v_dim: int, kv_lora: int, eps: float) -> tuple[Tensor, None]:
+                kv_b_weight: Tensor, kv_cache: Tensor, slot_mapping: Tensor, kv_scale: Tensor, *, heads: int,
+                nope: int, rope: int, v_dim: int, kv_lora: int, eps: float) -> tuple[Tensor, None]:
     """q/kv norms, q_b_proj, W_UK absorption, [q_nope_latent | q_pe], latent cache insert.
 
     Returns the absorbed query [T, H, L + R] and the (empty) result of the cache insert.
@@ -88,7 +91,7 @@ def mla_q_front(q_c: Tensor, kv_c: Tensor, k_pe: Tensor, q_a_norm: Tensor, kv_a_
         w_uk_t = _kv_b(kv_b_weight, heads, nope, v_dim, kv_lora)[0]
         ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk_t).transpose(0, 1)  # [T, H, L]
     with region("mla.cache_insert"):
-        inserted = k3.mla_cache_insert(kv_cache, kv_c, k_pe, slot_mapping)
+        inserted = k3.mla_cache_insert(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
         return torch.cat([ql_nope, q_pe], dim=-1), inserted
 
 

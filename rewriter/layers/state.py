@@ -59,12 +59,19 @@ def decode_inputs(layer: KimiDecoderLayer, shape: DecodeShape, device: str | tor
         pages = math.ceil(seq_len / bs)
         num_blocks = batch * pages + 1
         table = perm(batch * pages).view(batch, pages) + 1  # page 0 unused
-        inputs["kv_cache"] = randn(num_blocks, bs, cfg.mla_cache_entry)
+        if shape.kv_cache_dtype == "fp8":  # E4M3 in vLLM's uint8 storage, values / scale
+            scale = torch.full((1,), 0.5 if meta else 0.25 + float(torch.rand(1, generator=g)), device=dev)
+            values = randn(num_blocks, bs, cfg.mla_cache_entry, dt=torch.float32)
+            inputs["kv_cache"] = (values / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+        else:
+            scale = torch.ones(1, device=dev)
+            inputs["kv_cache"] = randn(num_blocks, bs, cfg.mla_cache_entry)
         inputs["block_table"] = index(table)
         inputs["seq_lens"] = index(torch.full((batch,), seq_len))
         pos = torch.arange(shape.context, seq_len)  # this step's tokens
         slots = table.gather(1, (pos // bs).expand(batch, -1)) * bs + pos % bs
         inputs["slot_mapping"] = index(slots.reshape(-1))
+        inputs["kv_scale"] = scale  # vLLM's _k_scale (fp32 [1]; 1 and unused for a bf16 cache)
     return inputs
 
 

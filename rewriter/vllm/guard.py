@@ -26,6 +26,8 @@ from rewriter.vllm.experts import moe_backend_refusal
 log = logging.getLogger("rewriter.vllm")
 
 SUPPORTED_CAPABILITIES = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+# vLLM's --kv-cache-dtype values the MLA programs read, and the DecodeShape.kv_cache_dtype each means
+KV_CACHE_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 
 def arch_of(capability: tuple[int, int] | None) -> str | None:
@@ -75,8 +77,9 @@ def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = N
     reasons += model_refusals(model.hf_text_config, par.tensor_parallel_size)
     if model.dtype != torch.bfloat16:
         reasons.append(f"model dtype {model.dtype} (the kernels are bf16)")
-    if cache.cache_dtype not in ("auto", "bfloat16"):
-        reasons.append(f"KV cache dtype {cache.cache_dtype!r} (the kernels read a bf16 latent cache)")
+    if cache.cache_dtype not in KV_CACHE_DTYPES:
+        reasons.append(f"KV cache dtype {cache.cache_dtype!r} (the kernels read a bf16 latent cache or fp8 E4M3 "
+                       "with one per-tensor scale: --kv-cache-dtype auto, bfloat16, fp8 or fp8_e4m3)")
     try:
         conv, recurrent = MambaStateDtypeCalculator.kda_state_dtype(model.dtype, cache.mamba_cache_dtype,
                                                                     cache.mamba_ssm_cache_dtype)[:2]

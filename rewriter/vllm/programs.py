@@ -175,9 +175,10 @@ CompileFn = Callable[[RewriteResult, Schedule], None]
 def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, rank: int, arch: str,
                    batches: Iterable[int], compile_fn: CompileFn = require_cuda_kernels,
                    group: Any = None, progress: Callable[[str], None] | None = None,
-                   conv_layout: str = "SD") -> ProgramSet:
+                   conv_layout: str = "SD", kv_cache_dtype: str = "bf16") -> ProgramSet:
     """Programs for every (layer, batch), traced on KDA state in ``conv_layout`` (vLLM's
-    ``get_conv_state_layout()``); layers that fail on any rank fall back on all."""
+    ``get_conv_state_layout()``) and an MLA cache of ``kv_cache_dtype`` (bf16 or fp8); layers
+    that fail on any rank fall back on all."""
     batches = tuple(sorted(set(batches)))
     progress = progress or (lambda line: log.info("%s", line))
     out = ProgramSet(batches=batches)
@@ -188,7 +189,8 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
         try:
             ref = bind_layer(vllm_layer, cfg, idx, tp, rank)
             for b in batches:
-                shape = DecodeShape(batch=b, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout)
+                shape = DecodeShape(batch=b, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout,
+                                    kv_cache_dtype=kv_cache_dtype)
                 result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))

@@ -18,14 +18,18 @@ def cache_tensors(vllm_layer: nn.Module) -> dict[str, torch.Tensor]:
     """The layer's KV cache / KDA state as vLLM bound it, as views under the names of the
     reference layer's inputs: KDA ``conv_state`` [slots, C, K-1] (a transposed view when vLLM
     keeps it width-major, its default) and ``recurrent_state`` [slots, H, V, K]; MLA
-    ``kv_cache`` [blocks, block_size, 576]. Slots are vLLM's pages: not contiguous across slots."""
+    ``kv_cache`` [blocks, block_size, 576] (bf16, or fp8 as uint8) and ``kv_scale`` (its
+    ``_k_scale``, a [1] view). Slots are vLLM's pages: not contiguous across slots."""
     attention = vllm_layer.self_attn
     if hasattr(attention, "conv_size"):
         conv, recurrent = attention.kv_cache[:2]
         if conv.shape[-1] != attention.conv_size - 1:  # vLLM may keep the conv state width-major
             conv = conv.transpose(-1, -2)
         return {"conv_state": conv, "recurrent_state": recurrent}
-    return {"kv_cache": attention.kv_cache}
+    scale = getattr(attention, "_k_scale", None)
+    if scale is None:
+        raise ValueError(f"{layer_name(attention)}: the MLA layer has no _k_scale (its KV cache scale)")
+    return {"kv_cache": attention.kv_cache, "kv_scale": scale.reshape(1)}
 
 
 def kda_state(vllm_layer: nn.Module, metadata: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
@@ -39,11 +43,12 @@ def kda_state(vllm_layer: nn.Module, metadata: Any, num_tokens: int) -> tuple[to
 
 def mla_state(vllm_layer: nn.Module, metadata: Any, slot_mapping: torch.Tensor, num_tokens: int
               ) -> tuple[torch.Tensor, ...]:
-    """(kv_cache, block_table, seq_lens, slot_mapping) from vLLM's cache and metadata."""
+    """(kv_cache, block_table, seq_lens, slot_mapping, kv_scale) from vLLM's cache and metadata."""
     decode = metadata.decode
     if decode is None:
         raise ValueError(f"{layer_name(vllm_layer.self_attn)}: MLA metadata has no decode part")
-    return cache_tensors(vllm_layer)["kv_cache"], decode.block_table, decode.seq_lens, slot_mapping[:num_tokens]
+    caches = cache_tensors(vllm_layer)
+    return caches["kv_cache"], decode.block_table, decode.seq_lens, slot_mapping[:num_tokens], caches["kv_scale"]
 
 
 def state_inputs(vllm_layer: nn.Module, context: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
