@@ -153,6 +153,17 @@ def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
     return len(names), names
 
 
+def _compilable(inputs: dict) -> list:
+    """The layer's inputs with the KDA state's pages split into one buffer per dtype (same strides),
+    which torch.compile takes (it refuses in-place updates of one buffer's views in two dtypes)."""
+    from rewriter.layers.state import conv_layout_of, kda_state_pages
+
+    if "conv_state" in inputs:
+        inputs["conv_state"], inputs["recurrent_state"] = kda_state_pages(
+            inputs["conv_state"], inputs["recurrent_state"], conv_layout_of(inputs["conv_state"]), shared=False)
+    return list(inputs.values())
+
+
 class _Case:
     """``copies`` layers of one TP shape and batch on the GPU, with their inputs."""
 
@@ -165,7 +176,7 @@ class _Case:
         self.layers = [init_random_(build_layer(cfg, layer_idx, tp=shape.tp, device="cuda", experts=experts),
                                     seed=1000 + i)
                        for i in range(copies)]
-        self.inputs = [list(decode_inputs(layer, self.shape, device="cuda", seed=i).values())
+        self.inputs = [_compilable(decode_inputs(layer, self.shape, device="cuda", seed=i))
                        for i, layer in enumerate(self.layers)]
 
     def reference(self) -> Callable[[], Any]:

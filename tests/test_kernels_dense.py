@@ -4,7 +4,7 @@ two kernels at the dense sizes, the down projection's I split over warps.
 1. specs at Kimi K3's TP 16 and TP 8 shapes and refusals (no CuTe DSL);
 2. compiles for sm_90a with no register spills (ptxas; skipped without CuTe DSL);
 3. on a GPU (marked ``gpu``): fresh random inputs, outputs poisoned with NaN, against the op's
-   CPU reference (bf16 relative error <= 1e-2) at 1, 8 and 64 tokens, and dispatched through
+   CPU reference (bf16 relative error <= 1e-2) at 1, 5 and 8 tokens, and dispatched through
    ``install_cuda_kernels`` inside a CUDA graph.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def dense_args(tokens=1, inter=2112, hidden=H, make=meta, tp=1):
 
 
 @pytest.mark.parametrize("shape", list(INTER))
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_specs_at_kimi_k3_shapes(shape, tokens):
     inter = INTER[shape]
     tpl, specs = spec_for_call(OP, "sm_90a", dense_args(tokens, inter))
@@ -52,7 +52,7 @@ def test_specs_at_kimi_k3_shapes(shape, tokens):
 
 
 @pytest.mark.parametrize("args,reason", [
-    (dense_args(tokens=65), "65 tokens outside 1..64"),
+    (dense_args(tokens=9), "9 tokens: above 8 the GEMV kernels re-read x per channel"),
     (dense_args(inter=2100), "I 2100: its 262 vectors do not split"),
     (dense_args(hidden=1000), "H 1000 is not a multiple of 256"),
     ((meta(1, H, dtype=torch.float32), meta(4224, H), meta(H, 2112), BETA, LINEAR_BETA, "tp", 1), "x is fp32"),
@@ -63,7 +63,7 @@ def test_refusals_say_why(args, reason):
 
 
 @needs_cutedsl
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 8])
 def test_compiles_without_spills(tokens, tmp_path):
     from codegen.cache import KernelCache
     from codegen.compiler import compile_kernel
@@ -90,7 +90,7 @@ def cuda(args):
 
 @on_gpu
 @pytest.mark.parametrize("shape", list(INTER))
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_dense_mlp(shape, tokens):
     inter = INTER[shape]
     cpu = dense_inputs(tokens, inter, torch.Generator().manual_seed(7 * tokens + inter))

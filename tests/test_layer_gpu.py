@@ -1,4 +1,5 @@
-"""The whole rewritten KDA+MoE layer on the GPU against the reference layer (marked ``gpu``).
+"""The whole rewritten KDA layers (KDA+MoE, and layer 0's KDA + dense MLP) on the GPU against
+the reference layer (marked ``gpu``), the KDA state in vLLM's pages (SD conv layout).
 
 The layer is Kimi K3's at one rank's shapes (``KimiK3Config.one_rank_of``: TP 16 or 8 sizes
 as a TP 1 model, so one GPU runs it with no collective), full size, random weights, routed
@@ -22,7 +23,7 @@ from conftest import GPU_MARKS, rel_err
 from rewriter.config import KimiK3Config
 from rewriter.layers import build_layer
 from rewriter.layers import moe as moe_module
-from rewriter.layers.state import decode_inputs
+from rewriter.layers.state import conv_layout_of, decode_inputs, kda_state_pages
 from rewriter.layers.weights import init_random_
 from rewriter.program import LayerRunner
 from rewriter.rewrite import rewrite
@@ -36,14 +37,23 @@ MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
 
 
-def _layer(tp: int, experts: str):
+def _layer(tp: int, experts: str, index: int = 1):
     from codegen import bind
 
     cfg = KimiK3Config.preset("kimi-k3").one_rank_of(tp)
-    layer = init_random_(build_layer(cfg, 1, tp=1, device="cuda", experts=experts), seed=tp)
-    layer.block_sparse_moe.gate.e_score_correction_bias.mul_(10.0)  # wider gaps between experts
+    layer = init_random_(build_layer(cfg, index, tp=1, device="cuda", experts=experts), seed=tp)
+    if index:
+        layer.block_sparse_moe.gate.e_score_correction_bias.mul_(10.0)  # wider gaps between experts
     bind.install_cuda_kernels()
     return layer
+
+
+def _copy(inputs: dict) -> list:
+    """Copies of the inputs, the KDA state in pages again (``clone`` would compact the views)."""
+    out = {n: t.clone() for n, t in inputs.items()}
+    out["conv_state"], out["recurrent_state"] = kda_state_pages(inputs["conv_state"], inputs["recurrent_state"],
+                                                                conv_layout_of(inputs["conv_state"]))
+    return list(out.values())
 
 
 def _reference(layer, inputs):
@@ -61,22 +71,25 @@ def _reference(layer, inputs):
         out = layer(*inputs)
     finally:
         moe_module.route = real_route
-    (margin,) = margins
+    (margin,) = margins or [torch.ones(inputs[0].shape[0], device=inputs[0].device)]  # the dense layer: no router
     return out, margin
 
 
-@pytest.mark.parametrize("tp,batch,experts", [
-    (16, 1, "bf16"), (16, 8, "bf16"), (16, 64, "bf16"), (8, 1, "bf16"), (8, 8, "bf16"),
-    (16, 1, "mxfp4"), (16, 8, "mxfp4"), (8, 1, "mxfp4"), (8, 8, "mxfp4")])
-def test_rewritten_layer_matches_the_reference(tp, batch, experts):
+@pytest.mark.parametrize("layer_idx,tp,batch,experts", [
+    (1, 16, 1, "bf16"), (1, 16, 8, "bf16"), (1, 16, 64, "bf16"), (1, 8, 1, "bf16"), (1, 8, 8, "bf16"),
+    (1, 16, 1, "mxfp4"), (1, 16, 8, "mxfp4"), (1, 8, 1, "mxfp4"), (1, 8, 8, "mxfp4"),
+    (0, 16, 1, None), (0, 16, 8, None), (0, 8, 5, None)])  # layer 0: KDA + dense MLP
+def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts):
     """``experts``: bf16, or the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90)."""
     from codegen import bind
 
-    layer = _layer(tp, experts)
+    layer = _layer(tp, experts or "bf16", layer_idx)
     shape = DecodeShape(batch=batch, arch=bind.device_arch())
     for seed in range(10):
-        inputs = list(decode_inputs(layer, shape, device="cuda", seed=seed).values())
-        ref_inputs = [t.clone() for t in inputs]
+        given = decode_inputs(layer, shape, device="cuda", seed=seed)
+        assert given["conv_state"].stride(0) > given["conv_state"][0].numel()  # vLLM's pages
+        inputs = list(given.values())
+        ref_inputs = _copy(given)
         with torch.no_grad():
             ref_out, margin = _reference(layer, ref_inputs)
         clear = margin >= MARGIN  # tokens whose expert choice rounding cannot flip
@@ -87,7 +100,7 @@ def test_rewritten_layer_matches_the_reference(tp, batch, experts):
     result = rewrite(trace(layer, shape))
     runner = LayerRunner(result, build_schedule(result.after), device="cuda")
     before = {op: c.get("reference", 0) for op, c in bind.stats().items()}
-    rw_inputs = [t.clone() for t in inputs]
+    rw_inputs = _copy(given)
     with torch.no_grad():
         out = runner(*rw_inputs)
     torch.cuda.synchronize()
@@ -97,6 +110,7 @@ def test_rewritten_layer_matches_the_reference(tp, batch, experts):
         assert torch.isfinite(a).all(), name
         assert rel_err(a[clear], e[clear]) <= BF16_TOL, name
     names = list(decode_inputs(layer, shape).keys())
+    assert rw_inputs[names.index("conv_state")].stride(1) == 1  # the kernels ran on SD pages
     states = {n: (a, e) for n, a, e in zip(names, rw_inputs, ref_inputs) if n in ("conv_state", "recurrent_state")}
     assert rel_err(*states["conv_state"]) <= BF16_TOL
     assert rel_err(*states["recurrent_state"]) <= STATE_TOL

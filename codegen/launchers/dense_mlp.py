@@ -19,6 +19,7 @@ from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, shape_is
 from rewriter import ops
 
+DENSE_MAX_TOKENS = 8  # measured (BENCHMARKS.md): at 64 tokens these GEMV kernels take 2x torch.compile's time
 MAX_VEC_PER_LANE = 12  # down-projection weight vectors a lane holds (fp32 once converted: 8 registers each)
 MAX_K_WARPS = 4
 ROW_WARPS = 2
@@ -58,6 +59,9 @@ def _dense_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
                 f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
     t, hidden = x.shape
     inter = gate_up.shape[0] // 2
+    if t > DENSE_MAX_TOKENS:
+        return (f"{t} tokens: above {DENSE_MAX_TOKENS} the GEMV kernels re-read x per channel and run slower than the "
+                "stock GEMMs (BENCHMARKS.md, layer 0); a tensor-core path is not built yet")
     reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
               or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
               or shape_is("down_weight", down_w, (hidden, inter)) or _common_refusal(t, "H", hidden))
@@ -92,5 +96,5 @@ def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
 
 
 TEMPLATE = Template("dense_mlp", ("k3f::dense_mlp",), _dense_specs, _dense_runtime, _dense_launch,
-                    doc="dense MLP for 1..64 tokens: gate/up + SiTU, then down (the shared experts' kernels), "
+                    doc=f"dense MLP for 1..{DENSE_MAX_TOKENS} tokens: gate/up + SiTU, then down (the shared experts' kernels), "
                         "then the all-reduce (TP > 1)")

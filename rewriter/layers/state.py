@@ -75,17 +75,19 @@ def decode_inputs(layer: KimiDecoderLayer, shape: DecodeShape, device: str | tor
     return inputs
 
 
-def kda_state_pages(conv_state: torch.Tensor, recurrent_state: torch.Tensor, layout: str
+def kda_state_pages(conv_state: torch.Tensor, recurrent_state: torch.Tensor, layout: str, shared: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of a KDA conv state [slots, C, K-1] and recurrent state [slots, H, V, K] laid out
     as vLLM's cache allocator lays them: one page per slot, the conv state first (``SD``:
     [K-1, C], ``DS``: [C, K-1]), then the recurrent state; returned as views in the reference
-    layers' shapes, whose slot stride is the page."""
+    layers' shapes, whose slot stride is the page. ``shared=False``: the same strides over two
+    buffers (torch.compile cannot take in-place updates of views of one buffer in two dtypes)."""
     slots, channels, width = conv_state.shape
     conv_bytes = channels * width * conv_state.element_size()
     rec_bytes = recurrent_state[0].numel() * recurrent_state.element_size()
     page = -(-(conv_bytes + rec_bytes) // 16) * 16
     raw = torch.empty(slots * page, dtype=torch.uint8, device=conv_state.device)
+    rec_raw = raw if shared else torch.empty_like(raw)
     conv_raw = raw.view(conv_state.dtype)
     conv_page = page // conv_state.element_size()
     if layout == "SD":
@@ -96,7 +98,7 @@ def kda_state_pages(conv_state: torch.Tensor, recurrent_state: torch.Tensor, lay
         raise ShapeError(f"conv state layout must be SD or DS, got {layout!r}")
     inner = torch.empty(recurrent_state.shape[1:], device="meta").stride()  # contiguous within a slot
     size = recurrent_state.element_size()
-    rec = raw.view(recurrent_state.dtype).as_strided(recurrent_state.shape, (page // size, *inner),
+    rec = rec_raw.view(recurrent_state.dtype).as_strided(recurrent_state.shape, (page // size, *inner),
                                                      storage_offset=-(-conv_bytes // size))
     conv.copy_(conv_state)
     rec.copy_(recurrent_state)
