@@ -1,4 +1,5 @@
-"""``python -m rewriter compile``: compile every kernel of a layer's schedule (no GPU needed).
+"""``python -m rewriter compile``: compile every kernel of a layer's schedule (no GPU needed);
+``--all-layers``: of every layer and served batch (``rewriter/compile_all.py``).
 
 Traces and rewrites the layer as ``inspect`` does, builds its schedule, and for each kernel
 prints one line: ``compiled`` (time, cache hit or miss) when a CuTe DSL template takes it,
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rewriter.kernel_plan import plan
+from rewriter.shape import ShapeError
 
 
 def add_compile_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,6 +32,11 @@ def add_compile_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="recompile even what the cache holds")
     c.add_argument("--dry-run", action="store_true", help="list the kernels and their specs, compile nothing")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    c.add_argument("--all-layers", action="store_true",
+                   help="every kernel of every layer at every batch a server builds (rewriter/compile_all.py)")
+    c.add_argument("--batches", type=int, nargs="+", metavar="N",
+                   help="with --all-layers: the batch sizes (default the server's: 1..8, 16, 32, 64)")
+    c.add_argument("--jobs", type=int, help="with --all-layers: worker processes (default: the CPUs, at most 16)")
     return c
 
 
@@ -38,6 +45,12 @@ def run_compile(args: argparse.Namespace) -> int:
     from codegen.compiler import CodegenError, available, compile_kernel
     from rewriter.cli import rewritten_layer
 
+    if args.all_layers:
+        from rewriter.compile_all import run_compile_all
+
+        return run_compile_all(args)
+    if args.batches or args.jobs:
+        raise ShapeError("--batches and --jobs go with --all-layers (one layer compiles at --batch)")
     result = rewritten_layer(args)
     shape = result.before.shape
     rows = plan(result, args.arch)

@@ -71,7 +71,33 @@ def copy_layer_graph(lg: LayerGraph) -> LayerGraph:
     return LayerGraph(gm=gm, config=lg.config, layer=lg.layer, kind=lg.kind, shape=lg.shape, module=lg.module)
 
 
+_TRACED: dict[tuple, fx.GraphModule] = {}  # (code, closure values) -> traced pattern / replacement
+
+
+def _trace_key(fn: Any) -> tuple | None:
+    """What a rule's pattern or replacement traces from: its code and the values it closes over
+    (layer sizes, group names), so layers and batches with the same ones share one trace; None
+    where a value has no stable repr."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells = tuple(c.cell_contents for c in getattr(fn, "__closure__", None) or ())
+    text = repr((cells, getattr(fn, "__defaults__", None)))
+    return None if " at 0x" in text else (code, text)
+
+
 def _traced(rule: Rule, variant: int, fn: Any, what: str) -> fx.GraphModule:
+    """The traced pattern or replacement (shared: the subgraph rewriter only reads them)."""
+    key = _trace_key(fn)
+    if key is not None and key in _TRACED:
+        return _TRACED[key]
+    gm = _trace_new(rule, variant, fn, what)
+    if key is not None:
+        _TRACED[key] = gm
+    return gm
+
+
+def _trace_new(rule: Rule, variant: int, fn: Any, what: str) -> fx.GraphModule:
     try:
         graph = trace_function(fn)
     except Exception as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_cutedsl, pdl_flags
+from conftest import HAVE_CUTEDSL, needs_cutedsl, pdl_flags
 
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
@@ -450,6 +450,32 @@ def test_compile_command(capsys, kcache):
     assert gemm["cache"] == "miss" and gemm["spec"]["shapes"] == {"k": 7168, "rows": 3216, "token_tile": 16}
     assert status["router_topk"]["stages"][0]["cache"] == "hit"  # tokens are a runtime size there too
     assert report["compiled"] == 12 and report["failed"] == 0
+
+
+def test_compile_all_layers_plans_every_structure_and_compiles_each_kernel_once(capsys, tmp_path):
+    """``compile --all-layers`` on the tiny model: every layer structure at each batch planned in
+    worker processes, each distinct kernel compiled once (cache misses), then all read back from
+    the cache by a second run; the JSON names the layers that cannot be served and why."""
+    args = ["compile", "--all-layers", "--model", "tiny", "--batches", "1", "3", "--arch", "sm_90a", "--jobs", "2",
+            "--cache-dir", str(tmp_path), "--json"]
+    if not HAVE_CUTEDSL:
+        args.append("--dry-run")
+    assert main(args) == 0
+    cold = json.loads(capsys.readouterr().out)
+    assert cold["structures"] == 6 and cold["plans"] == 12 and cold["batches"] == [1, 3]
+    assert cold["kernels"] >= 5 and cold["layers_served"] == 0  # the tiny sizes are below several kernels'
+    assert "layer 4 batch 1" in cold["refusals"] and "K 64" in cold["refusals"]["layer 4 batch 1"]
+    if not HAVE_CUTEDSL:
+        return
+    assert cold["compiled"] == cold["cache_misses"] == cold["kernels"] and cold["failed"] == 0
+    assert main(args) == 0
+    warm = json.loads(capsys.readouterr().out)
+    assert warm["compiled"] == cold["kernels"] and warm["cache_misses"] == 0
+
+
+def test_compile_batches_and_jobs_need_all_layers(capsys):
+    assert main(["compile", "--model", "tiny", "--layer", "1", "--jobs", "2", "--dry-run"]) == 2
+    assert "--batches and --jobs go with --all-layers" in capsys.readouterr().err
 
 
 # What each CuTe DSL kernel is built on, as its PTX must show (on every arch)
