@@ -17,10 +17,11 @@ Conventions shared with vLLM 0.33.0:
   KDA kernels skip index <= 0): no state is read or written and its output is zero; a
   negative MLA cache slot is a padding token (vLLM's PAD_SLOT_ID, -1): nothing is written.
 
-On CUDA the KDA steps run batched (``_conv_update_batched``, ``_recurrent_step_batched``:
-gathers and ``index_copy_``, no host sync), so the reference layer can be captured in a
-CUDA graph and compiled; a padding row reads slot 0 (vLLM's null block) and writes it back
-unchanged.
+On CUDA the KDA steps and the MLA cache insert and decode run batched
+(``_conv_update_batched``, ``_recurrent_step_batched``, ``_cache_insert_batched``,
+``_decode_batched``: gathers and ``index_copy_``, no host sync), so the reference layer can
+be captured in a CUDA graph and compiled; a padding row reads slot 0 (vLLM's null block) and
+writes it back unchanged.
 
 ``collectives_excluded()`` lets one GPU run a TP > 1 rank's graph for timing: the
 all-reduce becomes a copy and the gather repeats the local share (shapes right, values not).
@@ -270,6 +271,18 @@ def mla_cache_insert(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping:
             kv_cache[slot // block_size, slot % block_size] = entry[t]
 
 
+@mla_cache_insert.register_kernel("cuda")
+def _cache_insert_batched(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor,
+                          kv_scale: Tensor) -> None:
+    """``mla_cache_insert`` with no host sync: padding tokens write slot 0's own entry back
+    (block 0 is vLLM's null block)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    valid = slot_mapping >= 0
+    slots = torch.where(valid, slot_mapping, 0).long()
+    entry = _to_cache(torch.cat([kv_c, k_pe], dim=-1), kv_cache, kv_scale)
+    flat.index_copy_(0, slots, torch.where(valid.unsqueeze(-1), entry, flat.index_select(0, slots)))
+
+
 @mla_cache_insert.register_fake
 def _(kv_cache: Tensor, kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_scale: Tensor) -> None:
     return None
@@ -308,6 +321,30 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens
             probs = torch.softmax(scores, dim=-1)
             out[t] = (probs @ entries[:visible, :kv_lora_rank]).to(q.dtype)
     return out
+
+
+@mla_decode.register_kernel("cuda")
+def _decode_batched(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor, kv_scale: Tensor,
+                    scale: float, kv_lora_rank: int) -> Tensor:
+    """``mla_decode`` for all requests at once (no host sync, so it captures in a CUDA graph): each
+    request's whole block table gathered, positions past what a token sees masked."""
+    num_tokens, heads, _ = q.shape
+    batch = seq_lens.shape[0]
+    q_len = _tokens_per_request(num_tokens, batch, "k3::mla_decode")
+    if block_table is None:
+        entries = kv_cache
+    else:
+        entries = kv_cache[block_table.long().clamp_min(0)].flatten(1, 2)  # [B, blocks x block_size, L + R]
+    entries = _cache_values(entries, kv_scale)
+    qs = q.float().view(batch, q_len, heads, -1)
+    scores = torch.einsum("bjhe,bse->bjhs", qs, entries) * scale
+    pos = torch.arange(entries.shape[1], device=q.device)
+    visible = seq_lens.long().view(-1, 1) - q_len + 1 + torch.arange(q_len, device=q.device)  # [B, q]
+    mask = pos.view(1, 1, -1) < visible.unsqueeze(-1)  # [B, q, S]
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding request (length 0) sees nothing
+    out = torch.einsum("bjhs,bsl->bjhl", probs, entries[..., :kv_lora_rank])
+    return out.reshape(num_tokens, heads, kv_lora_rank).to(q.dtype)
 
 
 @mla_decode.register_fake

@@ -75,6 +75,34 @@ def test_fp8_cache_stores_value_over_scale_and_decode_reads_it_back():
     assert rel_err(got[:1], ref[:1]) < 1e-2 and torch.count_nonzero(got[1]) == 0
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_batched_mla_ops_equal_the_loops(fp8):
+    """The CUDA implementations (no host sync: what a CUDA graph captures), run here on CPU
+    tensors, against the loop references: paged cache, two tokens per request (causal within
+    the step), a padding request (length 0, slots -1), bf16 and fp8 caches."""
+    from rewriter.ops import _cache_insert_batched, _decode_batched
+
+    B, q_len, H, L, R, bs = 3, 2, 4, 16, 8, 4
+    g = torch.Generator().manual_seed(30)
+    scale = torch.tensor([0.6]) if fp8 else ONE
+    cache = torch.randn(9, bs, L + R, generator=g)
+    cache = (cache / scale).to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else cache.bfloat16()
+    table = (torch.randperm(8, generator=g)[:6] + 1).view(B, 2).int()
+    seq_lens = torch.tensor([7, 3, 0], dtype=torch.int32)
+    pos = torch.tensor([5, 6, 1, 2, 0, 0])
+    slots = (table.long().repeat_interleave(q_len, 0).gather(1, (pos // bs).view(-1, 1)).view(-1) * bs + pos % bs)
+    slots[4:] = -1
+    kv_c, k_pe = torch.randn(6, L, generator=g).bfloat16(), torch.randn(6, R, generator=g).bfloat16()
+    loop, batched = cache.clone(), cache.clone()
+    k3.mla_cache_insert(loop, kv_c, k_pe, slots, scale)
+    _cache_insert_batched(batched, kv_c, k_pe, slots, scale)
+    assert torch.equal(loop, batched)
+    q = torch.randn(6, H, L + R, generator=g).bfloat16()
+    want = k3.mla_decode(q, loop, table, seq_lens, scale, 0.2, L)
+    got = _decode_batched(q, loop, table, seq_lens, scale, 0.2, L)
+    assert rel_err(got, want) < 1e-2 and torch.count_nonzero(got[4:]) == 0
+
+
 def test_conv_update_formula_and_state_shift():
     C, K = 5, 4
     x, w = _rand(2, C, seed=8), _rand(C, K, seed=9)
