@@ -112,20 +112,19 @@ def _pair(path: Path) -> tuple[Path, Path]:
 
 def run_inspect_all(args: argparse.Namespace) -> int:
     """Every layer of the model, each distinct layer structure traced and rewritten once."""
-    from rewriter.layers import build_layer
+    from rewriter.layers.decoder import layer_structures
     from rewriter.report import build_model_report, layer_row, render_model_table
 
     single = [f"--{n}" for n in ("dot", "png", "graph", "nodes") if getattr(args, n)]
     if single:
         raise ShapeError(f"--all-layers prints one row per layer; {', '.join(single)} take one --layer")
     cfg = KimiK3Config.load(args.model)
-    rows, done = [], {}
-    for i in range(cfg.num_hidden_layers):
-        structure = build_layer(cfg, i, tp=args.tp, rank=args.rank, experts=args.experts).structure
-        if structure not in done:
-            done[structure] = layer_row(rewritten_layer(argparse.Namespace(**{**vars(args), "layer": i}),
-                                                        RuleSet() if args.no_rules else None), args.arch)
-        rows.append({**done[structure], "layer": i})
+    rows = []
+    for layers in layer_structures(cfg, args.tp, args.rank, args.experts).values():
+        row = layer_row(rewritten_layer(argparse.Namespace(**{**vars(args), "layer": layers[0]}),
+                                        RuleSet() if args.no_rules else None), args.arch)
+        rows += [{**row, "layer": i} for i in layers]
+    rows.sort(key=lambda r: r["layer"])
     report = build_model_report(rows, model=args.model, tp=args.tp, rank=args.rank, batch=args.batch, q=args.q,
                                 arch=args.arch, experts=args.experts)
     print(json.dumps(report, indent=1) if args.json else render_model_table(report))

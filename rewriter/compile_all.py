@@ -66,7 +66,7 @@ def run_compile_all(args: argparse.Namespace) -> int:
     from codegen.compiler import available
     from rewriter.cli import DTYPES
     from rewriter.config import KimiK3Config
-    from rewriter.layers import build_layer
+    from rewriter.layers.decoder import layer_structures
     from rewriter.shape import ShapeError
     from rewriter.vllm.programs import served_batches
 
@@ -83,10 +83,7 @@ def run_compile_all(args: argparse.Namespace) -> int:
             print(f"error: cannot compile CuTe DSL kernels: {reason}", file=sys.stderr)
             return 2
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
-    structures: dict[tuple, list[int]] = {}
-    for i in range(cfg.num_hidden_layers):
-        layer = build_layer(cfg, i, tp=args.tp, rank=args.rank, experts=args.experts)
-        structures.setdefault(layer.structure, []).append(i)
+    structures = layer_structures(cfg, args.tp, args.rank, args.experts)
     base = {"tp": args.tp, "rank": args.rank, "dtype": DTYPES[args.dtype], "arch": args.arch, "q": args.q,
             "context": args.context, "block_size": args.block_size, "conv_layout": args.conv_layout,
             "kv_cache_dtype": args.kv_cache_dtype}

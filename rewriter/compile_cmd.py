@@ -16,7 +16,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from rewriter.kernel_plan import plan
 from rewriter.shape import ShapeError

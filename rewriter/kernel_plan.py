@@ -30,13 +30,14 @@ def _op_call(lg, node_names: list[str]) -> tuple[str, tuple[Any, ...]] | None:
     return None
 
 
-def plan(result, arch: str) -> list[dict[str, Any]]:
-    """One row per scheduled kernel: its status before compiling and, for a template, its spec."""
+def plan(result, arch: str, schedule=None) -> list[dict[str, Any]]:
+    """One row per scheduled kernel (of ``schedule``, built here when not given): its status
+    before compiling and, for a template, its spec."""
     from codegen.templates import template
     from rewriter.schedule import build_schedule
 
     rows = []
-    for i, k in enumerate(build_schedule(result.after).kernels):
+    for i, k in enumerate((schedule or build_schedule(result.after)).kernels):
         row: dict[str, Any] = {"index": i, "kernel": k.name, "source": k.source}
         if not k.source.startswith("fused:"):
             row["status"] = "stock"

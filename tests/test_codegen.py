@@ -543,9 +543,9 @@ def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
 def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch):
     """At server start every cache miss is a progress line (a compile takes seconds)."""
     from rewriter.config import KimiK3Config
+    from rewriter.kernel_plan import plan
     from rewriter.layers import build_layer
     from rewriter.rewrite import rewrite
-    from rewriter.schedule import build_schedule
     from rewriter.shape import DecodeShape
     from rewriter.trace import trace
     from rewriter.vllm.programs import compile_with_codegen
@@ -558,10 +558,10 @@ def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch
 
     installed = []  # no CUDA here: record the registration instead of making it
     monkeypatch.setattr(bind, "install_cuda_kernels", lambda arch, strict: installed.append((arch, strict)))
-    monkeypatch.setattr(programs, "require_cuda_kernels", lambda result, schedule: None)
+    monkeypatch.setattr(programs, "require_cuda_kernels", lambda result, rows: None)
     result = rewrite(trace(build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16), DecodeShape(batch=1, tp=16)))
     lines = []
-    compile_with_codegen("sm_90a", progress=lines.append)(result, build_schedule(result.after))
+    compile_with_codegen("sm_90a", progress=lines.append)(result, plan(result, "sm_90a"))
     assert installed == [("sm_90a", True)]  # strict: a served step never runs a reference
     assert len(lines) == 12 and all(line.startswith("rewriter: compiling ") for line in lines)
     assert sum("kda_core" in line for line in lines) == 1

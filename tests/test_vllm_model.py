@@ -49,7 +49,7 @@ TOL = 2e-2  # bf16 activations
 EXPERTS = {None: "bf16", "mxfp4": "mxfp4/checkpoint"}
 
 
-def _no_compile(result, schedule):
+def _no_compile(result, rows):
     """On a CPU the fused ops run their reference implementations: nothing to compile."""
 
 
@@ -460,7 +460,7 @@ def test_step_guard_on_the_real_decode_context(bf16):
 
 # ---- per-layer fallback ---------------------------------------------------------------------------------
 def test_a_layer_whose_compile_fails_falls_back_alone(bf16):
-    def compile_fn(result, schedule):
+    def compile_fn(result, rows):
         if result.before.layer == 2:
             raise ProgramError("kernel compile failed: forced for the test")
 
@@ -521,7 +521,7 @@ def _tp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     group = get_tp_group()
     assert (group.world_size, group.rank_in_group) == (world, rank)
 
-    def compile_fn(result, schedule):  # only rank 1 fails, and only on layer 1
+    def compile_fn(result, rows):  # only rank 1 fails, and only on layer 1
         if rank == 1 and result.before.layer == 1:
             raise ProgramError("compile failed on rank 1")
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from codegen.launchers.experts import MAX_CHUNK, _act_params, _common_refusal, _outputs, shared_tiling
+from codegen.launchers.experts import MAX_CHUNK, one_expert_launch, one_expert_runtime, one_expert_specs, shared_tiling
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, check_tensors, shape_is
+from codegen.template import Template
 from rewriter import ops
 
 DENSE_MAX_TOKENS = 8  # measured (BENCHMARKS.md): at 64 tokens these GEMV kernels take 2x torch.compile's time
@@ -53,48 +53,19 @@ def dense_tiling(tokens: int, hidden: int, inter: int) -> tuple[dict[str, Any], 
 
 
 def _dense_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
-    x, gate_up, down_w, beta, linear_beta = args[:5]
-    if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
-        return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
-                f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
-    t, hidden = x.shape
-    inter = gate_up.shape[0] // 2
-    if t > DENSE_MAX_TOKENS:
-        return (f"{t} tokens: above {DENSE_MAX_TOKENS} the GEMV kernels re-read x per channel and run slower than the "
-                "stock GEMMs (BENCHMARKS.md, layer 0); a tensor-core path is not built yet")
-    reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
-              or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
-              or shape_is("down_weight", down_w, (hidden, inter)) or _common_refusal(t, "H", hidden))
-    if reason:
-        return reason
-    act = _act_params(beta, linear_beta)
-    if isinstance(act, str):
-        return act
-    tiling = dense_tiling(t, hidden, inter)
-    if isinstance(tiling, str):
-        return tiling
-    up, down = tiling
-    shapes = {"experts": 1, "top_k": 1, "inter": inter, "tokens": t}
-    dtypes = {"act": "bf16", "weight": "bf16"}
-    return (KernelSpec.make("expert_up", op, arch, shapes={**shapes, "latent": hidden}, dtypes=dtypes,
-                            params={**up, **act}),
-            KernelSpec.make("expert_down", op, arch, shapes={**shapes, "rows": hidden}, dtypes=dtypes, params=down))
-
-
-def _dense_runtime(args: Sequence[Any]) -> str | None:
-    x, gate_up, down_w = args[:3]
-    return aligned({"x": x, "gate_up_weight": gate_up, "down_weight": down_w})
+    tokens = args[0].shape[0] if args[0].dim() == 2 else 0
+    if tokens > DENSE_MAX_TOKENS:
+        return (f"{tokens} tokens: above {DENSE_MAX_TOKENS} the GEMV kernels re-read x per channel and run slower "
+                "than the stock GEMMs (BENCHMARKS.md, layer 0); a tensor-core path is not built yet")
+    return one_expert_specs(op, arch, args, dense_tiling)
 
 
 def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    (up, down), x = fns, args[0]
-    gate_up, down_w, _, _, group, tp = args[1:7]
-    y, act = _outputs(x, x.shape[1], (x.shape[0], 1, down_w.shape[1]), out)
-    up(x, None, gate_up.view(1, *gate_up.shape), act)
-    down(act, None, None, down_w.view(1, *down_w.shape), y)
+    y = one_expert_launch(fns, specs, args, out)
+    group, tp = args[5:7]
     return torch.ops.k3.all_reduce(y, group, tp) if ops.reduces(tp) else y
 
 
-TEMPLATE = Template("dense_mlp", ("k3f::dense_mlp",), _dense_specs, _dense_runtime, _dense_launch,
+TEMPLATE = Template("dense_mlp", ("k3f::dense_mlp",), _dense_specs, one_expert_runtime, _dense_launch,
                     doc=f"dense MLP for 1..{DENSE_MAX_TOKENS} tokens: gate/up + SiTU, then down (the shared experts' kernels), "
                         "then the all-reduce (TP > 1)")

@@ -117,8 +117,11 @@ def _routed_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, 
             KernelSpec.make("expert_down", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes, params=down))
 
 
-def _shared_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
-    x, gate_up, down_w, beta, linear_beta = args
+def one_expert_specs(op: str, arch: str, args: Sequence[Any], tiling) -> tuple[KernelSpec, ...] | str:
+    """The two kernels' specs for one expert of weight 1 (the shared experts, the dense MLP) from
+    the op's ``(x, gate_up_weight, down_weight, beta, linear_beta, ...)``; ``tiling(T, H, I)``
+    gives the (up, down) tiling or why the sizes do not fit."""
+    x, gate_up, down_w, beta, linear_beta = args[:5]
     if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
         return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
                 f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
@@ -129,12 +132,13 @@ def _shared_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, 
               or shape_is("down_weight", down_w, (hidden, inter)) or _common_refusal(t, "H", hidden))
     if reason:
         return reason
-    if inter % (8 * SHARED_ROW_LANES):
-        return f"I {inter} is not a multiple of {8 * SHARED_ROW_LANES} ({SHARED_ROW_LANES} lanes x 8 per row)"
     act = _act_params(beta, linear_beta)
     if isinstance(act, str):
         return act
-    up, down = shared_tiling(t, hidden, inter)
+    tiles = tiling(t, hidden, inter)
+    if isinstance(tiles, str):
+        return tiles
+    up, down = tiles
     shapes = {"experts": 1, "top_k": 1, "inter": inter, "tokens": t}
     dtypes = {"act": "bf16", "weight": "bf16"}
     return (KernelSpec.make("expert_up", op, arch, shapes={**shapes, "latent": hidden}, dtypes=dtypes,
@@ -147,7 +151,16 @@ def _routed_runtime(args: Sequence[Any]) -> str | None:
     return aligned({"x": x, "w13": w13, "w2": w2})
 
 
-def _shared_runtime(args: Sequence[Any]) -> str | None:
+def _shared_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    def tiling(t, hidden, inter):
+        if inter % (8 * SHARED_ROW_LANES):
+            return f"I {inter} is not a multiple of {8 * SHARED_ROW_LANES} ({SHARED_ROW_LANES} lanes x 8 per row)"
+        return shared_tiling(t, hidden, inter)
+
+    return one_expert_specs(op, arch, args, tiling)
+
+
+def one_expert_runtime(args: Sequence[Any]) -> str | None:
     x, gate_up, down_w = args[:3]
     return aligned({"x": x, "gate_up_weight": gate_up, "down_weight": down_w})
 
@@ -169,7 +182,8 @@ def _routed_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=
     return y
 
 
-def _shared_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+def one_expert_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    """Gate/up + activation into the scratch, then down into y [T, H]; ``out``: as ``_outputs``."""
     (up, down), x = fns, args[0]
     gate_up, down_w = args[1:3]
     inter = down_w.shape[1]
@@ -182,7 +196,7 @@ def _shared_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=
 TEMPLATES = (
     Template("routed_experts_grouped", ("k3f::routed_experts",), _routed_specs, _routed_runtime, _routed_launch,
              doc="routed experts for 1..64 tokens: gate/up + SiTU per (token, slot), then down + weighted sum"),
-    Template("shared_experts", ("k3f::shared_experts",), _shared_specs, _shared_runtime, _shared_launch,
+    Template("shared_experts", ("k3f::shared_experts",), _shared_specs, one_expert_runtime, one_expert_launch,
              doc="shared experts for 1..64 tokens: gate/up + SiTU, then down; tokens in chunks of 8"),
 )
 

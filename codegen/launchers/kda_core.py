@@ -12,6 +12,7 @@ import torch
 
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
+from rewriter.layers.state import conv_layout_of
 
 KDA_HEAD_DIM = 128  # codegen/kernels/kda_core.py: 4 threads x 32 fp32 per state row, 512 threads
 KDA_CONV_WIDTH = 4
@@ -58,7 +59,7 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
               or shape_is("recurrent_state", recurrent_state, (slots, h, d, d)))
     if reason:
         return reason
-    layout = conv_layout(conv_state)
+    layout = conv_layout_of(conv_state)
     if layout is None:
         return (f"conv_state strides {tuple(conv_state.stride())}: a slot must hold its [3, 3P] (SD) or "
                 f"[3P, 3] (DS) values contiguously")
@@ -76,13 +77,6 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
                             dtypes={"act": "bf16", "weight": "bf16", "conv_state": "bf16", "state": "fp32"},
                             params={"lower_bound": None if lower_bound is None else float(lower_bound),
                                     "eps": float(eps), "conv_layout": layout}),)
-
-
-def conv_layout(conv_state: Any) -> str | None:
-    """``SD`` or ``DS``: how a [slots, 3P, 3] conv state view keeps a slot, or None if neither."""
-    _, channels, width = conv_state.shape
-    inner = tuple(conv_state.stride()[1:])
-    return "SD" if inner == (1, channels) else "DS" if inner == (width, 1) else None
 
 
 def _dtype_is(name: str, t: Any, dtype: torch.dtype) -> str | None:

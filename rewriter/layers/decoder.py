@@ -132,6 +132,16 @@ class MLADecoderLayer(KimiDecoderLayer):
                              (kv_cache, block_table, seq_lens, slot_mapping, kv_scale))
 
 
+def layer_structures(cfg: KimiK3Config, tp: int = 1, rank: int = 0, experts: ExpertFormat | str = "bf16"
+                     ) -> dict[tuple, list[int]]:
+    """The model's distinct layer structures (``KimiDecoderLayer.structure``), each with the
+    layers that have it (built on meta: nothing allocated)."""
+    out: dict[tuple, list[int]] = {}
+    for i in range(cfg.num_hidden_layers):
+        out.setdefault(build_layer(cfg, i, tp=tp, rank=rank, experts=experts).structure, []).append(i)
+    return out
+
+
 def build_layer(cfg: KimiK3Config, layer_idx: int, tp: int = 1, rank: int = 0, dtype: torch.dtype = torch.bfloat16,
                 device: str | torch.device = "meta", tp_group: str = "tp",
                 experts: ExpertFormat | str = "bf16") -> KimiDecoderLayer:

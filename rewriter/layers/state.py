@@ -105,9 +105,12 @@ def kda_state_pages(conv_state: torch.Tensor, recurrent_state: torch.Tensor, lay
     return conv, rec
 
 
-def conv_layout_of(conv_state: torch.Tensor) -> str:
-    """``SD`` or ``DS``: which way a [slots, C, K-1] conv state view keeps each slot."""
-    return "SD" if conv_state.shape[1] > 1 and conv_state.stride(1) == 1 else "DS"
+def conv_layout_of(conv_state: torch.Tensor) -> str | None:
+    """``SD`` or ``DS``: which way a [slots, C, K-1] conv state view keeps each slot's values
+    contiguously ([K-1, C] or [C, K-1]); None when it does neither."""
+    _, channels, width = conv_state.shape
+    inner = tuple(conv_state.stride()[1:])
+    return "SD" if inner == (1, channels) else "DS" if inner == (width, 1) else None
 
 
 def state_shardings(layer: KimiDecoderLayer) -> dict[str, Sharding]:

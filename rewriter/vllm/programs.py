@@ -88,8 +88,9 @@ def missing_cuda_kernels(result: RewriteResult) -> list[str]:
     return sorted(op.name() for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA"))
 
 
-def require_cuda_kernels(result: RewriteResult, schedule: Schedule) -> None:
-    """The default compile step: every fused op must have a CUDA kernel registered."""
+def require_cuda_kernels(result: RewriteResult, rows: list[dict]) -> None:
+    """The default compile step: every fused op must have a CUDA kernel registered (the plan's
+    ``rows`` are not needed for that)."""
     missing = missing_cuda_kernels(result)
     if missing:
         raise ProgramError(f"no CUDA kernel registered for {', '.join(missing)}")
@@ -102,7 +103,7 @@ def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = Non
     ``progress`` gets a line per kernel compiled now (a cache miss: seconds each)."""
     progress = progress or (lambda line: log.info("%s", line))
 
-    def compile_fn(result: RewriteResult, schedule: Schedule) -> None:
+    def compile_fn(result: RewriteResult, rows: list[dict]) -> None:
         try:
             from codegen.bind import install_cuda_kernels
             from codegen.compiler import CodegenError, available, compile_kernel
@@ -112,7 +113,6 @@ def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = Non
         reason = available()
         if reason:
             raise ProgramError(f"CuTe DSL kernels unavailable: {reason}")
-        rows = plan(result, arch)
         reason = program_refusal(rows)
         if reason:
             raise ProgramError(reason)
@@ -122,7 +122,7 @@ def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = Non
             except CodegenError as e:
                 raise ProgramError(f"kernel compile failed: {e}") from e
         install_cuda_kernels(arch, strict=True)  # in a served step a declined call raises, never runs slow
-        require_cuda_kernels(result, schedule)
+        require_cuda_kernels(result, rows)
 
     return compile_fn
 
@@ -169,7 +169,7 @@ class ProgramSet:
         return self.programs.get((layer_idx, batch))
 
 
-CompileFn = Callable[[RewriteResult, Schedule], None]
+CompileFn = Callable[[RewriteResult, list[dict]], None]  # (rewrite, its kernel plan): compile or raise
 
 
 def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, rank: int, arch: str,
@@ -182,7 +182,7 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
     batches = tuple(sorted(set(batches)))
     progress = progress or (lambda line: log.info("%s", line))
     out = ProgramSet(batches=batches)
-    built: dict[tuple, tuple[RewriteResult, Schedule] | ProgramError] = {}  # per (structure, batch)
+    built: dict[tuple, tuple[RewriteResult, Schedule, frozenset] | ProgramError] = {}  # per (structure, batch)
     start = time.perf_counter()
     for i, vllm_layer in enumerate(vllm_layers):
         idx = getattr(vllm_layer, "layer_idx", i)
@@ -216,10 +216,10 @@ def _built(cache: dict, structure: tuple, ref: KimiDecoderLayer, shape: DecodeSh
     if key not in cache:
         result = rewrite(trace(ref, shape))
         schedule = build_schedule(result.after)
+        rows = plan(result, shape.arch, schedule)
         try:
-            compile_fn(result, schedule)
-            specs = frozenset(spec for row in plan(result, shape.arch) for spec in row.get("specs", ()))
-            cache[key] = (result, schedule, specs)
+            compile_fn(result, rows)
+            cache[key] = (result, schedule, frozenset(spec for row in rows for spec in row.get("specs", ())))
         except ProgramError as e:
             cache[key] = e
     entry = cache[key]
