@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ARCHES = ("sm_90a", "sm_100a", "sm_103a")
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
+DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 _QUIET = {"eps", "rows_per_warp", "warps_per_cta", "unroll", "stream_weights", "pipeline"}  # left out of labels
 
 

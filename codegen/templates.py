@@ -14,7 +14,7 @@ from typing import Any
 from codegen.template import Specs, Template
 
 LAUNCHERS = ("attn_res_norm", "in_proj_gemm", "in_proj_gemv", "router_topk", "kda_core",
-             "router_down", "latent_tail", "o_proj", "experts", "dense_mlp")
+             "router_down", "latent_tail", "o_proj", "experts", "dense_mlp", "mla_attend", "mla_q_front")
 
 
 def _templates_of(name: str) -> tuple[Template, ...]:

@@ -3,7 +3,8 @@ inside some fused kernel:
 
 - ``attn_res_norm``: AttnRes before attention (prefix add, block write, mix) with
   ``input_layernorm``; the block write goes to the block buffer in place, as in vLLM;
-- ``mla_out_gate``: W_UV back to heads and the sigmoid output gate, per head;
+- ``mla_attend``: MLA decode attention over the paged latent cache, W_UV back to heads and
+  the sigmoid output gate (one kernel: the split-context partials meet before W_UV);
 - ``dense_mlp``: layer 0's gate_up, SiTU, down and all-reduce.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor
 
 from rewriter.layers.attn_res import attn_res
-from rewriter.layers.mla import mla_out_gate
+from rewriter.layers.mla import mla_attend
 from rewriter.layers.moe import mlp_down, mlp_up
 from rewriter.rules import Rule, RuleContext, common_guard, fused_op
 
@@ -63,24 +64,27 @@ def _attn_res_variants(ctx: RuleContext):
     return [(pattern, replacement)]
 
 
-@fused_op("mla_out_gate")
-def mla_out_gate_op(latent: Tensor, kv_b_weight: Tensor, gate: Tensor, heads: int, nope: int, v_dim: int,
-                    kv_lora: int) -> Tensor:
-    return mla_out_gate(latent, kv_b_weight, gate, heads=heads, nope=nope, v_dim=v_dim, kv_lora=kv_lora)
+@fused_op("mla_attend")
+def mla_attend_op(mqa_q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, kv_scale: Tensor,
+                  kv_b_weight: Tensor, gate: Tensor, scale: float, heads: int, nope: int, v_dim: int,
+                  kv_lora: int) -> Tensor:
+    return mla_attend(mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate, scale=scale, heads=heads,
+                      nope=nope, v_dim=v_dim, kv_lora=kv_lora)
 
 
-def _mla_out_variants(ctx: RuleContext):
+def _mla_attend_variants(ctx: RuleContext):
     if ctx.layer.attention_kind != "mla":
         return []
-    d = ctx.layer.self_attn.dims
-    c = dict(heads=d["heads"], nope=d["nope"], v_dim=d["v_dim"], kv_lora=d["kv_lora"])
+    attn = ctx.layer.self_attn
+    d = attn.dims
+    c = dict(scale=attn.scale, heads=d["heads"], nope=d["nope"], v_dim=d["v_dim"], kv_lora=d["kv_lora"])
 
-    def pattern(latent, kv_b_weight, gate):
-        return mla_out_gate(latent, kv_b_weight, gate, **c)
+    def pattern(mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate):
+        return mla_attend(mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate, **c)
 
-    def replacement(latent, kv_b_weight, gate):
-        return torch.ops.k3f.mla_out_gate(latent, kv_b_weight, gate, c["heads"], c["nope"], c["v_dim"],
-                                          c["kv_lora"])
+    def replacement(mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate):
+        return torch.ops.k3f.mla_attend(mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate,
+                                        c["scale"], c["heads"], c["nope"], c["v_dim"], c["kv_lora"])
 
     return [(pattern, replacement)]
 
@@ -109,7 +113,8 @@ def _dense_variants(ctx: RuleContext):
 RULES = [
     Rule("attn_res_norm", "layer", _attn_res_variants, common_guard,
          doc="AttnRes before attention (prefix add, block write, mix) + input_layernorm"),
-    Rule("mla_out_gate", "layer", _mla_out_variants, common_guard, doc="W_UV per head + sigmoid output gate"),
+    Rule("mla_attend", "layer", _mla_attend_variants, common_guard,
+         doc="MLA decode over the paged latent cache + W_UV per head + sigmoid output gate"),
     Rule("dense_mlp", "layer", _dense_variants, common_guard, communicates=True, launches=2,
          doc="dense MLP: gate_up + SiTU, down, all-reduce"),
 ]

@@ -248,10 +248,16 @@ def _cache_values(entries: Tensor, kv_scale: Tensor) -> Tensor:
     return entries.float()
 
 
+E4M3_MAX = 448.0
+
+
 def _to_cache(entry: Tensor, kv_cache: Tensor, kv_scale: Tensor) -> Tensor:
-    """Values as the cache stores them: bf16, or fp8 E4M3 of value / scale (in the cache's own dtype)."""
+    """Values as the cache stores them: bf16, or fp8 E4M3 of value / scale (in the cache's own
+    dtype), saturated at +-448 as vLLM's cache writes are (``__NV_SATFINITE``; torch's own cast
+    would make NaN of them)."""
     if cache_is_fp8(kv_cache):
-        return (entry.float() / kv_scale.float().reshape(())).to(torch.float8_e4m3fn).view(kv_cache.dtype)
+        scaled = (entry.float() / kv_scale.float().reshape(())).clamp(-E4M3_MAX, E4M3_MAX)
+        return scaled.to(torch.float8_e4m3fn).view(kv_cache.dtype)
     return entry.to(kv_cache.dtype)
 
 

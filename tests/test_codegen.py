@@ -115,7 +115,8 @@ def test_templates_make_specs_from_the_layer_values():
     ("k3f::router_topk", (meta(1, 896, dtype=torch.float32), meta(895, dtype=torch.float32), 16, True, 1.0),
      "bias must be [896]"),
     ("k3f::kda_core", (), "k3f::kda_core takes 16 arguments, got 0"),
-    ("k3f::mla_q_front", (), "no CuTe DSL template for k3f::mla_q_front"),
+    ("k3f::mla_q_front", (), "k3f::mla_q_front takes 16 arguments, got 0"),
+    ("k3f::no_such_op", (), "no CuTe DSL template for k3f::no_such_op"),
 ])
 def test_templates_refuse_with_a_reason(op, args, reason):
     tpl, why = spec_for_call(op, "sm_90a", args)
@@ -125,7 +126,7 @@ def test_templates_refuse_with_a_reason(op, args, reason):
 def test_templates_name_their_sources():
     for name in KERNELS:
         assert all(p.is_file() for p in source_files(name)), name
-    assert template("mla_q_front") is None and template("attn_res_norm").ops == ("k3f::attn_res_norm",)
+    assert template("no_such_kernel") is None and template("attn_res_norm").ops == ("k3f::attn_res_norm",)
 
 
 # ---------------------------------------------------------------- disk cache (no CuTe DSL needed)

@@ -1,12 +1,14 @@
-"""The whole rewritten KDA layers (KDA+MoE, and layer 0's KDA + dense MLP) on the GPU against
-the reference layer (marked ``gpu``), the KDA state in vLLM's pages (SD conv layout).
+"""The whole rewritten layers (KDA+MoE, layer 0's KDA + dense MLP, MLA+MoE with a bf16 or fp8
+latent cache) on the GPU against the reference layer (marked ``gpu``), the KDA state in vLLM's
+pages (SD conv layout), the MLA cache paged with shuffled block tables.
 
 The layer is Kimi K3's at one rank's shapes (``KimiK3Config.one_rank_of``: TP 16 or 8 sizes
 as a TP 1 model, so one GPU runs it with no collective), full size, random weights, routed
 experts bf16 or MXFP4 (the released checkpoint's, in Humming's layout). The
 rewritten layer runs its schedule (``LayerRunner``: aux stream, events) with every fused op
 on its CuTe DSL kernels; the reference layer runs plain PyTorch on the same GPU. Outputs
-and the updated KDA states are compared by relative error.
+and the updated KDA states or MLA cache are compared by relative error (the fp8 cache by its
+dequantized values).
 
 Routing is a discontinuity: a token whose k-th and (k+1)-th expert scores are closer than
 the rounding differences between the two paths may pick another expert. So the outputs are
@@ -51,8 +53,9 @@ def _layer(tp: int, experts: str, index: int = 1):
 def _copy(inputs: dict) -> list:
     """Copies of the inputs, the KDA state in pages again (``clone`` would compact the views)."""
     out = {n: t.clone() for n, t in inputs.items()}
-    out["conv_state"], out["recurrent_state"] = kda_state_pages(inputs["conv_state"], inputs["recurrent_state"],
-                                                                conv_layout_of(inputs["conv_state"]))
+    if "conv_state" in inputs:
+        out["conv_state"], out["recurrent_state"] = kda_state_pages(inputs["conv_state"], inputs["recurrent_state"],
+                                                                    conv_layout_of(inputs["conv_state"]))
     return list(out.values())
 
 
@@ -75,19 +78,24 @@ def _reference(layer, inputs):
     return out, margin
 
 
-@pytest.mark.parametrize("layer_idx,tp,batch,experts", [
-    (1, 16, 1, "bf16"), (1, 16, 8, "bf16"), (1, 16, 64, "bf16"), (1, 8, 1, "bf16"), (1, 8, 8, "bf16"),
-    (1, 16, 1, "mxfp4"), (1, 16, 8, "mxfp4"), (1, 8, 1, "mxfp4"), (1, 8, 8, "mxfp4"),
-    (0, 16, 1, None), (0, 16, 8, None), (0, 8, 5, None)])  # layer 0: KDA + dense MLP
-def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts):
-    """``experts``: bf16, or the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90)."""
+@pytest.mark.parametrize("layer_idx,tp,batch,experts,cache", [
+    (1, 16, 1, "bf16", "bf16"), (1, 16, 8, "bf16", "bf16"), (1, 16, 64, "bf16", "bf16"), (1, 8, 1, "bf16", "bf16"),
+    (1, 8, 8, "bf16", "bf16"), (1, 16, 1, "mxfp4", "bf16"), (1, 16, 8, "mxfp4", "bf16"), (1, 8, 1, "mxfp4", "bf16"),
+    (1, 8, 8, "mxfp4", "bf16"),
+    (0, 16, 1, None, "bf16"), (0, 16, 8, None, "bf16"), (0, 8, 5, None, "bf16"),  # layer 0: KDA + dense MLP
+    (3, 16, 1, "mxfp4", "bf16"), (3, 16, 8, "mxfp4", "fp8"), (3, 8, 1, "mxfp4", "fp8"), (3, 8, 8, "bf16", "bf16"),
+    (3, 16, 64, "mxfp4", "bf16")])  # layer 3: MLA + MoE
+def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts, cache):
+    """``experts``: bf16, or the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90);
+    ``cache``: the MLA latent cache, bf16 or fp8 E4M3 with its per-tensor scale."""
     from codegen import bind
 
     layer = _layer(tp, experts or "bf16", layer_idx)
-    shape = DecodeShape(batch=batch, arch=bind.device_arch())
+    shape = DecodeShape(batch=batch, arch=bind.device_arch(), kv_cache_dtype=cache)
     for seed in range(10):
         given = decode_inputs(layer, shape, device="cuda", seed=seed)
-        assert given["conv_state"].stride(0) > given["conv_state"][0].numel()  # vLLM's pages
+        if "conv_state" in given:
+            assert given["conv_state"].stride(0) > given["conv_state"][0].numel()  # vLLM's pages
         inputs = list(given.values())
         ref_inputs = _copy(given)
         with torch.no_grad():
@@ -110,6 +118,9 @@ def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts):
         assert torch.isfinite(a).all(), name
         assert rel_err(a[clear], e[clear]) <= BF16_TOL, name
     names = list(decode_inputs(layer, shape).keys())
+    if "kv_cache" in names:
+        _check_mla_cache(rw_inputs, ref_inputs, inputs, names)
+        return
     assert rw_inputs[names.index("conv_state")].stride(1) == 1  # the kernels ran on SD pages
     states = {n: (a, e) for n, a, e in zip(names, rw_inputs, ref_inputs) if n in ("conv_state", "recurrent_state")}
     assert rel_err(*states["conv_state"]) <= BF16_TOL
@@ -117,3 +128,19 @@ def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts):
     # the states of slots no request owns (slot 0) are untouched
     for n, (a, _) in states.items():
         assert torch.equal(a[0], inputs[names.index(n)][0]), n
+
+
+def _check_mla_cache(rw_inputs, ref_inputs, given, names):
+    """This step's latent entries written where the slot mapping says, as the reference wrote
+    them (fp8: within one E4M3 step of the value / scale); every other entry untouched."""
+    at = names.index
+    slots = given[at("slot_mapping")].long()
+    a, e, before = (x[at("kv_cache")].flatten(0, 1) for x in (rw_inputs, ref_inputs, given))
+    if a.dtype == torch.uint8:
+        scale = given[at("kv_scale")].float()
+        a, e, before = (x.view(torch.float8_e4m3fn).float() * scale for x in (a, e, before))
+    written = torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
+    written[slots[slots >= 0]] = True
+    assert torch.equal(a[~written], before[~written])
+    assert rel_err(a[written], e[written]) <= (6e-2 if rw_inputs[at("kv_cache")].dtype == torch.uint8 else BF16_TOL)
+    assert not torch.equal(a[written], before[written])  # the entries did change

@@ -75,6 +75,17 @@ def test_fp8_cache_stores_value_over_scale_and_decode_reads_it_back():
     assert rel_err(got[:1], ref[:1]) < 1e-2 and torch.count_nonzero(got[1]) == 0
 
 
+def test_fp8_cache_insert_saturates_as_vllm_does():
+    """Past E4M3's range the insert stores +-448 (vLLM's ``__NV_SATFINITE`` cache writes), not the
+    NaN of torch's plain cast; NaN stays NaN."""
+    cache = torch.zeros(1, 2, 4, dtype=torch.uint8)
+    kv_c = torch.tensor([[1e4, -1e4, float("inf")], [0.5, float("nan"), -float("inf")]]).bfloat16()
+    k3.mla_cache_insert(cache, kv_c, torch.ones(2, 1).bfloat16(), torch.tensor([0, 1]), torch.tensor([1.0]))
+    stored = cache.view(torch.float8_e4m3fn).float().reshape(2, 4)
+    assert stored[0].tolist() == [448.0, -448.0, 448.0, 1.0]
+    assert stored[1, 0] == 0.5 and stored[1, 1].isnan() and stored[1, 2] == -448.0
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_batched_mla_ops_equal_the_loops(fp8):
     """The CUDA implementations (no host sync: what a CUDA graph captures), run here on CPU

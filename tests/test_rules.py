@@ -17,7 +17,7 @@ RULES_BY_LAYER = {
     0: {"attn_res_norm", "attn_in_proj.large", "kda_core", "o_proj_all_reduce_attn_res", "dense_mlp"},
     1: {"attn_res_norm", "attn_in_proj.large", "kda_core", "o_proj_all_reduce_attn_res", "router_gemm",
         "router_topk", "routed_experts", "shared_experts", "latent_tail"},
-    2: {"attn_res_norm", "attn_in_proj.large", "mla_q_front", "mla_out_gate", "o_proj_all_reduce_attn_res",
+    2: {"attn_res_norm", "attn_in_proj.large", "mla_q_front", "mla_attend", "o_proj_all_reduce_attn_res",
         "router_gemm", "router_topk", "routed_experts", "shared_experts", "latent_tail"},
 }
 

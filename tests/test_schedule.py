@@ -7,6 +7,7 @@ import pytest
 from rewriter.cost import floor_bytes, hbm_us
 from rewriter.layers import build_layer
 from rewriter.rewrite import rewrite
+from rewriter.rules import RuleSet, default_rules
 from rewriter.schedule import build_schedule
 from rewriter.shape import DecodeShape
 from rewriter.stock_kernels import layer_kernels
@@ -75,10 +76,16 @@ def test_bytes_and_time_bounds(k3):
 
 def test_unrewritten_regions_keep_their_stock_kernels(k3):
     lg = trace(build_layer(k3, 3, tp=8), DecodeShape(batch=4, tp=8))
-    s = build_schedule(rewrite(lg).after)
+    without = RuleSet()
+    for rule in default_rules():
+        if rule.name != "mla_attend":
+            without.add(rule)
+    s = build_schedule(rewrite(lg, without).after)
     decode = [k for k in s.kernels if k.source == "stock:mla.decode"]
-    assert len(decode) == 1  # the MLA decode core stays vLLM's kernel
-    assert len(s.kernels) == 11
+    assert len(decode) == 1  # without its rule, the MLA decode core stays vLLM's kernel
+    assert [k.source for k in s.kernels].count("stock:mla.uv_absorb") == 1
+    fused = build_schedule(rewrite(lg).after)
+    assert "mla_attend" in [k.name for k in fused.kernels] and len(fused.kernels) < len(s.kernels)
 
 
 def test_tp1_all_reduce_launches_nothing(tiny):

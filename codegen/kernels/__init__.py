@@ -19,8 +19,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "gemv": ("gemv",),
     "attn_in_proj_gemm": ("in_proj_gemm",),
     "kda_core": ("kda_core",),
+    "mla_attend": ("mla_attend",),
     "expert_up_mxfp4": ("expert_up_mxfp4", "mxfp4", "expert_up"),
     "expert_down_mxfp4": ("expert_down_mxfp4", "mxfp4"),
+    "mla_q_front": ("mla_q_front",),
 }
 
 

@@ -55,10 +55,8 @@ class MultiHeadLatentAttention(nn.Module):
         mqa_q, _ = mla_q_front(q_c, kv_c, k_pe, self.q_a_layernorm.weight, self.kv_a_layernorm.weight,
                                self.q_b_proj.weight, self.kv_b_proj.weight, kv_cache, slot_mapping, kv_scale,
                                **self.dims)
-        with region("mla.decode"):
-            latent = k3.mla_decode(mqa_q, kv_cache, block_table, seq_lens, kv_scale, self.scale, self.kv_lora)
-        o = mla_out_gate(latent, self.kv_b_proj.weight, gate, heads=self.heads, nope=self.nope, v_dim=self.v_dim,
-                         kv_lora=self.kv_lora)
+        o = mla_attend(mqa_q, kv_cache, block_table, seq_lens, kv_scale, self.kv_b_proj.weight, gate,
+                       scale=self.scale, heads=self.heads, nope=self.nope, v_dim=self.v_dim, kv_lora=self.kv_lora)
         return o_proj_all_reduce(o, self.o_proj.weight, self.tp_group, self.tp)
 
 
@@ -95,9 +93,13 @@ def mla_q_front(q_c: Tensor, kv_c: Tensor, k_pe: Tensor, q_a_norm: Tensor, kv_a_
         return torch.cat([ql_nope, q_pe], dim=-1), inserted
 
 
-def mla_out_gate(latent: Tensor, kv_b_weight: Tensor, gate: Tensor, *, heads: int, nope: int, v_dim: int,
-                 kv_lora: int) -> Tensor:
-    """W_UV back to heads, then the sigmoid output gate: [T, H * V]."""
+def mla_attend(mqa_q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, kv_scale: Tensor,
+               kv_b_weight: Tensor, gate: Tensor, *, scale: float, heads: int, nope: int, v_dim: int,
+               kv_lora: int) -> Tensor:
+    """Decode attention of the absorbed queries over the latent cache, W_UV back to heads, then
+    the sigmoid output gate: [T, H * V]."""
+    with region("mla.decode"):
+        latent = k3.mla_decode(mqa_q, kv_cache, block_table, seq_lens, kv_scale, scale, kv_lora)
     with region("mla.uv_absorb"):
         w_uv = _kv_b(kv_b_weight, heads, nope, v_dim, kv_lora)[1].transpose(1, 2)
         o = torch.bmm(latent.transpose(0, 1), w_uv).transpose(0, 1).reshape(-1, heads * v_dim)

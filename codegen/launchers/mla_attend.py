@@ -1,0 +1,114 @@
+"""``mla_attend``: MLA decode over vLLM's paged latent cache (bf16, or fp8 E4M3 with its
+per-tensor scale) + W_UV + sigmoid output gate (``k3f::mla_attend``); one kernel whose context
+splits meet at a grid-wide barrier, so the whole grid must be resident at once."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from codegen.spec import KernelSpec
+from codegen.template import Template, aligned, dtype_name, shape_is
+from rewriter.ops import cache_is_fp8
+
+MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels/mla_attend.py
+MLA_MAX_BATCH = 64
+MLA_MAX_CTAS = 128  # the grid: requests x context splits
+
+
+def mla_splits(batch: int) -> int:
+    """Context splits per request (codegen/kernels/mla_attend.py:splits_for)."""
+    return max(1, MLA_MAX_CTAS // batch)
+
+
+def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    if len(args) != 12:
+        return f"{op} takes 12 arguments, got {len(args)}"
+    mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate, scale, heads, nope, v_dim, kv_lora = args
+    h = int(heads)
+    if (int(nope), int(v_dim), int(kv_lora)) != (MLA_NOPE, MLA_V_DIM, MLA_LATENT):
+        return (f"nope {nope}, v_dim {v_dim}, kv_lora {kv_lora}: the kernel is built for {MLA_NOPE}, {MLA_V_DIM}, "
+                f"{MLA_LATENT}")
+    e = MLA_LATENT + MLA_ROPE
+    if mqa_q.dtype != torch.bfloat16 or not mqa_q.is_contiguous() or mqa_q.dim() != 3:
+        return f"mqa_q must be a contiguous bf16 [tokens, heads, {e}], got {dtype_name(mqa_q.dtype)} {tuple(mqa_q.shape)}"
+    t = mqa_q.shape[0]
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        return f"seq_lens must be int32 [requests], got {dtype_name(seq_lens.dtype)} {tuple(seq_lens.shape)}"
+    b = seq_lens.shape[0]
+    if t != b:
+        return f"{t} tokens for {b} requests: only one token per request (verify steps have no template yet)"
+    if not 1 <= b <= MLA_MAX_BATCH:
+        return f"{b} requests outside 1..{MLA_MAX_BATCH}"
+    reason = (shape_is("mqa_q", mqa_q, (t, h, e)) or shape_is("kv_b_weight", kv_b_weight, (h * 256, MLA_LATENT))
+              or shape_is("gate", gate, (t, h * MLA_V_DIM)))
+    if reason:
+        return reason
+    if kv_b_weight.dtype != torch.bfloat16 or not kv_b_weight.is_contiguous():
+        return f"kv_b_weight must be contiguous bf16, got {dtype_name(kv_b_weight.dtype)}"
+    if gate.dtype != torch.bfloat16 or gate.stride(1) != 1:
+        return f"gate must be bf16 with unit column stride, got {dtype_name(gate.dtype)} strides {tuple(gate.stride())}"
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != e:
+        return f"kv_cache must be [blocks, block_size, {e}], got {tuple(kv_cache.shape)}"
+    fp8 = cache_is_fp8(kv_cache)
+    if not fp8 and kv_cache.dtype != torch.bfloat16:
+        return f"kv_cache is {dtype_name(kv_cache.dtype)}; the template reads bf16 or fp8 E4M3 (uint8 storage)"
+    per_vector = 16 if fp8 else 8
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != e or kv_cache.stride(0) % per_vector:
+        return (f"kv_cache strides {tuple(kv_cache.stride())}: entries must be contiguous and the block stride a "
+                f"multiple of {per_vector} elements (16-byte loads)")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != b \
+            or not block_table.is_contiguous():
+        return f"block_table must be a contiguous int32 [{b}, max_blocks], got {dtype_name(block_table.dtype)} " \
+               f"{tuple(block_table.shape)}"
+    if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
+        return f"kv_scale must be one fp32 value, got {dtype_name(kv_scale.dtype)} {tuple(kv_scale.shape)}"
+    return (KernelSpec.make("mla_attend", op, arch, shapes={"batch": b, "heads": h},
+                            dtypes={"q": "bf16", "cache": "fp8_e4m3" if fp8 else "bf16", "weight": "bf16"},
+                            params={"scale": float(scale), "gate_stride": gate.stride(0)}),)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _mla_attend_runtime(args: Sequence[Any]) -> str | None:
+    mqa_q, kv_cache, *_ = args
+    ctas = mqa_q.shape[0] * mla_splits(mqa_q.shape[0])
+    if mqa_q.is_cuda and _sm_count(mqa_q.device) < ctas:
+        return (f"{ctas} CTAs meet at a grid-wide barrier and need as many SMs; this GPU has "
+                f"{_sm_count(mqa_q.device)}")
+    return aligned({"mqa_q": mqa_q, "kv_cache": kv_cache, "kv_b_weight": args[5]})
+
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _scratch(device: torch.device, ctas: int, heads: int, batch: int) -> tuple[torch.Tensor, ...]:
+    """The split partials, the combined latent and the barrier words of one shape on one device,
+    made once and shared by every MLA layer (they run one after another; the barrier resets
+    itself)."""
+    key = (device, ctas, heads, batch)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(ctas, heads, MLA_LATENT, dtype=torch.float32, device=device),
+                         torch.empty(ctas, heads, 2, dtype=torch.float32, device=device),
+                         torch.empty(batch, heads, MLA_LATENT, dtype=torch.bfloat16, device=device),
+                         torch.zeros(2, dtype=torch.int32, device=device))
+    return _SCRATCH[key]
+
+
+def _mla_attend_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    (fn,), (spec,) = fns, specs
+    mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate = args[:7]
+    b, h = spec.shape_dict["batch"], spec.shape_dict["heads"]
+    out = out if out is not None else gate.new_empty(b, h * MLA_V_DIM)
+    cache = kv_cache.view(torch.float8_e4m3fn) if kv_cache.dtype == torch.uint8 else kv_cache
+    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * mla_splits(b), h, b)
+    fn(mqa_q, cache, block_table, seq_lens, kv_scale.reshape(1), kv_b_weight, gate, out, p_acc, p_ml, latent, barrier)
+    return out
+
+
+TEMPLATE = Template("mla_attend", ("k3f::mla_attend",), _mla_attend_spec, _mla_attend_runtime, _mla_attend_launch,
+                    doc="MLA decode split over the context + grid barrier + combine + W_UV + sigmoid gate; "
+                        "requests x splits <= 128 CTAs")

@@ -1,0 +1,205 @@
+"""The ``mla_attend`` template (``k3f::mla_attend``: MLA decode over the paged latent cache +
+W_UV + sigmoid gate): specs and refusals (everywhere), compile and ptxas checks (with CuTe DSL),
+and the kernel on a GPU against the op's reference in fp32 (marked ``gpu``).
+
+On the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_mla_attend.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err
+
+import patterns.layer  # noqa: F401  (defines k3f::mla_attend)
+import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
+from codegen import bind
+from codegen.templates import spec_for_call, template
+
+OP = "k3f::mla_attend"
+HEADS = {"tp16": 6, "tp8": 12}  # Kimi K3 MLA heads per rank
+E, L = 576, 512
+SCALE = 192 ** -0.5
+GATE_WIDTH, GATE_AT = 4000, 96  # the gate is a column slice of the input projection's output
+TOL = 1e-2
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def attend_args(batch=1, heads=6, cache_dtype=torch.bfloat16, make=meta, blocks=40, block_size=64, max_blocks=8,
+                tokens=None):
+    t = batch if tokens is None else tokens
+    gate = make(t, GATE_WIDTH)[:, GATE_AT:GATE_AT + heads * 128]
+    return (make(t, heads, E), make(blocks, block_size, E, dtype=cache_dtype),
+            make(batch, max_blocks, dtype=torch.int32), make(batch, dtype=torch.int32),
+            make(1, dtype=torch.float32), make(heads * 256, L), gate, SCALE, heads, 128, 128, L)
+
+
+def attend_spec(arch, args):
+    tpl, specs = spec_for_call(OP, arch, args)
+    assert tpl is not None, specs
+    (spec,) = specs
+    return spec
+
+
+# ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
+
+@pytest.mark.parametrize("shape", list(HEADS))
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_specs_at_kimi_k3_shapes(shape, batch):
+    h = HEADS[shape]
+    spec = attend_spec("sm_90a", attend_args(batch, h))
+    assert spec.kernel == "mla_attend" and spec.op == OP
+    assert spec.shape_dict == {"batch": batch, "heads": h}
+    assert spec.dtype_dict["cache"] == "bf16"
+    assert spec.param_dict == {"scale": SCALE, "gate_stride": GATE_WIDTH}
+    # the cache's blocks, block size and the block table's width are runtime sizes
+    assert attend_spec("sm_90a", attend_args(batch, h, blocks=900, block_size=16, max_blocks=300)) == spec
+    fp8 = attend_spec("sm_90a", attend_args(batch, h, cache_dtype=torch.uint8))
+    assert fp8.dtype_dict["cache"] == "fp8_e4m3" and fp8 != spec
+    assert attend_spec("sm_90a", attend_args(batch, h, cache_dtype=torch.float8_e4m3fn)) == fp8
+    assert template("mla_attend").ops == (OP,)
+
+
+def _with(i, value, **kw):
+    args = list(attend_args(**kw))
+    args[i] = value
+    return tuple(args)
+
+
+@pytest.mark.parametrize("args, reason", [
+    (attend_args(batch=2, tokens=4), "4 tokens for 2 requests: only one token per request"),
+    (attend_args(batch=65), "65 requests outside 1..64"),
+    (attend_args(cache_dtype=torch.float16), "kv_cache is fp16"),
+    (_with(1, meta(40, 64, 2 * E)[:, :, :E]), "kv_cache strides"),
+    (_with(1, meta(40 * 64 * E + 4)[4:].view(40, 64, E).as_strided((40, 64, E), (64 * E + 4, E, 1))),
+     "block stride a multiple of 8"),
+    (_with(2, meta(1, 8, dtype=torch.int64)), "block_table must be a contiguous int32"),
+    (_with(3, meta(1, dtype=torch.int64)), "seq_lens must be int32"),
+    (_with(4, meta(2, dtype=torch.float32)), "kv_scale must be one fp32 value"),
+    (_with(6, meta(128 * 6, 2).t()[:1]), "gate must be bf16 with unit column stride"),
+    (_with(11, 256), "kv_lora 256: the kernel is built for 128, 128, 512"),
+])
+def test_refusals_say_why(args, reason):
+    tpl, why = spec_for_call(OP, "sm_90a", args)
+    assert tpl is None and reason in why, why
+
+
+# ---------------------------------------------------------------- compile checks (CuTe DSL, no GPU)
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("batch, heads, cache", [(1, 6, torch.bfloat16), (64, 12, torch.bfloat16),
+                                                 (1, 12, torch.uint8), (64, 12, torch.uint8)])
+def test_compiles_without_spills(arch, batch, heads, cache, kcache):
+    from codegen.compiler import compile_kernel
+
+    spec = attend_spec(arch, attend_args(batch, heads, cache_dtype=cache))
+    k = compile_kernel(spec, cache=kcache)
+    registers, spilled = ptxas_usage(k.ptx, arch)
+    assert spilled == 0 and registers <= 255, (spec.label(), registers, spilled)
+    # two grid-wide barriers (an acq_rel arrival, acquire loads while waiting), dependents
+    # launched only after the first, and PDL on the launch
+    assert k.ptx.count("atom.global.acq_rel.add") == 2 and "ld.acquire.gpu" in k.ptx
+    assert k.ptx.index("griddepcontrol.launch_dependents") > k.ptx.index("atom.global.acq_rel.add")
+    if arch == "sm_90a" and batch == 1:
+        assert pdl_flags(spec) == [1]
+
+
+# ---------------------------------------------------------------- on the GPU (marked gpu)
+
+def attend_inputs(batch, heads, seq_lens, *, fp8=False, block_size=64, seed=0, kv_scale=0.37):
+    """Fresh random inputs on the CPU: a paged cache whose blocks are handed out shuffled (as
+    vLLM's allocator does after a while), spare blocks full of values nobody may read."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(max(blocks_per), 1) + 1
+    n_blocks = sum(blocks_per) + 3
+    order = torch.randperm(n_blocks - 1, generator=gen) + 1  # block 0 is the null block
+    table = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per):
+        table[b, :n] = order[used:used + n].int()
+        used += n
+    cache = torch.randn(n_blocks, block_size, E, generator=gen)
+    scale = torch.tensor([kv_scale if fp8 else 1.0], dtype=torch.float32)
+    if fp8:
+        cache = (cache / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        cache = cache.bfloat16()
+    q = (torch.randn(batch, heads, E, generator=gen) * 0.5).bfloat16()
+    kv_b = (torch.randn(heads * 256, L, generator=gen) * L ** -0.5).bfloat16()
+    gate = torch.randn(batch, GATE_WIDTH, generator=gen).bfloat16()[:, GATE_AT:GATE_AT + heads * 128]
+    return (q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), scale, kv_b, gate, SCALE, heads, 128, 128, L)
+
+
+def reference(args):
+    """The op's reference in fp32 (the bf16 cache exactly; the fp8 cache dequantized by the op)."""
+    q, cache, table, seq, scale, kv_b, gate = args[:7]
+    cache = cache if cache.dtype == torch.uint8 else cache.float()
+    return torch.ops.k3f.mla_attend(q.float(), cache, table, seq, scale, kv_b.float(), gate.float(), *args[7:])
+
+
+def cuda(args):
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def run(args):
+    tpl, specs, fns = gpu_kernels(OP, args)
+    out = torch.full((args[0].shape[0], args[8] * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert tpl.runtime_check(args) is None
+    assert tpl.launch(fns, specs, args, out=out) is out
+    torch.cuda.synchronize()
+    return out
+
+
+CASES = {  # (batch, context lengths): long and short requests, a padding request (0), a tail tile
+    "b1-4096": (1, [4096]),
+    "b1-1": (1, [1]),
+    "b3-mixed": (3, [700, 0, 65]),
+    "b8": (8, [4096, 1, 300, 64, 63, 2000, 129, 5]),
+    "b64": (64, [(37 * i) % 1500 + 1 for i in range(63)] + [4096]),
+}
+
+
+@on_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", list(HEADS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_mla_attend(case, shape, fp8):
+    batch, seq = CASES[case]
+    cpu = attend_inputs(batch, HEADS[shape], seq, fp8=fp8, seed=len(case) + batch)
+    ref = reference(cpu)
+    gpu = cuda(cpu)
+    cache_before = gpu[1].clone()
+    out = run(gpu)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOL, rel_err(out, ref)
+    if 0 in seq:  # a padding request: zeros
+        assert (out[seq.index(0)] == 0).all()
+    assert torch.equal(gpu[1], cache_before)  # the cache is only read
+    # the barrier and scratch serve the next launch: the same result, bit for bit
+    assert torch.equal(run(gpu), out)
+
+
+@on_gpu
+def test_op_dispatches_to_the_kernel_in_a_cuda_graph():
+    bind.install_cuda_kernels()
+    cpu = attend_inputs(4, 6, [900, 17, 0, 2048], seed=11)
+    ref = reference(cpu)
+    gpu = cuda(cpu)
+    before = bind.stats().get(OP, {}).get("kernel", 0)
+    torch.ops.k3f.mla_attend(*gpu)  # compiles and loads outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.k3f.mla_attend(*gpu)
+    for step in range(3):  # replays meet at the barrier each time; new lengths each step
+        out.fill_(float("nan"))
+        gpu[3].copy_(torch.tensor([900 - step, 17, 0, 2048 + step], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        cpu_step = (*cpu[:3], gpu[3].cpu(), *cpu[4:])
+        assert rel_err(out, reference(cpu_step)) <= TOL
+    assert rel_err(torch.ops.k3f.mla_attend(*cuda(cpu)), ref) <= TOL
+    assert bind.stats()[OP]["kernel"] >= before + 2
