@@ -40,6 +40,24 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def write_atomic(path: Path, data: bytes) -> Path:
+    """``data`` into ``path`` through a temporary file in its folder and a rename (atomic on
+    POSIX): a reader sees the whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:16]}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 @dataclass
 class Entry:
     """What a cache entry holds."""
@@ -103,17 +121,7 @@ class KernelCache:
             z.writestr("manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
             for name, blob in files.items():
                 z.writestr(name, blob)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(buf.getvalue())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path(key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(self.path(key), buf.getvalue())
         entry.manifest = manifest
         return self.path(key)
 

@@ -23,19 +23,20 @@ from multiprocessing import get_context
 from typing import Any
 
 
-def _plan_one(model: str, layer_idx: int, shape_kwargs: dict, experts: str, arch: str) -> dict[str, Any]:
-    """(worker) The specs of one layer structure at one batch, or why it cannot be served."""
+def _plan_one(model: str, layer_idx: int, shape_kwargs: dict, experts: str, arch: str,
+              cache_dir: str | None) -> dict[str, Any]:
+    """(worker) The specs of one layer structure at one batch, or why it cannot be served; its
+    rewritten graphs go to the program cache (``rewriter.program_cache``) a server start reads."""
     from rewriter.config import KimiK3Config
     from rewriter.kernel_plan import plan, program_refusal
     from rewriter.layers import build_layer
-    from rewriter.rewrite import rewrite
+    from rewriter.program_cache import ProgramCache, rewrite_cached
     from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
 
     cfg = KimiK3Config.load(model)
     shape = DecodeShape(**shape_kwargs)
     layer = build_layer(cfg, layer_idx, tp=shape.tp, rank=shape.rank, dtype=shape.dtype, experts=experts)
-    rows = plan(rewrite(trace(layer, shape)), arch)
+    rows = plan(rewrite_cached(layer, shape, ProgramCache(cache_dir)), arch)
     return {"layer": layer_idx, "batch": shape.batch, "refusal": program_refusal(rows),
             "specs": [spec for row in rows for spec in row.get("specs", ())]}
 
@@ -93,7 +94,8 @@ def run_compile_all(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     plans: dict[tuple[int, int], dict] = {}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(_plan_one, args.model, i, {**base, "batch": b}, args.experts, args.arch)
+        cache_dir = str(args.cache_dir) if args.cache_dir else None
+        futures = [pool.submit(_plan_one, args.model, i, {**base, "batch": b}, args.experts, args.arch, cache_dir)
                    for i, b in work]
         for n, f in enumerate(as_completed(futures), 1):
             p = f.result()
@@ -112,7 +114,6 @@ def run_compile_all(args: argparse.Namespace) -> int:
             for s in specs:
                 say(f"  would compile {s.label()}")
         else:
-            cache_dir = str(args.cache_dir) if args.cache_dir else None
             futures = [pool.submit(_compile_one, s, cache_dir, args.force) for s in specs]
             for n, f in enumerate(as_completed(futures), 1):
                 r = f.result()

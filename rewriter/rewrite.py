@@ -14,6 +14,8 @@ values are used outside it is not a match. What is added here, and why:
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +187,15 @@ def _writes(node: fx.Node, value: fx.Node) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _no_recompile(gm: fx.GraphModule):
+    gm.recompile = lambda: None
+    try:
+        yield
+    finally:
+        del gm.recompile
+
+
 def rewrite(lg: LayerGraph, rules: RuleSet | None = None) -> RewriteResult:
     """The layer with every accepted match replaced by its fused op, plus what happened."""
     rules = default_rules() if rules is None else rules
@@ -216,7 +227,8 @@ def rewrite(lg: LayerGraph, rules: RuleSet | None = None) -> RewriteResult:
                                      dynamic_weights=dynamic))
             return True
 
-        replaced = replace_pattern_with_filters(after.gm, pg, rg, match_filters=[decide])
+        with _no_recompile(after.gm):  # torch regenerates the module's code after every call: once, below
+            replaced = replace_pattern_with_filters(after.gm, pg, rg, match_filters=[decide])
         for acc, rp in zip(accepted, replaced):
             fused = [n for n in rp.replacements if is_fused(n)]
             for n in fused:

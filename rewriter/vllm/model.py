@@ -23,6 +23,7 @@ from vllm.models.kimi_k3.nvidia import model as stock
 from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 
 from rewriter.config import KimiK3Config
+from rewriter.program_cache import ProgramCache
 from rewriter.vllm.guard import KV_CACHE_DTYPES, StepDecision, StepLog, arch_of, check_deployment, decide_step
 from rewriter.vllm.experts import select_moe_backend
 from rewriter.vllm.knob import REWRITER, decode_backend
@@ -65,7 +66,8 @@ class RewriterDecode:
         self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
                                        batches=served_batches(capture), compile_fn=compile_with_codegen(arch),
                                        group=group.cpu_group, conv_layout=get_conv_state_layout(),
-                                       kv_cache_dtype=KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype])
+                                       kv_cache_dtype=KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype],
+                                       program_cache=ProgramCache())
         rewritten = len(layers) - len(self.programs.fallbacks)
         log.info("rewriter: %d of %d layers rewritten for batch sizes %s; %d keep the stock forward",
                  rewritten, len(layers), list(self.programs.batches), len(self.programs.fallbacks))

@@ -27,10 +27,11 @@ from rewriter.layers import KimiDecoderLayer, build_layer
 from rewriter.kernel_plan import plan, program_refusal
 from rewriter.layers.experts import ExpertFormat, mxfp4_scale_refusal
 from rewriter.program import LayerRunner
-from rewriter.rewrite import RewriteResult, is_fused, rewrite
+from rewriter.program_cache import ProgramCache, rewrite_cached
+from rewriter.rewrite import RewriteResult, is_fused
 from rewriter.schedule import Schedule, build_schedule
 from rewriter.shape import DecodeShape
-from rewriter.trace import propagate_meta, trace
+from rewriter.trace import propagate_meta
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format
 from rewriter.vllm.state import cache_tensors
 
@@ -175,10 +176,12 @@ CompileFn = Callable[[RewriteResult, list[dict]], None]  # (rewrite, its kernel 
 def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, rank: int, arch: str,
                    batches: Iterable[int], compile_fn: CompileFn = require_cuda_kernels,
                    group: Any = None, progress: Callable[[str], None] | None = None,
-                   conv_layout: str = "SD", kv_cache_dtype: str = "bf16") -> ProgramSet:
+                   conv_layout: str = "SD", kv_cache_dtype: str = "bf16",
+                   program_cache: ProgramCache | None = None) -> ProgramSet:
     """Programs for every (layer, batch), traced on KDA state in ``conv_layout`` (vLLM's
     ``get_conv_state_layout()``) and an MLA cache of ``kv_cache_dtype`` (bf16 or fp8); layers
-    that fail on any rank fall back on all."""
+    that fail on any rank fall back on all. ``program_cache``: rewritten graphs read from (and
+    stored to) disk, as a warm server start does; None rewrites every one."""
     batches = tuple(sorted(set(batches)))
     progress = progress or (lambda line: log.info("%s", line))
     out = ProgramSet(batches=batches)
@@ -191,7 +194,7 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
             for b in batches:
                 shape = DecodeShape(batch=b, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout,
                                     kv_cache_dtype=kv_cache_dtype)
-                result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn)
+                result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn, program_cache)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
                 device = next(ref.parameters()).device
@@ -208,13 +211,13 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
     return out
 
 
-def _built(cache: dict, structure: tuple, ref: KimiDecoderLayer, shape: DecodeShape, compile_fn: CompileFn
-           ) -> tuple[RewriteResult, Schedule, frozenset]:
+def _built(cache: dict, structure: tuple, ref: KimiDecoderLayer, shape: DecodeShape, compile_fn: CompileFn,
+           program_cache: ProgramCache | None) -> tuple[RewriteResult, Schedule, frozenset]:
     """Trace, rewrite, schedule and compile once per layer structure and batch; later layers
     of the same structure reuse the graph (re-rooted on their own weights) and its kernels."""
     key = (structure, shape.batch)
     if key not in cache:
-        result = rewrite(trace(ref, shape))
+        result = rewrite_cached(ref, shape, program_cache)
         schedule = build_schedule(result.after)
         rows = plan(result, shape.arch, schedule)
         try:
