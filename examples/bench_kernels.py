@@ -5,9 +5,14 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py
+    python examples/bench_kernels.py                 # or --only dense (in_proj, attn_res, dense)
+
+The dense MLP section times both of its templates at 1..8 tokens (the GEMM's range widened for
+the sweep only), to place the batch where the rules hand it from the GEMVs to the GEMM.
 """
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -78,17 +83,58 @@ def bench_attn_res(t: int, n: int) -> None:
     print(f"attn_res_norm T={t} sources={n + 1}: {us:5.2f} us")
 
 
+def bench_dense(tp: int) -> None:
+    """Layer 0's dense MLP at one rank's I: both templates on the same rotated weights."""
+    from codegen.launchers import dense_mlp
+    from rewriter.config import KimiK3Config
+
+    cfg = KimiK3Config.preset("kimi-k3")
+    inter = cfg.shard(tp).dense_intermediate
+    act = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    nbytes = 3 * inter * D * 2
+    copies = max(2, int(200e6 // nbytes) + 1)
+    ws = [((torch.randn(2 * inter, D, device="cuda") * 0.02).bfloat16(),
+           (torch.randn(D, inter, device="cuda") * 0.02).bfloat16()) for _ in range(copies)]
+    dense_mlp.DENSE_GEMM_TOKENS = (1, 64)  # the sweep only: the rules give the GEMM 2..64
+    print(f"dense_mlp TP {tp} (I = {inter}, {nbytes / 1e6:.1f} MB, floor {nbytes / 4.27e6:.1f} us)")
+    print("| tokens | GEMV kernels | GEMM kernels |\n|---|---|---|")
+    for t in (1, 2, 4, 8, 9, 16, 32, 64):
+        x = torch.randn(t, D, device="cuda").bfloat16()
+        row = []
+        for kernel_name in ("dense_mlp", "dense_mlp_gemm"):  # the GEMVs take 1..8 tokens
+            args = (x, *ws[0], *act, "tp", 1)
+            r = load_kernels("k3f::dense_mlp", device_arch(), args, kernel_name)
+            if isinstance(r, str):
+                row.append("-")
+                continue
+            tpl, specs, fns = r
+            y = torch.empty(t, D, device="cuda", dtype=torch.bfloat16)
+            us = graph_us(lambda: [tpl.launch(fns, specs, (x, g, d, *act, "tp", 1), out=y) for g, d in ws]) / len(ws)
+            row.append(f"{us:.1f} us ({nbytes / us / 1e3:.0f} GB/s)")
+        print(f"| {t} | {row[0]} | {row[1]} |")
+    dense_mlp.DENSE_GEMM_TOKENS = (2, 64)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=("in_proj", "attn_res", "dense"),
+                        default=("in_proj", "attn_res", "dense"))
+    only = parser.parse_args().only
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
-    for name, split in SPLITS.items():
-        copies = max(2, int(200e6 // (sum(split) * D * 2)) + 1)
-        ws = [(torch.randn(sum(split), D, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
-        for t in (1, 2, 4, 8):
-            bench_gemv(name, split, t, ws)
-        for t in (2, 4, 8, 16, 64):
-            bench_gemm(name, split, t, ws)
-    for t, n in [(1, 1), (1, 8), (8, 8), (64, 8)]:
-        bench_attn_res(t, n)
+    if "in_proj" in only:
+        for name, split in SPLITS.items():
+            copies = max(2, int(200e6 // (sum(split) * D * 2)) + 1)
+            ws = [(torch.randn(sum(split), D, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+            for t in (1, 2, 4, 8):
+                bench_gemv(name, split, t, ws)
+            for t in (2, 4, 8, 16, 64):
+                bench_gemm(name, split, t, ws)
+    if "attn_res" in only:
+        for t, n in [(1, 1), (1, 8), (8, 8), (64, 8)]:
+            bench_attn_res(t, n)
+    if "dense" in only:
+        for tp in (16, 8):
+            bench_dense(tp)
 
 
 if __name__ == "__main__":

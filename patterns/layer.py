@@ -5,7 +5,8 @@ inside some fused kernel:
   ``input_layernorm``; the block write goes to the block buffer in place, as in vLLM;
 - ``mla_attend``: MLA decode attention over the paged latent cache, W_UV back to heads and
   the sigmoid output gate (one kernel: the split-context partials meet before W_UV);
-- ``dense_mlp``: layer 0's gate_up, SiTU, down and all-reduce.
+- ``dense_mlp.small`` / ``dense_mlp.large``: layer 0's gate_up, SiTU, down and all-reduce,
+  on GEMV kernels for up to ``DENSE_SMALL_MAX`` tokens, on the tensor-core GEMM above.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from torch import Tensor
 from rewriter.layers.attn_res import attn_res
 from rewriter.layers.mla import mla_attend
 from rewriter.layers.moe import mlp_down, mlp_up
-from rewriter.rules import Rule, RuleContext, common_guard, fused_op
+from rewriter.rules import Rule, RuleContext, common_guard, fused_op, token_range_guard
+
+DENSE_SMALL_MAX = 1  # the GEMV kernels up to here, the GEMM above (measured: BENCHMARKS.md, layer 0's dense MLP)
 
 
 @fused_op("attn_res_norm", mutates_args=("blocks",))
@@ -115,6 +118,12 @@ RULES = [
          doc="AttnRes before attention (prefix add, block write, mix) + input_layernorm"),
     Rule("mla_attend", "layer", _mla_attend_variants, common_guard,
          doc="MLA decode over the paged latent cache + W_UV per head + sigmoid output gate"),
-    Rule("dense_mlp", "layer", _dense_variants, common_guard, communicates=True, launches=2,
-         doc="dense MLP: gate_up + SiTU, down, all-reduce"),
+    Rule("dense_mlp.small", "layer", _dense_variants,
+         token_range_guard(1, DENSE_SMALL_MAX, "the GEMV rule takes 1 token"),
+         kernel="dense_mlp", communicates=True, launches=2,
+         doc="dense MLP for few tokens: gate_up + SiTU, down (GEMV kernels), all-reduce"),
+    Rule("dense_mlp.large", "layer", _dense_variants,
+         token_range_guard(DENSE_SMALL_MAX + 1, 64, f"the GEMM rule takes {DENSE_SMALL_MAX + 1}..64 tokens"),
+         kernel="dense_mlp_gemm", communicates=True, launches=2,
+         doc="dense MLP for many tokens: gate_up GEMM with SiTU in its epilogue, down GEMM, all-reduce"),
 ]

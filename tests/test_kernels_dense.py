@@ -1,11 +1,13 @@
-"""The ``dense_mlp`` template (``k3f::dense_mlp``, layer 0's dense MLP): the shared experts'
-two kernels at the dense sizes, the down projection's I split over warps.
+"""Layer 0's dense MLP (``k3f::dense_mlp``): the ``dense_mlp`` template (1..8 tokens: the shared
+experts' two GEMV kernels at the dense sizes, the down projection's I split over warps) and
+the ``dense_mlp_gemm`` template (2..64 tokens: the skinny tensor-core GEMM, gate/up with the
+activation in its epilogue, then down).
 
 1. specs at Kimi K3's TP 16 and TP 8 shapes and refusals (no CuTe DSL);
 2. compiles for sm_90a with no register spills (ptxas; skipped without CuTe DSL);
-3. on a GPU (marked ``gpu``): fresh random inputs, outputs poisoned with NaN, against the op's
-   CPU reference (bf16 relative error <= 1e-2) at 1, 5 and 8 tokens, and dispatched through
-   ``install_cuda_kernels`` inside a CUDA graph.
+3. on a GPU (marked ``gpu``): fresh random inputs, outputs and the activation scratch poisoned
+   with NaN, against the op's CPU reference (bf16 relative error <= 1e-2) at 1..64 tokens,
+   SiTU and SiLU, and dispatched through ``install_cuda_kernels`` inside a CUDA graph.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from conftest import gpu_kernels, needs_cutedsl, on_gpu, ptxas_usage, rel_err
 import patterns.layer  # noqa: F401  (defines k3f::dense_mlp)
 import rewriter.ops  # noqa: F401
 from codegen import bind
-from codegen.templates import spec_for_call
+from codegen.templates import spec_for_call, template
 from rewriter.config import KimiK3Config
 
 K3 = KimiK3Config.preset("kimi-k3")
@@ -39,8 +41,7 @@ def dense_args(tokens=1, inter=2112, hidden=H, make=meta, tp=1):
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_specs_at_kimi_k3_shapes(shape, tokens):
     inter = INTER[shape]
-    tpl, specs = spec_for_call(OP, "sm_90a", dense_args(tokens, inter))
-    assert tpl is not None and tpl.kernel == "dense_mlp", specs
+    specs = template("dense_mlp").make_specs(OP, "sm_90a", dense_args(tokens, inter))
     up, down = specs
     assert (up.kernel, down.kernel) == ("expert_up", "expert_down")
     assert up.shape_dict == {"experts": 1, "top_k": 1, "inter": inter, "tokens": tokens, "latent": H}
@@ -51,8 +52,41 @@ def test_specs_at_kimi_k3_shapes(shape, tokens):
     assert p["chunk"] == min(tokens, 8) and up.param_dict["beta"] == BETA
 
 
+@pytest.mark.parametrize("shape", list(INTER))
+@pytest.mark.parametrize("tokens", [2, 9, 16, 17, 64])
+def test_gemm_specs_at_kimi_k3_shapes(shape, tokens):
+    inter = INTER[shape]
+    tpl, specs = spec_for_call(OP, "sm_90a", dense_args(tokens, inter))
+    assert tpl is not None and tpl.kernel == "dense_mlp_gemm", specs
+    up, down = specs
+    assert (up.kernel, down.kernel) == ("dense_gate_up_gemm", "dense_down_gemm")
+    tile = -(-tokens // 16) * 16
+    assert up.shape_dict == {"token_tile": tile, "k": H, "rows": 2 * inter}
+    assert down.shape_dict == {"token_tile": tile, "k": inter, "rows": H}
+    p, q = up.param_dict, down.param_dict
+    assert p["glu"] and tuple(p["segments"]) == (inter,) and (p["beta"], p["linear_beta"]) == (BETA, LINEAR_BETA)
+    assert tuple(q["segments"]) == (H,) and "glu" not in q
+    # every SM streams weights: 33 / 66 tiles of 64 channels x a K split; the down GEMM fills the
+    # GPU with 64-row CTAs where its K (I = 2112: 33 tiles) allows no split
+    assert inter // (p["rows_per_cta"] // 2) * p["split_k"] == 132
+    assert -(-H // q["rows_per_cta"]) * q["split_k"] >= 112
+
+
+def test_the_rules_and_templates_split_the_batches_alike():
+    from codegen.launchers.dense_mlp import DENSE_GEMM_TOKENS, DENSE_MAX_TOKENS
+    from patterns.layer import DENSE_SMALL_MAX
+
+    assert DENSE_MAX_TOKENS >= DENSE_SMALL_MAX and DENSE_GEMM_TOKENS == (DENSE_SMALL_MAX + 1, 64)
+    for tokens in (1, DENSE_SMALL_MAX, DENSE_SMALL_MAX + 1, 8, 64):
+        tpl, _ = spec_for_call(OP, "sm_90a", dense_args(tokens))
+        assert tpl.kernel == ("dense_mlp" if tokens <= DENSE_SMALL_MAX else "dense_mlp_gemm")
+
+
 @pytest.mark.parametrize("args,reason", [
-    (dense_args(tokens=9), "9 tokens: above 8 the GEMV kernels re-read x per channel"),
+    (dense_args(tokens=65), "65 tokens outside 2..64 (the GEMM template)"),
+    (dense_args(tokens=65), "65 tokens: above 8 the GEMV kernels re-read x per channel"),
+    (dense_args(tokens=16, inter=2100), "I 2100 is not a multiple of 64"),
+    (dense_args(tokens=16, hidden=1000), "H 1000 is not a multiple of 64"),
     (dense_args(inter=2100), "I 2100: its 262 vectors do not split"),
     (dense_args(hidden=1000), "H 1000 is not a multiple of 256"),
     ((meta(1, H, dtype=torch.float32), meta(4224, H), meta(H, 2112), BETA, LINEAR_BETA, "tp", 1), "x is fp32"),
@@ -63,12 +97,12 @@ def test_refusals_say_why(args, reason):
 
 
 @needs_cutedsl
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_compiles_without_spills(tokens, tmp_path):
+@pytest.mark.parametrize("tokens,shape", [(1, "tp16"), (8, "tp16"), (16, "tp16"), (64, "tp8")])
+def test_compiles_without_spills(tokens, shape, tmp_path):
     from codegen.cache import KernelCache
     from codegen.compiler import compile_kernel
 
-    _, specs = spec_for_call(OP, "sm_90a", dense_args(tokens, INTER["tp16"]))
+    _, specs = spec_for_call(OP, "sm_90a", dense_args(tokens, INTER[shape]))
     for spec in specs:
         k = compile_kernel(spec, cache=KernelCache(tmp_path))
         registers, spilled = ptxas_usage(k.ptx, "sm_90a")
@@ -77,11 +111,11 @@ def test_compiles_without_spills(tokens, tmp_path):
 
 # ---------------------------------------------------------------- on the GPU (marked gpu)
 
-def dense_inputs(tokens, inter, gen):
+def dense_inputs(tokens, inter, gen, act=(BETA, LINEAR_BETA)):
     x = torch.randn(tokens, H, generator=gen).bfloat16()
     gate_up = (torch.randn(2 * inter, H, generator=gen) * 0.02).bfloat16()
     down = (torch.randn(H, inter, generator=gen) * 0.02).bfloat16()
-    return x, gate_up, down, BETA, LINEAR_BETA, "tp", 1
+    return x, gate_up, down, *act, "tp", 1
 
 
 def cuda(args):
@@ -90,15 +124,19 @@ def cuda(args):
 
 @on_gpu
 @pytest.mark.parametrize("shape", list(INTER))
-@pytest.mark.parametrize("tokens", [1, 5, 8])
-def test_dense_mlp(shape, tokens):
+@pytest.mark.parametrize("tokens,kernel", [(1, "dense_mlp"), (5, "dense_mlp"), (8, "dense_mlp"),
+                                           (2, "dense_mlp_gemm"), (9, "dense_mlp_gemm"), (33, "dense_mlp_gemm"),
+                                           (64, "dense_mlp_gemm")])
+def test_dense_mlp(shape, tokens, kernel):
+    """Both templates over their ranges (the GEMVs' 2..8 by name: the rules give them 1 token)."""
     inter = INTER[shape]
     cpu = dense_inputs(tokens, inter, torch.Generator().manual_seed(7 * tokens + inter))
     ref = torch.ops.k3f.dense_mlp(*cpu)
     gpu = cuda(cpu)
-    tpl, specs, fns = gpu_kernels(OP, gpu)
+    tpl, specs, fns = gpu_kernels(OP, gpu, kernel)
     y = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    act = torch.full((tokens, 1, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    scratch = (tokens, 1, inter) if kernel == "dense_mlp" else (tokens, inter)
+    act = torch.full(scratch, float("nan"), dtype=torch.bfloat16, device="cuda")
     out = tpl.launch(fns, specs, gpu, out=(y, act))
     torch.cuda.synchronize()
     assert out is y and torch.isfinite(y).all()
@@ -106,9 +144,28 @@ def test_dense_mlp(shape, tokens):
 
 
 @on_gpu
-def test_op_dispatches_to_the_kernels_in_a_cuda_graph():
+@pytest.mark.parametrize("tokens", [16, 40])
+def test_gemm_with_silu_and_mul(tokens):
+    """The GEMM epilogue's other activation (no SiTU beta: SiLU-and-mul) and a second launch
+    bit-identical to the first (the cluster sums in rank order)."""
+    cpu = dense_inputs(tokens, INTER["tp16"], torch.Generator().manual_seed(tokens), act=(None, None))
+    ref = torch.ops.k3f.dense_mlp(*cpu)
+    gpu = cuda(cpu)
+    tpl, specs, fns = gpu_kernels(OP, gpu)
+    assert tpl.kernel == "dense_mlp_gemm" and specs[0].param_dict["beta"] is None
+    ys = []
+    for _ in range(2):
+        y = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        ys.append(tpl.launch(fns, specs, gpu, out=y))
+    torch.cuda.synchronize()
+    assert rel_err(ys[0], ref) <= TOL and torch.equal(ys[0], ys[1])
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [4, 24])
+def test_op_dispatches_to_the_kernels_in_a_cuda_graph(tokens):
     bind.install_cuda_kernels()
-    cpu = dense_inputs(4, INTER["tp16"], torch.Generator().manual_seed(3))
+    cpu = dense_inputs(tokens, INTER["tp16"], torch.Generator().manual_seed(3))
     ref = torch.ops.k3f.dense_mlp(*cpu)
     gpu = cuda(cpu)
     before = bind.stats().get(OP, {}).get("kernel", 0)

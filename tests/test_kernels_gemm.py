@@ -55,7 +55,7 @@ def gemm_spec(shape="kda_tp16", tokens=16, arch="sm_90a"):
 def test_registered_for_both_projections():
     tpl = template("attn_in_proj_gemm")
     assert tpl is not None and tpl.ops == ("k3f::kda_in_proj", "k3f::mla_in_proj")
-    assert KERNELS["attn_in_proj_gemm"][0] == "in_proj_gemm"
+    assert KERNELS["attn_in_proj_gemm"][0] == "gemm"
     assert all(p.is_file() for p in source_files("attn_in_proj_gemm"))
 
 
@@ -195,20 +195,20 @@ def test_gemm_launches_with_pdl(compiled):
 
 @needs_cutedsl
 def test_kernel_refuses_configurations_it_cannot_run():
-    from codegen.kernels.in_proj_gemm import InProjGemm
+    from codegen.kernels.gemm import SkinnyGemm
 
     segs = (2304, 768, 128, 6)
-    InProjGemm(64, D, 3216, segs, split_k=8, stages=4)
+    SkinnyGemm(64, D, 3216, segs, split_k=8, stages=4)
     with pytest.raises(ValueError, match="token tile 24"):
-        InProjGemm(24, D, 3216, segs)
+        SkinnyGemm(24, D, 3216, segs)
     with pytest.raises(ValueError, match="split_k 3"):
-        InProjGemm(16, D, 3216, segs, split_k=3)
+        SkinnyGemm(16, D, 3216, segs, split_k=3)
     with pytest.raises(ValueError, match="stages 15"):
-        InProjGemm(16, D, 3216, segs, split_k=8, stages=15)  # 14 K tiles per CTA
+        SkinnyGemm(16, D, 3216, segs, split_k=8, stages=15)  # 14 K tiles per CTA
     with pytest.raises(ValueError, match="rows per CTA 96"):
-        InProjGemm(16, D, 3216, segs, rows_per_cta=96)
+        SkinnyGemm(16, D, 3216, segs, rows_per_cta=96)
     with pytest.raises(ValueError, match="summing to at most 3200"):
-        InProjGemm(16, D, 3200, segs)
+        SkinnyGemm(16, D, 3200, segs)
 
 
 # ---------------------------------------------------------------- on the GPU

@@ -12,9 +12,9 @@ from rewriter.shape import DecodeShape
 from rewriter.trace import trace
 
 # tiny: layer 0 dense (KDA attention, writes an AttnRes block), 1 KDA+MoE, 2 MLA+MoE (writes a block), 3 KDA+MoE
-# (at batch 3 the input projection is the GEMM rule's: the GEMV rule takes one token)
+# (at batch 3 the input projection and the dense MLP are the GEMM rules': the GEMV rules take one token)
 RULES_BY_LAYER = {
-    0: {"attn_res_norm", "attn_in_proj.large", "kda_core", "o_proj_all_reduce_attn_res", "dense_mlp"},
+    0: {"attn_res_norm", "attn_in_proj.large", "kda_core", "o_proj_all_reduce_attn_res", "dense_mlp.large"},
     1: {"attn_res_norm", "attn_in_proj.large", "kda_core", "o_proj_all_reduce_attn_res", "router_gemm",
         "router_topk", "routed_experts", "shared_experts", "latent_tail"},
     2: {"attn_res_norm", "attn_in_proj.large", "mla_q_front", "mla_attend", "o_proj_all_reduce_attn_res",
@@ -69,7 +69,10 @@ def test_all_rules_equivalent_fp32(tiny, layer_idx, batch):
     lg = trace(layer, DecodeShape(batch=batch, dtype=torch.float32, context=5, block_size=4))
     result = rewrite(lg)
     in_proj = "attn_in_proj.small" if batch == 1 else "attn_in_proj.large"
-    expected = RULES_BY_LAYER.get(layer_idx, set()) - {"attn_in_proj.large"} | {in_proj}
+    dense = "dense_mlp.small" if batch == 1 else "dense_mlp.large"
+    expected = RULES_BY_LAYER.get(layer_idx, set()) - {"attn_in_proj.large", "dense_mlp.large"} | {in_proj}
+    if layer_idx == 0:
+        expected |= {dense}
     assert {m.rule for m in result.matches} >= expected
     assert not any(n.op == "call_function" and str(n.target).startswith("k3.kda") for n in result.after.graph.nodes)
     _assert_equivalent(lg, result.after, make_inputs(layer, batch=batch, context=5, block_size=4, seed=batch), 1e-5)

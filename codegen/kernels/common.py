@@ -1,7 +1,7 @@
-"""Pieces the kernel templates share: 128-bit vector copy atoms."""
+"""Pieces the kernel templates share: 128-bit vector copy atoms, the gated activation."""
 from __future__ import annotations
 
-from cutlass import cute
+from cutlass import BFloat16, Float32, const_expr, cute
 
 VEC = 8  # 16-bit elements per 128-bit vector
 BITS = 128
@@ -30,3 +30,19 @@ def r2g_atom(dtype):
 def r2s_atom(dtype):
     """Registers -> shared memory, 128 bits (``st.shared.v4``)."""
     return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=BITS)
+
+
+def gated_act(g_sum, u_sum, beta: float | None, linear_beta: float | None):
+    """The gated MLP activation of one channel in fp32 from its bf16-rounded projections (the
+    reference rounds the gate/up projection to bf16 first): SiTU
+    ``beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)`` (the last factor
+    plain ``u`` without ``linear_beta``), or SiLU-and-mul ``g sigmoid(g) u`` without ``beta``."""
+    g = g_sum.to(BFloat16).to(Float32)
+    u = u_sum.to(BFloat16).to(Float32)
+    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
+    if const_expr(beta is None):
+        return g * sig * u
+    gate = Float32(beta) * cute.math.tanh(g / Float32(beta)) * sig
+    if const_expr(linear_beta is not None):
+        u = Float32(linear_beta) * cute.math.tanh(u / Float32(linear_beta))
+    return gate * u

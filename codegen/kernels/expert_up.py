@@ -49,7 +49,7 @@ import cutlass
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom
+from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, gated_act
 
 MAX_CHUNK = 8  # tokens per chunk (fp32 accumulators per row and lane)
 
@@ -191,7 +191,8 @@ class ExpertUp:
                 up = Float32(cutlass.select_(lane == c, up_c, up))
             if lane < n:
                 if const_expr(self.k_slices == 1):
-                    mA[t0 + lane, slot, first + r] = self.act(gate, up).to(BFloat16)
+                    a = gated_act(gate, up, self.beta, self.linear_beta)
+                    mA[t0 + lane, slot, first + r] = a.to(BFloat16)
                 else:
                     sPart[0, cwarp * R + r, s0 + lane, kslice] = gate
                     sPart[1, cwarp * R + r, s0 + lane, kslice] = up
@@ -214,19 +215,8 @@ class ExpertUp:
                 for w in cutlass.range_constexpr(1, self.k_slices):
                     gate = gate + sPart[0, ch, t, w]
                     up = up + sPart[1, ch, t, w]
-                mA[t0 + t, slot, cblock * self.channels_per_cta + ch] = self.act(gate, up).to(BFloat16)
-
-    def act(self, g_sum, u_sum):
-        """The activation of one channel, in fp32 from the bf16-rounded projections."""
-        g = g_sum.to(BFloat16).to(Float32)
-        u = u_sum.to(BFloat16).to(Float32)
-        sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
-        if const_expr(self.beta is None):
-            return g * sig * u
-        gate = Float32(self.beta) * cute.math.tanh(g / Float32(self.beta)) * sig
-        if const_expr(self.linear_beta is not None):
-            u = Float32(self.linear_beta) * cute.math.tanh(u / Float32(self.linear_beta))
-        return gate * u
+                a = gated_act(gate, up, self.beta, self.linear_beta)
+                mA[t0 + t, slot, cblock * self.channels_per_cta + ch] = a.to(BFloat16)
 
 
 def build(spec) -> tuple[ExpertUp, tuple]:

@@ -34,7 +34,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.expert_up import ExpertUp
+from codegen.kernels.common import gated_act
 from codegen.kernels.mxfp4 import ORDERS, cluster_barrier, cluster_sum, load_scales, load_weights, tile_mma, warp_registers
 
 TILE = 64  # rows per Humming tile
@@ -140,11 +140,11 @@ class ExpertUpMxfp4:
         if tidx < self.share:
             ch = rank * self.share + tidx
             total = cluster_sum(sTot, (1, 2), (ch, 0), C)  # (gate, up)
-            mA[token, slot, ctile * TILE + ch] = self.act(total[0, 0], total[0, 1]).to(BFloat16)
+            a = gated_act(total[0, 0], total[0, 1], self.beta, self.linear_beta)
+            mA[token, slot, ctile * TILE + ch] = a.to(BFloat16)
         if const_expr(C > 1):
             cluster_barrier(C)  # peers may still be reading this CTA's sums
 
-    act = ExpertUp.act  # SiTU (or SiLU-and-mul) of one channel, as the bf16 experts compute it
 
 def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token

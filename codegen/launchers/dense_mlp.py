@@ -1,11 +1,18 @@
-"""``dense_mlp``: layer 0's dense MLP (``k3f::dense_mlp``), gate_up + SiTU, down, all-reduce.
+"""Layer 0's dense MLP (``k3f::dense_mlp``), gate_up + SiTU, down, all-reduce: two templates.
 
-The shared experts' two kernels with the dense MLP's sizes (``expert_up`` then
-``expert_down``, one expert, weight 1; ``codegen/launchers/experts.py``), then, at TP > 1,
-``k3::all_reduce`` of the bf16 partial, as the reference. Kimi K3's dense intermediate per
-rank (2112 at TP 16, 4224 at TP 8) is not a multiple of the shared experts' 16 lanes x 8 per
-row, so the down projection shares a row among as many lanes as divide it (8 at TP 16, 16 at
-TP 8) and splits the row's I over 3 warps (11 128-bit vectors per lane).
+- ``dense_mlp`` (1..8 tokens; rule ``dense_mlp.small`` gives it one): the shared experts' two GEMV kernels
+  with the dense MLP's sizes (``expert_up`` then ``expert_down``, one expert, weight 1;
+  ``codegen/launchers/experts.py``). Kimi K3's dense intermediate per rank (2112 at TP 16,
+  4224 at TP 8) is not a multiple of the shared experts' 16 lanes x 8 per row, so the down
+  projection shares a row among as many lanes as divide it (8 at TP 16, 16 at TP 8) and
+  splits the row's I over 3 warps (11 128-bit vectors per lane).
+- ``dense_mlp_gemm`` (2..64 tokens, rule ``dense_mlp.large``): the tensor-core skinny GEMM
+  twice (``codegen/kernels/gemm.py``): gate/up with the activation in its epilogue (a CTA
+  holds 64 gate rows and their 64 up rows), writing the [T, I] activation, then down. The
+  GEMV kernels re-read x once per channel (at 64 tokens gigabytes from L2); measured on the
+  H200 the GEMM wins from 2 tokens at TP 8 and ties at TP 16, the GEMVs win at 1 (BENCHMARKS.md).
+
+Both then, at TP > 1, ``k3::all_reduce`` the bf16 partial, as the reference.
 """
 from __future__ import annotations
 
@@ -14,12 +21,15 @@ from typing import Any
 
 import torch
 
-from codegen.launchers.experts import MAX_CHUNK, one_expert_launch, one_expert_runtime, one_expert_specs, shared_tiling
+from codegen.launchers.experts import (MAX_CHUNK, act_params, expert_outputs, one_expert_launch, one_expert_runtime,
+                                      one_expert_specs, shared_tiling)
+from codegen.launchers.in_proj_gemm import GEMM_TILE_K, gemm_tiling
 from codegen.spec import KernelSpec
-from codegen.template import Template
+from codegen.template import Template, check_tensors, shape_is
 from rewriter import ops
 
-DENSE_MAX_TOKENS = 8  # measured (BENCHMARKS.md): at 64 tokens these GEMV kernels take 2x torch.compile's time
+DENSE_MAX_TOKENS = 8  # the GEMV kernels' range; the rules give them 1 token (patterns.layer.DENSE_SMALL_MAX)
+DENSE_GEMM_TOKENS = (2, 64)  # patterns.layer.DENSE_SMALL_MAX + 1 .. 64; tried before the GEMV
 MAX_VEC_PER_LANE = 12  # down-projection weight vectors a lane holds (fp32 once converted: 8 registers each)
 MAX_K_WARPS = 4
 ROW_WARPS = 2
@@ -55,17 +65,65 @@ def dense_tiling(tokens: int, hidden: int, inter: int) -> tuple[dict[str, Any], 
 def _dense_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     tokens = args[0].shape[0] if args[0].dim() == 2 else 0
     if tokens > DENSE_MAX_TOKENS:
-        return (f"{tokens} tokens: above {DENSE_MAX_TOKENS} the GEMV kernels re-read x per channel and run slower "
-                "than the stock GEMMs (BENCHMARKS.md, layer 0); a tensor-core path is not built yet")
+        return f"{tokens} tokens: above {DENSE_MAX_TOKENS} the GEMV kernels re-read x per channel"
     return one_expert_specs(op, arch, args, dense_tiling)
 
 
-def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    y = one_expert_launch(fns, specs, args, out)
+def _gemm_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    x, gate_up, down_w, beta, linear_beta = args[:5]
+    if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
+        return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
+                f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
+    (t, hidden), inter = x.shape, gate_up.shape[0] // 2
+    lo, hi = DENSE_GEMM_TOKENS
+    if not lo <= t <= hi:
+        return f"{t} tokens outside {lo}..{hi} (the GEMM template)"
+    reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
+              or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
+              or shape_is("down_weight", down_w, (hidden, inter)))
+    if reason:
+        return reason
+    for name, size in (("H", hidden), ("I", inter)):
+        if size % GEMM_TILE_K or size < 2 * GEMM_TILE_K:
+            return f"{name} {size} is not a multiple of {GEMM_TILE_K} of at least two tiles (the GEMM's K tile)"
+    act = act_params(beta, linear_beta)
+    if isinstance(act, str):
+        return act
+    dtypes = {"act": "bf16", "weight": "bf16"}
+    up = gemm_tiling(t, hidden, inter, arch, glu=True)
+    down = gemm_tiling(t, inter, hidden, arch)
+    return (KernelSpec.make("dense_gate_up_gemm", op, arch,
+                            shapes={"token_tile": up.pop("token_tile"), "k": hidden, "rows": 2 * inter},
+                            dtypes=dtypes, params={"segments": [inter], "glu": True, **act, **up}),
+            KernelSpec.make("dense_down_gemm", op, arch,
+                            shapes={"token_tile": down.pop("token_tile"), "k": inter, "rows": hidden},
+                            dtypes=dtypes, params={"segments": [hidden], **down}))
+
+
+def _all_reduced(y: torch.Tensor, args: Sequence[Any]) -> torch.Tensor:
     group, tp = args[5:7]
     return torch.ops.k3.all_reduce(y, group, tp) if ops.reduces(tp) else y
 
 
-TEMPLATE = Template("dense_mlp", ("k3f::dense_mlp",), _dense_specs, one_expert_runtime, _dense_launch,
-                    doc=f"dense MLP for 1..{DENSE_MAX_TOKENS} tokens: gate/up + SiTU, then down (the shared experts' kernels), "
-                        "then the all-reduce (TP > 1)")
+def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    return _all_reduced(one_expert_launch(fns, specs, args, out), args)
+
+
+def _gemm_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    """Gate/up + activation into the [T, I] scratch, then down into y [T, H]; ``out``: None, y,
+    or (y, scratch)."""
+    (up, down), (x, gate_up, down_w) = fns, args[:3]
+    y, act = expert_outputs(x, x.shape[1], (x.shape[0], down_w.shape[1]), out)
+    up(x, gate_up, act, None, None, None)
+    down(act, down_w, y, None, None, None)
+    return _all_reduced(y, args)
+
+
+TEMPLATES = (
+    Template("dense_mlp_gemm", ("k3f::dense_mlp",), _gemm_specs, one_expert_runtime, _gemm_launch,
+             doc=f"dense MLP for {DENSE_GEMM_TOKENS[0]}..{DENSE_GEMM_TOKENS[1]} tokens: tensor-core GEMM with "
+                 "the activation in its epilogue, then the down GEMM, then the all-reduce (TP > 1)"),
+    Template("dense_mlp", ("k3f::dense_mlp",), _dense_specs, one_expert_runtime, _dense_launch,
+             doc=f"dense MLP for 1..{DENSE_MAX_TOKENS} tokens: gate/up + SiTU, then down (the shared experts' "
+                 "kernels), then the all-reduce (TP > 1)"),
+)

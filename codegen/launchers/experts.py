@@ -31,7 +31,7 @@ def _slices(latent: int, cap: int = 7) -> int:
     return min(d for d in range(1, vec_per_lane + 1) if vec_per_lane % d == 0 and vec_per_lane // d <= cap)
 
 
-def _act_params(beta: Any, linear_beta: Any) -> dict[str, Any] | str:
+def act_params(beta: Any, linear_beta: Any) -> dict[str, Any] | str:
     for name, v in (("beta", beta), ("linear_beta", linear_beta)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             return f"{name} must be a float or None, got {v!r}"
@@ -106,7 +106,7 @@ def _routed_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, 
         return f"top_k {k} outside 1..{e} experts"
     if inter % (8 * ROUTED_ROWS_LANES):
         return f"I {inter} is not a multiple of {8 * ROUTED_ROWS_LANES} ({ROUTED_ROWS_LANES} lanes x 8 per w2 row)"
-    act = _act_params(beta, linear_beta)
+    act = act_params(beta, linear_beta)
     if isinstance(act, str):
         return act
     up, down = routed_tiling(k, latent, inter)
@@ -132,7 +132,7 @@ def one_expert_specs(op: str, arch: str, args: Sequence[Any], tiling) -> tuple[K
               or shape_is("down_weight", down_w, (hidden, inter)) or _common_refusal(t, "H", hidden))
     if reason:
         return reason
-    act = _act_params(beta, linear_beta)
+    act = act_params(beta, linear_beta)
     if isinstance(act, str):
         return act
     tiles = tiling(t, hidden, inter)
@@ -165,7 +165,7 @@ def one_expert_runtime(args: Sequence[Any]) -> str | None:
     return aligned({"x": x, "gate_up_weight": gate_up, "down_weight": down_w})
 
 
-def _outputs(x: torch.Tensor, rows: int, scratch: tuple[int, int, int], out) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_outputs(x: torch.Tensor, rows: int, scratch: tuple[int, ...], out) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [T, rows], the activation scratch): ``out`` is None, y, or (y, scratch)."""
     y, act = (out, None) if isinstance(out, torch.Tensor) else (out or (None, None))
     y = y if y is not None else x.new_empty((x.shape[0], rows))
@@ -176,18 +176,18 @@ def _outputs(x: torch.Tensor, rows: int, scratch: tuple[int, int, int], out) -> 
 def _routed_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     (up, down), x = fns, args[0]
     weights, ids, w13, w2 = args[1:5]
-    y, act = _outputs(x, x.shape[1], (x.shape[0], ids.shape[1], w2.shape[2]), out)
+    y, act = expert_outputs(x, x.shape[1], (x.shape[0], ids.shape[1], w2.shape[2]), out)
     up(x, ids, w13, act)
     down(act, ids, weights, w2, y)
     return y
 
 
 def one_expert_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """Gate/up + activation into the scratch, then down into y [T, H]; ``out``: as ``_outputs``."""
+    """Gate/up + activation into the scratch, then down into y [T, H]; ``out``: as ``expert_outputs``."""
     (up, down), x = fns, args[0]
     gate_up, down_w = args[1:3]
     inter = down_w.shape[1]
-    y, act = _outputs(x, x.shape[1], (x.shape[0], 1, inter), out)
+    y, act = expert_outputs(x, x.shape[1], (x.shape[0], 1, inter), out)
     up(x, None, gate_up.view(1, *gate_up.shape), act)
     down(act, None, None, down_w.view(1, *down_w.shape), y)
     return y
@@ -265,7 +265,7 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
         return f"top_k {k} outside 1..{e} experts"
     if latent % 64 or inter % 64 or inter_live % 64 or not 0 < inter_live <= inter:
         return f"L {latent}, I {inter}, I_live {inter_live}: multiples of 64 (Humming's row tiles), I_live <= I"
-    act = _act_params(beta, linear_beta)
+    act = act_params(beta, linear_beta)
     if isinstance(act, str):
         return act
     up, down = mxfp4_up_tiling(latent), mxfp4_down_tiling(k, inter_live)
@@ -290,7 +290,7 @@ def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
     (up, down), x = fns, args[0]
     weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
     live = args[10]
-    y, act = _outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
+    y, act = expert_outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
     up(x.view(torch.int32), ids, w13, w13_scale.view(torch.int32), act)
     down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y)
     return y

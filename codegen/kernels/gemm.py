@@ -1,9 +1,15 @@
-"""``attn_in_proj_gemm``: the attention input projection for 9..64 tokens, tensor-core skinny GEMM.
+"""The tensor-core skinny GEMM of decode (2..64 tokens): the attention input projection
+(``attn_in_proj_gemm``) and the dense MLP's two projections (``dense_gate_up_gemm``,
+``dense_down_gemm``).
 
 Computes ``y[T, n] = sum_k x[T, k] * W[n, k]`` (``torch.nn.functional.linear(x, W)``, fp32
 accumulation, bf16 result) and writes it split like ``attn_in_proj_gemv``: rows
 ``[start_i, start_i + size_i)`` of the packed weight go to output ``i``; the padding rows after
-the last segment are neither read nor written.
+the last segment are neither read nor written. With ``glu`` (the gate/up projection of a
+gated MLP, ``W = [gate; up]``, 2I rows) the output is ``act(gate_c, up_c)`` per channel c < I
+(SiTU or SiLU-and-mul, ``common.gated_act``): a CTA's 128 weight rows are 64 gate rows and
+the 64 up rows of the same channels, so the activation is applied where the cluster's
+partial sums meet, and the [T, 2I] projection never leaves the chip.
 
 Work split (decode is bound by reading W once from HBM; x is small and stays in L2):
 - the MMA's M is the weight rows, its N the tokens (padded to ``token_tile``, a multiple of 16;
@@ -37,7 +43,7 @@ from cutlass import BFloat16, Float32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.common import BITS, VEC
+from codegen.kernels.common import BITS, VEC, gated_act
 
 MAX_TOKENS = 64
 MAX_SEGMENTS = 4
@@ -49,37 +55,45 @@ PAD = 4  # fp32 partial tile: column stride rows + 4 words keeps the accumulator
 ACC_VEC = 4  # fp32 partials summed per 128-bit shared::cluster load
 
 
-class InProjGemm:
+class SkinnyGemm:
     """Compile-time configuration: token tile (tokens padded to a multiple of 16), K, weight
-    rows, output segments, rows per CTA, the K split (= cluster size), pipeline stages."""
+    rows, output segments, rows per CTA, the K split (= cluster size), pipeline stages, and
+    ``glu``: ``(beta, linear_beta)`` of a gated activation over ``[gate; up]`` rows (one
+    segment of I = rows / 2 channels), or None for a plain projection."""
 
     def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
-                 split_k: int = 1, stages: int = 4):
+                 split_k: int = 1, stages: int = 4, glu: tuple[float | None, float | None] | None = None):
         if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:
             raise ValueError(f"token tile {token_tile}: a multiple of 16 in 16..{MAX_TOKENS}")
         if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or sum(segments) > rows:
             raise ValueError(f"segments {segments}: 1..{MAX_SEGMENTS} positive sizes summing to at most {rows}")
+        if glu is not None and (len(segments) != 1 or 2 * segments[0] != rows):
+            raise ValueError(f"a gated projection writes one segment of rows / 2 channels, got {segments} of {rows}")
         if rows_per_cta % (WARPS * MMA_SHAPE[0]):
             raise ValueError(f"rows per CTA {rows_per_cta} must be a multiple of {WARPS * MMA_SHAPE[0]}")
-        if split_k not in (1, 2, 4, 8) or rows_per_cta % (split_k * ACC_VEC):
-            raise ValueError(f"split_k {split_k}: 1, 2, 4 or 8 (a portable cluster), dividing the rows per CTA by 4s")
+        self.glu = glu is not None
+        self.beta, self.linear_beta = glu if glu is not None else (None, None)
+        self.tile_out = rows_per_cta // 2 if self.glu else rows_per_cta  # output rows (channels) per CTA tile
+        if split_k not in (1, 2, 4, 8) or self.tile_out % (split_k * ACC_VEC):
+            raise ValueError(f"split_k {split_k}: 1, 2, 4 or 8 (a portable cluster), dividing the CTA's "
+                             f"{self.tile_out} output rows by 4s")
         if k % (split_k * TILE_K):
             raise ValueError(f"K {k} is not a multiple of split_k x {TILE_K}")
         self.tile_n, self.k, self.rows = token_tile, k, rows
         self.segments = tuple(segments)
         self.starts = tuple(sum(segments[:i]) for i in range(len(segments)))
         self.rows_out = sum(segments)
-        if self.rows_out < rows_per_cta:
-            raise ValueError(f"{self.rows_out} rows < {rows_per_cta} rows per CTA")
+        if self.rows_out < self.tile_out:
+            raise ValueError(f"{self.rows_out} output rows < {self.tile_out} per CTA tile")
         self.tile_m = rows_per_cta
         self.split_k = split_k
         self.k_tiles = k // split_k // TILE_K
         if not 2 <= stages <= self.k_tiles:
             raise ValueError(f"stages {stages} outside 2..{self.k_tiles} (K tiles per CTA)")
         self.stages = stages
-        self.row_tiles = -(-self.rows_out // rows_per_cta)
+        self.row_tiles = -(-self.rows_out // self.tile_out)
         self.grid = self.row_tiles * split_k
-        self.slice_m = rows_per_cta // split_k  # rows each CTA of a cluster sums and stores
+        self.slice_m = self.tile_out // split_k  # output rows each CTA of a cluster sums and stores
         self.w_stage_bytes = rows_per_cta * TILE_K * 2
         self.x_stage_bytes = token_tile * TILE_K * 2
         self.partial_bytes = token_tile * (rows_per_cta + PAD) * 4
@@ -117,14 +131,21 @@ class InProjGemm:
         NK = const_expr(self.k_tiles)
         KB = const_expr(TILE_K // MMA_SHAPE[2])  # 16-K MMA steps per tile
         BM = const_expr(self.tile_m)
+        TO = const_expr(self.tile_out)
         tokens = mX.shape[0]
         rank = bidx % C  # clusters are C consecutive CTAs along x: rank = %cluster_ctarank
-        first = (bidx // C) * BM  # the tile's own rows start here
-        row0 = cutlass.min(first, self.rows_out - BM)  # the last tile reaches back to stay in bounds
+        first = (bidx // C) * TO  # the tile's own output rows start here
+        row0 = cutlass.min(first, self.rows_out - TO)  # the last tile reaches back to stay in bounds
         k0 = rank * (NK * TILE_K)
 
-        # this CTA's W rows and x, K slice cut into (rows, TILE_K, NK) tiles
-        gW = cute.local_tile(cute.domain_offset((row0, k0), mW), (BM, TILE_K), (0, None))
+        # this CTA's W rows and x, K slice cut into (rows, TILE_K, NK) tiles; gated: the rows are
+        # (64 gate rows, the same channels' 64 up rows I rows further)
+        if const_expr(self.glu):
+            corner = cute.domain_offset((row0, k0), mW)
+            gW = cute.make_tensor(corner.iterator, cute.make_layout(
+                ((TO, 2), TILE_K, NK), stride=((self.k, self.rows_out * self.k), 1, TILE_K)))
+        else:
+            gW = cute.local_tile(cute.domain_offset((row0, k0), mW), (BM, TILE_K), (0, None))
         gX = cute.local_tile(cute.domain_offset((0, k0), mX), (self.tile_n, TILE_K), (0, None))
         gW = cute.make_tensor(gW.iterator.align(16), gW.layout)
         gX = cute.make_tensor(gX.iterator.align(16), gX.layout)
@@ -239,45 +260,58 @@ class InProjGemm:
 
     @cute.jit
     def reduce_store(self, sP, mY0, mY1, mY2, mY3, tidx, rank, row0, first, tokens):
-        """Sum rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4 rows per
-        128-bit load) and store them, rounded to bf16, into their output segments; rows below
+        """Sum output rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4
+        rows per 128-bit load; gated: each with its up row ``tile_out`` further, then the
+        activation) and store them, rounded to bf16, into their output segments; rows below
         ``first`` (the last tile's overlap) are its neighbour's to store."""
-        C = self.split_k
         per_token = self.slice_m // ACC_VEC
         nvec = per_token * self.tile_n
         outs = (mY0, mY1, mY2, mY3)
-        part = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
-        total = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
+        up_groups = self.tile_out // ACC_VEC  # 4-row groups from a gate row to its up row
+        gate = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
+        up = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
         for j in cutlass.range_constexpr(-(-nvec // THREADS)):
             v = tidx + j * THREADS
             t = v // per_token
-            mv = rank * per_token + v % per_token  # 4-row group inside the CTA tile
+            mv = rank * per_token + v % per_token  # 4-row group inside the CTA's output rows
             if (const_expr(nvec % THREADS == 0) or v < nvec) and t < tokens:
-                total.fill(0.0)
-                for r in cutlass.range_constexpr(C):
-                    src = sP
-                    if const_expr(C > 1):
-                        src = cute.make_tensor(cute.arch.map_dsmem_ptr(sP.iterator, r), sP.layout)
-                    cute.autovec_copy(cute.local_tile(src, (ACC_VEC, 1), (mv, t)), part)
-                    total.store(total.load() + part.load())
+                self.cluster_sum(sP, mv, t, gate)
+                if const_expr(self.glu):
+                    self.cluster_sum(sP, mv + up_groups, t, up)
                 for e in cutlass.range_constexpr(ACC_VEC):
                     n = row0 + mv * ACC_VEC + e
-                    val = total[e, 0].to(BFloat16)
+                    val = gate[e, 0]
+                    if const_expr(self.glu):
+                        val = gated_act(val, up[e, 0], self.beta, self.linear_beta)
+                    val = val.to(BFloat16)
                     for i in cutlass.range_constexpr(len(self.segments)):
                         lo = const_expr(self.starts[i])
                         hi = const_expr(lo + self.segments[i])
                         if n >= lo and n < hi and n >= first:
                             outs[i][t, n - lo] = val
 
+    @cute.jit
+    def cluster_sum(self, sP, group, t, total):
+        """``total`` = rows ``[4 group, 4 group + 4)`` of token ``t`` summed over the cluster's
+        partial tiles, in rank order (deterministic)."""
+        part = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
+        total.fill(0.0)
+        for r in cutlass.range_constexpr(self.split_k):
+            src = sP
+            if const_expr(self.split_k > 1):
+                src = cute.make_tensor(cute.arch.map_dsmem_ptr(sP.iterator, r), sP.layout)
+            cute.autovec_copy(cute.local_tile(src, (ACC_VEC, 1), (group, t)), part)
+            total.store(total.load() + part.load())
 
-def build(spec) -> tuple[InProjGemm, tuple]:
+def build(spec) -> tuple[SkinnyGemm, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token
     count is a runtime size up to the token tile)."""
     s, p = spec.shape_dict, spec.param_dict
     tile_n, k, n = s["token_tile"], s["k"], s["rows"]
     segments = tuple(p["segments"])
-    kernel = InProjGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
-                        stages=p["stages"])
+    glu = (p["beta"], p["linear_beta"]) if p.get("glu") else None
+    kernel = SkinnyGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
+                        stages=p["stages"], glu=glu)
     tokens = cute.sym_int32()
     # outputs: 2-byte scalar stores, any alignment torch gives a fresh [T, size] tensor
     ys = [make_fake_tensor(BFloat16, (tokens, size), (size, 1), assumed_align=2) for size in segments]
