@@ -5,10 +5,11 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py                 # or --only dense (in_proj, attn_res, dense)
+    python examples/bench_kernels.py                 # or --only dense o_proj (in_proj, attn_res, dense, o_proj)
 
-The dense MLP section times both of its templates at 1..8 tokens (the GEMM's range widened for
-the sweep only), to place the batch where the rules hand it from the GEMVs to the GEMM.
+The dense MLP and output projection sections time the GEMV and the GEMM at the same batches
+(each forced outside its range for the sweep only), to place the batch where the templates
+hand over from the GEMVs to the GEMM.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import argparse
 import torch
 
 import patterns.attention_projection
-import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
+import patterns.layer
+import patterns.output_projection  # noqa: F401  (with the two above: defines the k3f ops)
 from codegen.bind import device_arch, load_kernels
 
 D = 7168
@@ -115,10 +117,37 @@ def bench_dense(tp: int) -> None:
     dense_mlp.DENSE_GEMM_TOKENS = (2, 64)
 
 
+def bench_o_proj(tp: int) -> None:
+    """The output projection's first stage (``k3f::o_proj_attn_res``) at one rank's K: GEMV and GEMM."""
+    from codegen.launchers import o_proj
+
+    k = {16: 768, 8: 1536}[tp]  # 6 / 12 heads x 128 per rank (KDA and MLA alike)
+    nbytes = D * k * 2
+    copies = max(2, int(200e6 // nbytes) + 1)
+    ws = [(torch.randn(D, k, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+    rest = (None, torch.randn(1, 8, D, device="cuda").bfloat16(), *[torch.randn(D, device="cuda").bfloat16()] * 3,
+            "tp", 1, 1, 1e-6)
+    saved = o_proj.O_PROJ_GEMM_MIN_TOKENS
+    print(f"o_proj TP {tp} (K = {k}, {nbytes / 1e6:.1f} MB, floor {nbytes / 4.27e6:.1f} us)")
+    print("| tokens | GEMV | GEMM |\n|---|---|---|")
+    for t in (1, 2, 3, 4, 6, 8, 16, 64):
+        o = torch.randn(t, k, device="cuda").bfloat16()
+        y = torch.empty(t, D, device="cuda", dtype=torch.bfloat16)
+        blocks = torch.randn(t, 8, D, device="cuda").bfloat16()
+        row = []
+        for first_gemm in (65, 1):  # the GEMV at every batch, then the GEMM at every batch
+            o_proj.O_PROJ_GEMM_MIN_TOKENS = first_gemm
+            tpl, specs, fns = kernel("k3f::o_proj_attn_res", (o, ws[0], rest[0], blocks, *rest[2:]))
+            us = graph_us(lambda: [o_proj.project(fns[0], specs[0], o, w, y) for w in ws]) / len(ws)
+            row.append(f"{us:.1f} us ({specs[0].kernel})")
+        print(f"| {t} | {row[0]} | {row[1]} |")
+    o_proj.O_PROJ_GEMM_MIN_TOKENS = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=("in_proj", "attn_res", "dense"),
-                        default=("in_proj", "attn_res", "dense"))
+    parts = ("in_proj", "attn_res", "dense", "o_proj")
+    parser.add_argument("--only", nargs="+", choices=parts, default=parts)
     only = parser.parse_args().only
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
     if "in_proj" in only:
@@ -135,6 +164,9 @@ def main() -> None:
     if "dense" in only:
         for tp in (16, 8):
             bench_dense(tp)
+    if "o_proj" in only:
+        for tp in (16, 8):
+            bench_o_proj(tp)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from codegen import bind
 from codegen.cache import KernelCache
 from codegen.kernels import KERNELS, source_files
 from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
+from codegen.launchers.o_proj import O_PROJ_GEMM_MIN_TOKENS, project
 from codegen.templates import spec_for_call, template
 from rewriter.layers.attn_res import attn_res
 from rewriter.layers.common import rms_norm
@@ -116,9 +117,14 @@ def test_latent_tail_spec(tokens):
 @pytest.mark.parametrize("tp", [16, 8])
 @pytest.mark.parametrize("prefix", [True, False])
 def test_o_proj_specs(tp, prefix):
-    _, (gemv, res) = specs_of("k3f::o_proj_attn_res", o_proj_args(5, tp, prefix, num_blocks=3))
-    assert gemv.kernel == "gemv" and gemv.shape_dict == {"tokens": 5, "k": O_IN[tp], "rows0": D, "rows1": 0}
+    few = O_PROJ_GEMM_MIN_TOKENS - 1
+    _, (gemv, res) = specs_of("k3f::o_proj_attn_res", o_proj_args(few, tp, prefix, num_blocks=3))
+    assert gemv.kernel == "gemv" and gemv.shape_dict == {"tokens": few, "k": O_IN[tp], "rows0": D, "rows1": 0}
     assert gemv.dtype_dict["out0"] == "bf16" and gemv.param_dict["ksplit"] == 1
+    # from O_PROJ_GEMM_MIN_TOKENS on the tensor-core GEMM, one output segment of all D rows
+    _, (gemm, res_many) = specs_of("k3f::o_proj_attn_res", o_proj_args(few + 1, tp, prefix, num_blocks=3))
+    assert gemm.kernel == "o_proj_gemm" and gemm.shape_dict == {"token_tile": 16, "k": O_IN[tp], "rows": D}
+    assert tuple(gemm.param_dict["segments"]) == (D,) and res_many.param_dict == res.param_dict
     assert res.kernel == "attn_res_norm" and res.op == "k3f::o_proj_attn_res"
     # a given prefix gets attn as its delta; without one attn is the new block's prefix (no delta)
     assert res.param_dict == {"num_blocks": 3, "write_idx": -1, "has_delta": prefix, "eps": EPS}
@@ -186,8 +192,20 @@ def stand_in_attn_res(spec):
     return fn
 
 
+def stand_in_gemm(spec):
+    """The skinny ``gemm`` kernel (one output segment) in torch, with its shape checks."""
+    s = spec.shape_dict
+
+    def fn(x, w, y0, y1, y2, y3):
+        assert x.shape[1] == s["k"] and x.shape[0] <= s["token_tile"] and x.is_contiguous()
+        assert w.shape == (s["rows"], s["k"]) and y0.shape == (x.shape[0], s["rows"]) and y1 is y2 is y3 is None
+        y0.copy_(torch.nn.functional.linear(x.float(), w.float()))
+    return fn
+
+
 def stand_ins(specs):
-    return tuple(stand_in_gemv(s) if s.kernel == "gemv" else stand_in_attn_res(s) for s in specs)
+    makers = {"gemv": stand_in_gemv, "o_proj_gemm": stand_in_gemm, "attn_res_norm": stand_in_attn_res}
+    return tuple(makers[s.kernel](s) for s in specs)
 
 
 def rnd(*shape, gen, scale=1.0, shift=0.0):
@@ -247,9 +265,10 @@ def test_latent_tail_launch_plumbing(fake_collectives, tp):
 
 @pytest.mark.parametrize("tp", [8, 16])
 @pytest.mark.parametrize("prefix", [True, False])
-def test_o_proj_launch_plumbing(fake_collectives, tp, prefix):
+@pytest.mark.parametrize("tokens", [2, 5])
+def test_o_proj_launch_plumbing(fake_collectives, tp, prefix, tokens):
     gen = torch.Generator().manual_seed(tp + prefix)
-    o, w, p, blocks, nw, qw, ow = o_proj_inputs(5, tp, prefix, gen)
+    o, w, p, blocks, nw, qw, ow = o_proj_inputs(tokens, tp, prefix, gen)
     args = (o, w, p, blocks, nw, qw, ow, GROUP, tp, 2, EPS)
     tpl, specs = specs_of("k3f::o_proj_attn_res", args)
     assert tpl.runtime_check(args) is None
@@ -263,7 +282,7 @@ def test_o_proj_launch_plumbing(fake_collectives, tp, prefix):
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Router (TP 16, 1 token), latent tail (TP 16, 13 tokens: 2 chunks of 7, one padded slot)
-    and o_proj (TP 16, 1 token, both stages), for sm_90a and sm_100a."""
+    and o_proj (TP 16, 1 token, both stages; 64 tokens at TP 8: its GEMM), for sm_90a and sm_100a."""
     from codegen.compiler import clear_memory_cache, compile_kernel
 
     cache = KernelCache(tmp_path_factory.mktemp("gemv-kernel-cache"))
@@ -272,7 +291,8 @@ def compiled(tmp_path_factory):
     for arch in ARCHS:
         for name, op, args in (("router", "k3f::router_down", router_args(1, 16, 0)),
                                ("tail", "k3f::latent_tail", tail_args(13, 16)),
-                               ("o_proj", "k3f::o_proj_attn_res", o_proj_args(1, 16, prefix=False))):
+                               ("o_proj", "k3f::o_proj_attn_res", o_proj_args(1, 16, prefix=False)),
+                               ("o_proj_gemm", "k3f::o_proj_attn_res", o_proj_args(64, 8, prefix=True))):
             _, specs = specs_of(op, args, arch)
             out[name, arch] = [compile_kernel(s, cache=cache) for s in specs]
     return out
@@ -353,6 +373,17 @@ def test_o_proj_ptx(compiled, arch):
     assert _count(ptx, "shfl.sync.bfly.b32") == 5 and _count(ptx, "st.global.b16") == 1
     assert "bar.sync" not in ptx and "ld.shared" not in ptx and "st.shared" not in ptx  # one warp per row
     assert res.spec.kernel == "attn_res_norm" and f".target {arch}" in res.ptx
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_o_proj_gemm_ptx(compiled, arch):
+    """The projection on tensor cores at 64 tokens: mma.sync, cp.async, no spills to local memory."""
+    gemm, res = compiled["o_proj_gemm", arch]
+    assert gemm.spec.kernel == "o_proj_gemm" and f".target {arch}" in gemm.ptx
+    assert "mma.sync.aligned.m16n8k16" in gemm.ptx and "cp.async.cg.shared.global" in gemm.ptx
+    assert "ld.local" not in gemm.ptx and "st.local" not in gemm.ptx
+    assert res.spec.kernel == "attn_res_norm"
 
 
 @needs_cutedsl
@@ -453,9 +484,10 @@ def test_o_proj_attn_res_gpu(tokens, tp):
     gpu = cuda(args)
     tpl, specs, fns = compiled_fns("k3f::o_proj_attn_res", gpu)
     assert tpl.runtime_check(gpu) is None
-    # the GEMV stage alone (its output is the launcher's intermediate)
+    assert specs[0].kernel == ("o_proj_gemm" if tokens >= O_PROJ_GEMM_MIN_TOKENS else "gemv")
+    # the projection stage alone (its output is the launcher's intermediate)
     attn = nan(tokens, D)
-    fns[0](gpu[0], gpu[1], None, None, None, attn, None)
+    project(fns[0], specs[0], gpu[0], gpu[1], attn)
     torch.cuda.synchronize()
     assert torch.isfinite(attn).all() and rel_err(attn, torch.nn.functional.linear(o, w)) <= TOL
     x, new_prefix = tpl.launch(fns, specs, gpu, out=(nan(tokens, D), nan(tokens, D)))

@@ -20,11 +20,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attn_in_proj_gemm": ("gemm",),
     "dense_gate_up_gemm": ("gemm",),
     "dense_down_gemm": ("gemm",),
+    "o_proj_gemm": ("gemm",),
     "kda_core": ("kda_core",),
-    "mla_attend": ("mla_attend",),
+    "mla_attend": ("mla_attend", "warp_mma"),
     "expert_up_mxfp4": ("expert_up_mxfp4", "mxfp4"),
     "expert_down_mxfp4": ("expert_down_mxfp4", "mxfp4"),
-    "mla_q_front": ("mla_q_front",),
+    "mla_q_front": ("mla_q_front", "warp_mma"),
 }
 
 

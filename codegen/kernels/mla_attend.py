@@ -12,14 +12,18 @@ per request ``b`` with ``n = seq_lens[b]`` cached entries (the current token's i
 Work split: a grid of ``B x S`` CTAs (S context splits per request, ``B x S <= 128`` so that the
 whole grid is resident at once on any Hopper or Blackwell part: the launcher checks the SM
 count), 256 threads, three phases separated by two grid-wide barriers:
-1. split ``s`` of request ``b`` walks its share of the context in tiles of 32 (bf16) or 64
-   (fp8) entries: the tile's entries (block table lookups, 128-bit loads; the next tile's
-   loads are issued before the current one is computed) go to shared memory; scores: warp
-   ``w`` takes entry values [72w, 72w + 72) of every entry (one entry per lane) against the
-   queries (fp32 in shared memory, pre-scaled by scale x log2(e), broadcast reads), the 8
-   partial sums meet in shared memory; online softmax in base 2, one warp per head; P x V:
-   thread ``i`` owns 8 latent values (``i % 64``) of the heads ``h = i // 64 (mod 4)`` in
-   fp32 registers. The split's (max, sum, unnormalized latent) go to a global scratch.
+1. split ``s`` of request ``b`` walks its share of the context in tiles of 64 entries: the
+   tile's entries (block table lookups, 128-bit loads; the next tile's loads are issued before
+   the current one is computed) go to shared memory as bf16 (fp8 E4M3 converted exactly);
+   both products run on tensor cores (``mma.sync.m16n8k16``, bf16 in, fp32 accumulators;
+   ``warp_mma``), the H heads padded to the MMA's 16 rows. Scores: warp ``w`` multiplies the
+   queries' entry values [144 (w % 4), +144) (A fragments by ldmatrix) by entries
+   [32 (w // 4), +32) of the tile; the 4 partial sums meet in shared memory. Online softmax
+   in base 2 (scale x log2(e), fp8: x kv_scale, applied to the fp32 sums), one warp per head,
+   P rounded to bf16. P x V: warp ``w`` owns latent values [64 w, 64 w + 64) of every head,
+   its accumulators rescaled by each head's correction before the tile's products (V read
+   from the same tile with ``ldmatrix.trans``). The split's (max, sum, unnormalized latent)
+   go to a global scratch.
 2. after the first barrier, a group of lanes (as many as splits, at most 32) combines the
    splits of one (request, head, 8 values) unit, each lane a share of the splits, a butterfly
    over the group, and writes the bf16 latent to a second scratch;
@@ -43,6 +47,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2g_atom
+from codegen.kernels.warp_mma import ldmatrix_x4, mma_bf16
 
 L, R, V_DIM, HEAD_ROWS = 512, 64, 128, 256  # latent, rope, value dim, kv_b rows per head
 E = L + R
@@ -50,11 +55,18 @@ THREADS = 256
 WARPS = THREADS // 32
 MAX_CTAS = 128
 MAX_BATCH = 64
-TILE = {"bf16": 32, "fp8_e4m3": 64}  # entries per tile: 36 KB of shared memory either way
-ELEMS = 8  # values per vector: 128 bits of bf16, 64 bits of fp8
-DIM_VECS = E // ELEMS // WARPS  # score: vectors of entry values per warp (9)
-LAT_VECS = L // ELEMS  # 64 vectors of latent values
-HEAD_GROUPS = THREADS // LAT_VECS  # 4
+MAX_HEADS = 16  # the MMA's M: heads padded to 16 rows
+CACHE_DTYPES = ("bf16", "fp8_e4m3")
+TILE = 64  # entries per tile
+ROW = E + 8  # shared-memory row of an entry / a query (bf16): 16 bytes of padding, ldmatrix rows in distinct banks
+P_ROW = TILE + 8  # row of P (bf16), likewise
+PART_ROW = TILE + 8  # row of the fp32 partial scores: the accumulator stores 2-way conflicted at most
+K_WARPS, N_WARPS = 4, 2  # scores: warps along the entry values (144 each) x along the tile's entries (32 each)
+K_TILES = E // K_WARPS // 16  # 9 k16 steps per score warp
+N_TILES = TILE // N_WARPS // 8  # 4 n8 tiles per score warp
+O_TILES = L // WARPS // 8  # P x V: 8 n8 tiles of latent values per warp
+ELEMS = 8  # latent values per combine unit
+LAT_VECS = L // ELEMS  # 64 combine units per (request, head)
 LOG2E = 1.0 / math.log(2.0)
 NEG_INF = float("-inf")
 
@@ -71,20 +83,19 @@ class MlaAttend:
     def __init__(self, batch: int, heads: int, cache: str, scale: float, gate_stride: int):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch {batch} outside 1..{MAX_BATCH}")
-        if cache not in TILE:
+        if cache not in CACHE_DTYPES:
             raise ValueError(f"cache {cache!r}: bf16 or fp8_e4m3")
+        if not 1 <= heads <= MAX_HEADS:
+            raise ValueError(f"heads {heads} outside 1..{MAX_HEADS} (the MMA's 16 rows)")
         self.batch, self.heads, self.cache = batch, heads, cache
         self.splits = splits_for(batch)
         self.ctas = batch * self.splits
         self.scale = float(scale)
         self.gate_stride = gate_stride
-        self.tile = TILE[cache]
-        self.slots = self.tile // 32  # entries per lane in the score phase
-        self.vec_bytes = 16
-        self.entry_vecs = E * (2 if cache == "bf16" else 1) // self.vec_bytes  # 16-byte vectors per entry
-        self.loads = self.tile * self.entry_vecs // THREADS  # 16-byte tile loads per thread (9)
-        self.row = E + (8 if cache == "bf16" else 16)  # padded shared-memory row (elements)
-        self.heads_per_thread = -(-heads // HEAD_GROUPS)
+        self.per_vec = 8 if cache == "bf16" else 16  # cache values per 16-byte load
+        self.entry_vecs = E // self.per_vec  # 16-byte vectors per entry (72 | 36)
+        self.loads = TILE * self.entry_vecs // THREADS  # 16-byte tile loads per thread (18 | 9)
+        self.stages = 2 if cache == "bf16" else 1  # bf16: cp.async into two stages; fp8: via registers
         self.rows = heads * V_DIM  # W_UV rows
         self.rows_per_cta = -(-self.rows // self.ctas)
         self.rows_per_warp = -(-self.rows_per_cta // WARPS)
@@ -183,76 +194,108 @@ class MlaAttend:
     @cute.jit
     def attend(self, mQ, mCache, mBT, mSeq, mKvScale, mPAcc, mPML, cta, tidx, lane, warp):
         H = const_expr(self.heads)
-        T = const_expr(self.tile)
-        TS = const_expr(self.slots)
-        HPT = const_expr(self.heads_per_thread)
+        TS = const_expr(TILE // 32)
         b = cta // self.splits
         split = cta % self.splits
+        g, q = lane // 4, lane % 4  # the MMA fragments' row group and column pair
 
         smem = cutlass.memory.SmemAllocator()
-        sK = smem.allocate_tensor(self.dtype, cute.make_layout((T, E), stride=(self.row, 1)), byte_alignment=16)
-        sQ = smem.allocate_tensor(Float32, cute.make_layout((H, E), stride=(E, 1)), byte_alignment=16)
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((WARPS, H, T)), byte_alignment=16)
-        sP = smem.allocate_tensor(Float32, cute.make_layout((H, T)), byte_alignment=16)
-        sStat = smem.allocate_tensor(Float32, cute.make_layout((3, H)), byte_alignment=16)  # max, sum, correction
+        ST = const_expr(self.stages)
+        sK = smem.allocate_tensor(BFloat16, cute.make_layout((ST, TILE, E), stride=(TILE * ROW, ROW, 1)),
+                                  byte_alignment=16)
+        sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MAX_HEADS, E), stride=(ROW, 1)), byte_alignment=16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((K_WARPS, MAX_HEADS, TILE),
+                                                               stride=(MAX_HEADS * PART_ROW, PART_ROW, 1)),
+                                     byte_alignment=16)
+        sP = smem.allocate_tensor(BFloat16, cute.make_layout((MAX_HEADS, TILE), stride=(P_ROW, 1)), byte_alignment=16)
+        sStat = smem.allocate_tensor(Float32, cute.make_layout((3, MAX_HEADS)), byte_alignment=16)  # max, sum, corr
 
-        # the queries, fp32, pre-scaled into base-2 logits (fp8: times kv_scale)
-        q_scale = Float32(self.scale * LOG2E)
-        if const_expr(self.cache == "fp8_e4m3"):
-            q_scale = q_scale * mKvScale[0]
-        rQ = cute.make_rmem_tensor((VEC, -(-H * E // VEC // THREADS)), BFloat16)
-        for j in cutlass.range_constexpr(-(-H * E // VEC // THREADS)):  # every load in flight at once
-            i = cutlass.min(tidx + j * THREADS, H * E // VEC - 1)
-            cute.copy(g2r_atom(BFloat16, invariant=False),
-                      cute.local_tile(mQ[b, i // (E // VEC), None], (VEC,), (i % (E // VEC),)), rQ[None, j])
-        for j in cutlass.range_constexpr(-(-H * E // VEC // THREADS)):
-            i = cutlass.min(tidx + j * THREADS, H * E // VEC - 1)
-            cute.local_tile(sQ[i // (E // VEC), None], (VEC,), (i % (E // VEC),)).store(
-                rQ[None, j].load().to(Float32) * q_scale)
-        if tidx < H:
+        # the queries as given (bf16; the scale multiplies the fp32 sums), rows past H and P zero
+        QV = const_expr(MAX_HEADS * E // VEC)
+        rQv = cute.make_rmem_tensor((VEC, -(-QV // THREADS)), BFloat16)
+        for j in cutlass.range_constexpr(-(-QV // THREADS)):  # every load in flight at once
+            i = cutlass.min(tidx + j * THREADS, QV - 1)
+            h = i // (E // VEC)
+            rQv[None, j].fill(0.0)
+            if h < H:
+                cute.copy(g2r_atom(BFloat16, invariant=False),
+                          cute.local_tile(mQ[b, h, None], (VEC,), (i % (E // VEC),)), rQv[None, j])
+        for j in cutlass.range_constexpr(-(-QV // THREADS)):
+            i = tidx + j * THREADS
+            if const_expr((j + 1) * THREADS <= QV) or i < QV:
+                cute.autovec_copy(rQv[None, j], cute.local_tile(sQ[i // (E // VEC), None], (VEC,), (i % (E // VEC),)))
+        if tidx < MAX_HEADS * TILE // VEC:
+            rZ = cute.make_rmem_tensor((VEC,), BFloat16)
+            rZ.fill(0.0)
+            cute.autovec_copy(rZ, cute.local_tile(sP[tidx // (TILE // VEC), None], (VEC,), (tidx % (TILE // VEC),)))
+        if tidx < MAX_HEADS:
             sStat[0, tidx] = Float32(NEG_INF)
             sStat[1, tidx] = Float32(0.0)
+            sStat[2, tidx] = Float32(0.0)
+        s_scale = Float32(self.scale * LOG2E)
+        if const_expr(self.cache == "fp8_e4m3"):
+            s_scale = s_scale * mKvScale[0]
 
         n = mSeq[b]
         per = (n + self.splits - 1) // self.splits
-        per = (per + T - 1) // T * T
+        per = (per + TILE - 1) // TILE * TILE
         start = cutlass.min(split * per, n)
         end = cutlass.min(start + per, n)
-        tiles = (end - start + T - 1) // T
+        tiles = (end - start + TILE - 1) // TILE
 
-        rAcc = cute.make_rmem_tensor((ELEMS, HPT), Float32)
-        rAcc.fill(0.0)
-        rNext = cute.make_rmem_tensor((16 // (self.dtype.width // 8), self.loads), self.dtype)
+        # the first tile's loads: bf16 by cp.async into stage 0, fp8 into registers
+        rNext = cute.make_rmem_tensor((self.per_vec, self.loads if const_expr(self.cache != "bf16") else 1),
+                                      self.dtype)
         if tiles > 0:
-            self.load_tile(mCache, mBT, rNext, b, start, end, tidx)
-        dv = tidx % LAT_VECS
-        group = tidx // LAT_VECS
-        rV = cute.make_rmem_tensor((ELEMS,), self.dtype)
-        rK = cute.make_rmem_tensor((ELEMS,), self.dtype)
-        rS = cute.make_rmem_tensor((H, TS), Float32)
-        for tile in cutlass.range(tiles, unroll=1):
-            base = start + tile * T
-            cute.arch.barrier()  # the previous tile is no longer read (and sQ, sStat are written)
-            self.store_tile(sK, rNext, tidx)
-            cute.arch.barrier()
-            if tile + 1 < tiles:
-                self.load_tile(mCache, mBT, rNext, b, base + T, end, tidx)
+            self.load_tile(mCache, mBT, rNext, sK, 0, b, start, end, tidx)
+        cute.arch.cp_async_commit_group()
+        cute.arch.barrier()  # sQ, sP, sStat written
 
-            # scores: warp w, entry values [72w, 72w + 72), entry lane + 32 x slot
-            rS.fill(0.0)
-            for c in cutlass.range_constexpr(DIM_VECS):
-                col = (warp * DIM_VECS + c) * ELEMS
-                ks = []
-                for s in cutlass.range_constexpr(TS):
-                    cute.autovec_copy(cute.local_tile(sK[lane + 32 * s, None], (ELEMS,), (col // ELEMS,)), rK)
-                    ks.append(rK.load().to(Float32))
-                for h in cutlass.range_constexpr(H):
-                    qv = cute.local_tile(sQ[h, None], (ELEMS,), (col // ELEMS,)).load()
-                    for s in cutlass.range_constexpr(TS):
-                        rS[h, s] = rS[h, s] + (qv * ks[s]).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            for h in cutlass.range_constexpr(H):
-                for s in cutlass.range_constexpr(TS):
-                    sPart[warp, h, lane + 32 * s] = rS[h, s]
+        kq, nh = warp % K_WARPS, warp // K_WARPS  # scores: entry values [144 kq, +144), entries [32 nh, +32)
+        sK_addr = sK.iterator.toint()
+        sQ_addr = sQ.iterator.toint()
+        sP_addr = sP.iterator.toint()
+        a_row = lane % 8 + 8 * ((lane // 8) % 2)
+        a_col = 8 * (lane // 16)
+        m_row = lane % 8  # ldmatrix: the row this lane addresses in matrix lane // 8
+        m_lo = 8 * ((lane // 8) % 2)  # matrix offset along the fragment's k (plain) / k (trans)
+        m_hi = 8 * (lane // 16)  # along n
+
+        rO = cute.make_rmem_tensor((4, O_TILES), Float32)
+        rO.fill(0.0)
+        for tile in cutlass.range(tiles, unroll=1):
+            base = start + tile * TILE
+            stage = tile % ST
+            cute.arch.barrier()  # the previous tile's sK stage, sP and corrections are no longer read
+            if const_expr(self.cache == "bf16"):
+                if tile + 1 < tiles:  # the next tile into the other stage, in flight during this one
+                    self.load_tile(mCache, mBT, rNext, sK, 1 - stage, b, base + TILE, end, tidx)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)  # this tile's copies (this thread's) landed
+            else:
+                self.store_tile(sK, rNext, tidx)
+            cute.arch.barrier()
+            if const_expr(self.cache != "bf16"):
+                if tile + 1 < tiles:
+                    self.load_tile(mCache, mBT, rNext, sK, 0, b, base + TILE, end, tidx)
+            k_addr = sK_addr + stage * (TILE * ROW * 2)
+
+            # scores: (16 heads) x (entries [32 nh, +32)) over entry values [144 kq, +144)
+            acc = [[Float32(0.0)] * 4 for _ in range(N_TILES)]
+            for kt in cutlass.range_constexpr(K_TILES):
+                # the queries' A fragments, re-read per tile (held, they would cost 36 registers)
+                a = ldmatrix_x4(sQ_addr + (a_row * ROW + kq * (E // K_WARPS) + kt * 16 + a_col) * 2, False)
+                col = kq * (E // K_WARPS) + kt * 16 + m_lo
+                for np in cutlass.range_constexpr(N_TILES // 2):
+                    entry = nh * (TILE // N_WARPS) + np * 16 + m_hi + m_row
+                    bw = ldmatrix_x4(k_addr + (entry * ROW + col) * 2, False)
+                    acc[2 * np] = mma_bf16(a, bw[0], bw[1], acc[2 * np])
+                    acc[2 * np + 1] = mma_bf16(a, bw[2], bw[3], acc[2 * np + 1])
+            for nt in cutlass.range_constexpr(N_TILES):
+                col = nh * (TILE // N_WARPS) + nt * 8 + 2 * q
+                for hh in cutlass.range_constexpr(2):
+                    sPart[kq, g + 8 * hh, col] = acc[nt][2 * hh]
+                    sPart[kq, g + 8 * hh, col + 1] = acc[nt][2 * hh + 1]
             cute.arch.barrier()
 
             # online softmax (base 2), warp w takes heads w, w + 8
@@ -264,9 +307,9 @@ class MlaAttend:
                     for s in cutlass.range_constexpr(TS):
                         j = lane + 32 * s
                         tot = Float32(0.0)
-                        for w in cutlass.range_constexpr(WARPS):
+                        for w in cutlass.range_constexpr(K_WARPS):
                             tot = tot + sPart[w, h, j]
-                        rT[s] = Float32(cutlass.select_(base + j < end, tot, Float32(NEG_INF)))
+                        rT[s] = Float32(cutlass.select_(base + j < end, tot * s_scale, Float32(NEG_INF)))
                         tmax = cutlass.max(tmax, rT[s])
                     tmax = cute.arch.warp_reduction(tmax, cutlass.max)
                     old = sStat[0, h]
@@ -274,7 +317,7 @@ class MlaAttend:
                     psum = Float32(0.0)
                     for s in cutlass.range_constexpr(TS):
                         p = cute.math.exp2(rT[s] - new)
-                        sP[h, lane + 32 * s] = p
+                        sP[h, lane + 32 * s] = p.to(BFloat16)
                         psum = psum + p
                     psum = cute.arch.warp_reduction(psum, operator.add)
                     cute.arch.sync_warp()
@@ -285,56 +328,62 @@ class MlaAttend:
                         sStat[2, h] = corr
             cute.arch.barrier()
 
-            # P x V: 8 latent values (dv) of heads group, group + 4, group + 8
-            for k in cutlass.range_constexpr(HPT):
-                h = group + k * HEAD_GROUPS
-                if h < H:
-                    corr = sStat[2, h]
-                    for e in cutlass.range_constexpr(ELEMS):
-                        rAcc[e, k] = rAcc[e, k] * corr
-            for j in cutlass.range(T, unroll=4):
-                cute.autovec_copy(cute.local_tile(sK[j, None], (ELEMS,), (dv,)), rV)
-                v = rV.load().to(Float32)
-                for k in cutlass.range_constexpr(HPT):
-                    h = group + k * HEAD_GROUPS
-                    if h < H:
-                        p = sP[h, j]
-                        acc = rAcc[None, k].load()
-                        rAcc[None, k].store(acc + v * p)
+            # P x V: (16 heads) x (latent values [64 w, +64)) over the tile's 64 entries
+            corr = [sStat[2, g], sStat[2, g + 8]]
+            for nt in cutlass.range_constexpr(O_TILES):
+                for i in cutlass.range_constexpr(4):
+                    rO[i, nt] = rO[i, nt] * corr[i // 2]
+            for kt in cutlass.range_constexpr(TILE // 16):
+                pa = ldmatrix_x4(sP_addr + (a_row * P_ROW + kt * 16 + a_col) * 2, False)
+                entry = kt * 16 + m_lo + m_row
+                for np in cutlass.range_constexpr(O_TILES // 2):
+                    bw = ldmatrix_x4(k_addr + (entry * ROW + warp * (L // WARPS) + np * 16 + m_hi) * 2, True)
+                    for half in cutlass.range_constexpr(2):
+                        nt = 2 * np + half
+                        c = mma_bf16(pa, bw[2 * half], bw[2 * half + 1], [rO[i, nt] for i in range(4)])
+                        for i in cutlass.range_constexpr(4):
+                            rO[i, nt] = c[i]
 
         # the split's partials: unnormalized latent, max and sum per head
         cute.arch.barrier()
-        for k in cutlass.range_constexpr(HPT):
-            h = group + k * HEAD_GROUPS
+        for hh in cutlass.range_constexpr(2):
+            h = g + 8 * hh
             if h < H:
-                for half in cutlass.range_constexpr(2):
-                    cute.copy(r2g_atom(Float32), cute.local_tile(rAcc[None, k], (4,), (half,)),
-                              cute.local_tile(mPAcc[cta, h, None], (4,), (dv * 2 + half,)))
+                for nt in cutlass.range_constexpr(O_TILES):
+                    col = warp * (L // WARPS) + nt * 8 + 2 * q
+                    mPAcc[cta, h, col] = rO[2 * hh, nt]
+                    mPAcc[cta, h, col + 1] = rO[2 * hh + 1, nt]
         if tidx < H:
             mPML[cta, tidx, 0] = sStat[0, tidx]
             mPML[cta, tidx, 1] = sStat[1, tidx]
 
     @cute.jit
-    def load_tile(self, mCache, mBT, rNext, b, first, end, tidx):
-        """The tile of entries ``first ..`` into registers, 16 bytes per load; entries at or past
-        ``end`` re-read entry ``end - 1`` (masked out of the softmax)."""
+    def load_tile(self, mCache, mBT, rNext, sK, stage, b, first, end, tidx):
+        """Issue the loads of the tile of entries ``first ..``, 16 bytes each: bf16 by cp.async
+        straight into ``sK[stage]``, fp8 into registers (``store_tile`` converts them). Entries
+        at or past ``end`` re-read entry ``end - 1`` (masked out of the softmax)."""
         NV = const_expr(self.entry_vecs)
-        per = const_expr(16 // (self.dtype.width // 8))
         block_size = mCache.shape[1]
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
         for i in cutlass.range_constexpr(self.loads):
             flat = tidx + i * THREADS
             pos = cutlass.min(first + flat // NV, end - 1)
             blk = mBT[b, pos // block_size]
-            entry = mCache[blk, pos % block_size, None]
-            cute.copy(g2r_stream_atom(self.dtype), cute.local_tile(entry, (per,), (flat % NV,)), rNext[None, i])
+            src = cute.local_tile(mCache[blk, pos % block_size, None], (self.per_vec,), (flat % NV,))
+            if const_expr(self.cache == "bf16"):
+                cute.copy(g2s, src, cute.local_tile(sK[stage, flat // NV, None], (self.per_vec,), (flat % NV,)))
+            else:
+                cute.copy(g2r_stream_atom(self.dtype), src, rNext[None, i])
 
     @cute.jit
     def store_tile(self, sK, rNext, tidx):
+        """The fp8 tile loaded into registers, into shared memory as bf16 (E4M3 converts exactly)."""
         NV = const_expr(self.entry_vecs)
-        per = const_expr(16 // (self.dtype.width // 8))
         for i in cutlass.range_constexpr(self.loads):
             flat = tidx + i * THREADS
-            cute.autovec_copy(rNext[None, i], cute.local_tile(sK[flat // NV, None], (per,), (flat % NV,)))
+            dst = cute.local_tile(sK[0, flat // NV, None], (self.per_vec,), (flat % NV,))
+            dst.store(rNext[None, i].load().to(Float32).to(BFloat16))
 
     @cute.jit
     def combine(self, mPAcc, mPML, mLat, unit, sub, kv_scale):

@@ -53,11 +53,10 @@ import operator
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr, cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-from cutlass.cutlass_dsl import T as IrT, dsl_user_op
 
 from codegen.kernels.common import BITS, VEC, g2r_atom, g2r_stream_atom, r2s_atom
+from codegen.kernels.warp_mma import ldmatrix_x4, mma_bf16, words
 
 Q_LORA, KV_LORA, NOPE, ROPE = 1536, 512, 128, 64
 ENTRY = KV_LORA + ROPE  # 576: a cache entry and an output row per head
@@ -80,40 +79,6 @@ Q_STRIDE = NOPE + VEC  # sQ row, likewise
 MAX_TOKENS = 64
 CACHE_DTYPES = ("bf16", "fp8")
 SLOT_DTYPES = {"int64": Int64, "int32": Int32}
-MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, " \
-      "{$0, $1, $2, $3};"
-
-
-@dsl_user_op
-def mma_bf16(a: list, b0: Int32, b1: Int32, c: list, *, loc=None, ip=None) -> list:
-    """``c += A B`` for one m16n8k16 (bf16 in, fp32 accumulators): ``a`` the lane's 4 A words,
-    ``b0``, ``b1`` its B words, ``c`` its 4 accumulators; returns the new 4."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([IrT.f32()] * 4),
-        [*(Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, b0, b1)), *(Float32(v).ir_value(loc=loc, ip=ip) for v in c)],
-        MMA, "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(IrT.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def ldmatrix_x4(addr: Int32, trans: bool, *, loc=None, ip=None) -> list:
-    """``ldmatrix.x4`` (``.trans``): four 8 x 8 bf16 matrices, lane ``8 i + j`` giving the
-    shared-memory address of row ``j`` of matrix ``i``; returns the lane's 4 words. Volatile:
-    it must stay after the barrier that publishes the matrices."""
-    op = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([IrT.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)], op,
-        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(IrT.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-def words(t: cute.Tensor) -> cute.Tensor:
-    """A register tensor of bf16 (or bytes) seen as 32-bit words (trace-time helper)."""
-    return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32), cute.make_layout(cute.size(t) * t.element_type.width // 32))
-
-
 class MlaQFront:
     """Compile-time configuration: tokens T, heads H, the cache dtype (bf16 | fp8), the slot
     dtype, eps and the row strides of q_c, kv_c and k_pe (views of the input projection's

@@ -1,8 +1,10 @@
 """``o_proj_all_reduce_attn_res``: the attention output projection, its all-reduce and the
 AttnRes + ``post_attention_layernorm`` after it (``k3f::o_proj_attn_res``), two stages: the
-skinny GEMV ``attn = o @ W^T`` (bf16), then (after ``k3::all_reduce`` at TP > 1, as the
-reference) the ``attn_res_norm`` kernel, with ``attn`` as the new block's prefix when no
-prefix is given, else as the delta added to the prefix."""
+projection ``attn = o @ W^T`` (bf16; the skinny GEMV below ``O_PROJ_GEMM_MIN_TOKENS``, the
+tensor-core skinny GEMM from there, where the GEMV's CUDA-core dot products stop hiding
+behind its loads), then (after ``k3::all_reduce`` at TP > 1, as the reference) the
+``attn_res_norm`` kernel, with ``attn`` as the new block's prefix when no prefix is given,
+else as the delta added to the prefix."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,8 +15,11 @@ import torch
 from rewriter import ops
 from codegen.launchers import attn_res_norm
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
+from codegen.launchers.in_proj_gemm import GEMM_TILE_K, gemm_tiling
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
+
+O_PROJ_GEMM_MIN_TOKENS = 2  # measured on the H200: the GEMM wins from 2 tokens at TP 8 (BENCHMARKS.md, o_proj)
 
 
 def _attn_res_args(args: Sequence[Any], attn) -> tuple:
@@ -35,14 +40,33 @@ def _o_proj_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
     hidden = weight.shape[0]
     if weight.shape[1] != k:
         return f"weight {tuple(weight.shape)} does not match o {tuple(o.shape)}"
-    gemv = gemv_spec(op, arch, tokens=t, k=k, rows0=hidden, out0="bf16", x_stride=k)
-    if isinstance(gemv, str):
-        return gemv
+    proj = _projection_spec(op, arch, t, k, hidden)
+    if isinstance(proj, str):
+        return proj
     attn = torch.empty((t, hidden), dtype=torch.bfloat16, device="meta")
     res = attn_res_norm.TEMPLATE.make_specs(op, arch, _attn_res_args(args, attn))
     if isinstance(res, str):
         return f"attn_res_norm stage: {res}"
-    return (gemv, *res)
+    return (proj, *res)
+
+
+def _projection_spec(op: str, arch: str, t: int, k: int, hidden: int) -> KernelSpec | str:
+    """The GEMM from ``O_PROJ_GEMM_MIN_TOKENS`` tokens (where K allows its pipeline), else the GEMV."""
+    if O_PROJ_GEMM_MIN_TOKENS <= t <= GEMV_MAX_TOKENS and k % GEMM_TILE_K == 0 and k >= 2 * GEMM_TILE_K \
+            and hidden >= 128:
+        tiling = gemm_tiling(t, k, hidden, arch)
+        return KernelSpec.make("o_proj_gemm", op, arch, shapes={"token_tile": tiling.pop("token_tile"), "k": k,
+                                                                 "rows": hidden},
+                               dtypes={"act": "bf16", "weight": "bf16"}, params={"segments": [hidden], **tiling})
+    return gemv_spec(op, arch, tokens=t, k=k, rows0=hidden, out0="bf16", x_stride=k)
+
+
+def project(fn, spec: KernelSpec, o: torch.Tensor, weight: torch.Tensor, attn: torch.Tensor) -> None:
+    """Launch the projection stage (GEMM or GEMV, as ``spec`` says) into ``attn`` [T, hidden]."""
+    if spec.kernel == "o_proj_gemm":
+        fn(o, weight, attn, None, None, None)
+    else:
+        fn(o, weight, None, None, None, attn, None)
 
 
 def _o_proj_runtime(args: Sequence[Any]) -> str | None:
@@ -52,11 +76,11 @@ def _o_proj_runtime(args: Sequence[Any]) -> str | None:
 
 def _o_proj_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     """``out``: the (MLP input, new prefix) outputs of the second stage."""
-    gemv_fn, res_fn = fns
+    proj_fn, res_fn = fns
     o, weight = args[:2]
     group, tp = args[7:9]
     attn = o.new_empty((o.shape[0], weight.shape[0]))
-    gemv_fn(o, weight, None, None, None, attn, None)
+    project(proj_fn, specs[0], o, weight, attn)
     if ops.reduces(tp):
         attn = torch.ops.k3.all_reduce(attn, group, tp)
     return attn_res_norm.TEMPLATE.launch((res_fn,), specs[1:], _attn_res_args(args, attn), out=out)
@@ -64,5 +88,6 @@ def _o_proj_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=
 
 TEMPLATE = Template("o_proj_all_reduce_attn_res", ("k3f::o_proj_attn_res",), _o_proj_spec, _o_proj_runtime,
                     _o_proj_launch,
-                    doc=f"o_proj skinny GEMV (1..{GEMV_MAX_TOKENS} tokens), all-reduce (TP > 1), then the "
+                    doc=f"o_proj skinny GEMV (1..{O_PROJ_GEMM_MIN_TOKENS - 1} tokens) or tensor-core GEMM "
+                        f"({O_PROJ_GEMM_MIN_TOKENS}..{GEMV_MAX_TOKENS}), all-reduce (TP > 1), then the "
                         "attn_res_norm kernel; two stages")
