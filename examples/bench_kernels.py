@@ -5,9 +5,9 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py                 # or --only dense o_proj (in_proj, attn_res, dense, o_proj)
+    python examples/bench_kernels.py        # or --only dense o_proj latent_tail (also: in_proj, attn_res)
 
-The dense MLP and output projection sections time the GEMV and the GEMM at the same batches
+The dense MLP, output projection and latent tail sections time the GEMV and the GEMM at the same batches
 (each forced outside its range for the sweep only), to place the batch where the templates
 hand over from the GEMVs to the GEMM.
 """
@@ -19,7 +19,8 @@ import torch
 
 import patterns.attention_projection
 import patterns.layer
-import patterns.output_projection  # noqa: F401  (with the two above: defines the k3f ops)
+import patterns.moe
+import patterns.output_projection  # noqa: F401  (with the three above: defines the k3f ops)
 from codegen.bind import device_arch, load_kernels
 
 D = 7168
@@ -117,36 +118,69 @@ def bench_dense(tp: int) -> None:
     dense_mlp.DENSE_GEMM_TOKENS = (2, 64)
 
 
+def sweep(title: str, module, knob: str, op: str, make_args, call, nbytes: int, copies_of) -> None:
+    """Time a template's projection stage with its GEMV at every batch, then its GEMM at every
+    batch (``module.knob``, the first GEMM batch, forced for the sweep only)."""
+    saved = getattr(module, knob)
+    print(f"{title} ({nbytes / 1e6:.1f} MB, floor {nbytes / 4.27e6:.1f} us)")
+    print("| tokens | GEMV | GEMM |\n|---|---|---|")
+    ws = copies_of()
+    for t in (1, 2, 3, 4, 6, 8, 16, 64):
+        row = []
+        for first_gemm in (65, 1):
+            setattr(module, knob, first_gemm)
+            args = make_args(t, ws[0])
+            tpl, specs, fns = kernel(op, args)
+            us = graph_us(lambda: [call(fns[0], specs[0], args, w) for w in ws]) / len(ws)
+            row.append(f"{us:.1f} us ({specs[0].kernel})")
+        print(f"| {t} | {row[0]} | {row[1]} |")
+    setattr(module, knob, saved)
+
+
+def rotated(rows: int, k: int) -> list[torch.Tensor]:
+    """Copies of a random [rows, k] weight, enough (>= 200 MB) that none is in the L2 when read."""
+    copies = max(2, int(200e6 // (rows * k * 2)) + 1)
+    return [(torch.randn(rows, k, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+
+
 def bench_o_proj(tp: int) -> None:
     """The output projection's first stage (``k3f::o_proj_attn_res``) at one rank's K: GEMV and GEMM."""
     from codegen.launchers import o_proj
 
     k = {16: 768, 8: 1536}[tp]  # 6 / 12 heads x 128 per rank (KDA and MLA alike)
-    nbytes = D * k * 2
-    copies = max(2, int(200e6 // nbytes) + 1)
-    ws = [(torch.randn(D, k, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
-    rest = (None, torch.randn(1, 8, D, device="cuda").bfloat16(), *[torch.randn(D, device="cuda").bfloat16()] * 3,
-            "tp", 1, 1, 1e-6)
-    saved = o_proj.O_PROJ_GEMM_MIN_TOKENS
-    print(f"o_proj TP {tp} (K = {k}, {nbytes / 1e6:.1f} MB, floor {nbytes / 4.27e6:.1f} us)")
-    print("| tokens | GEMV | GEMM |\n|---|---|---|")
-    for t in (1, 2, 3, 4, 6, 8, 16, 64):
-        o = torch.randn(t, k, device="cuda").bfloat16()
-        y = torch.empty(t, D, device="cuda", dtype=torch.bfloat16)
-        blocks = torch.randn(t, 8, D, device="cuda").bfloat16()
-        row = []
-        for first_gemm in (65, 1):  # the GEMV at every batch, then the GEMM at every batch
-            o_proj.O_PROJ_GEMM_MIN_TOKENS = first_gemm
-            tpl, specs, fns = kernel("k3f::o_proj_attn_res", (o, ws[0], rest[0], blocks, *rest[2:]))
-            us = graph_us(lambda: [o_proj.project(fns[0], specs[0], o, w, y) for w in ws]) / len(ws)
-            row.append(f"{us:.1f} us ({specs[0].kernel})")
-        print(f"| {t} | {row[0]} | {row[1]} |")
-    o_proj.O_PROJ_GEMM_MIN_TOKENS = saved
+    norm_ws = [torch.randn(D, device="cuda").bfloat16()] * 3
+
+    def make_args(t, w):
+        return (torch.randn(t, k, device="cuda").bfloat16(), w, None,
+                torch.randn(t, 8, D, device="cuda").bfloat16(), *norm_ws, "tp", 1, 1, 1e-6)
+
+    def call(fn, spec, args, w):
+        o_proj.project(fn, spec, args[0], w, torch.empty(args[0].shape[0], D, device="cuda", dtype=torch.bfloat16))
+
+    sweep(f"o_proj TP {tp} (K = {k})", o_proj, "O_PROJ_GEMM_MIN_TOKENS", "k3f::o_proj_attn_res", make_args, call,
+          D * k * 2, lambda: rotated(D, k))
+
+
+def bench_latent_tail() -> None:
+    """The latent tail (``k3f::latent_tail``: norm, up projection, shared add; not sharded): GEMV and GEMM."""
+    from codegen.launchers import latent_tail
+
+    lat = 3584
+
+    def make_args(t, w):
+        return (torch.randn(t, lat, device="cuda").bfloat16(), torch.randn(t, D, device="cuda").bfloat16(),
+                torch.randn(lat, device="cuda").bfloat16(), w, lat, D, "tp", 1, 1e-5)
+
+    def call(fn, spec, args, w):
+        latent_tail.TEMPLATE.launch((fn,), (spec,), (*args[:3], w, *args[4:]))
+
+    sweep(f"latent_tail (K = {lat})", latent_tail, "LATENT_GEMM_MIN_TOKENS", "k3f::latent_tail", make_args, call,
+          D * lat * 2, lambda: rotated(D, lat))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("in_proj", "attn_res", "dense", "o_proj")
+    parts = ("in_proj", "attn_res", "dense", "o_proj", "latent_tail")
     parser.add_argument("--only", nargs="+", choices=parts, default=parts)
     only = parser.parse_args().only
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
@@ -167,6 +201,8 @@ def main() -> None:
     if "o_proj" in only:
         for tp in (16, 8):
             bench_o_proj(tp)
+    if "latent_tail" in only:
+        bench_latent_tail()
 
 
 if __name__ == "__main__":

@@ -488,6 +488,8 @@ BUILT_ON = {
     "kda_core": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly", "ex2.approx"),
     "o_proj_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                     "ldmatrix.sync.aligned"),
+    "latent_tail_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
+                         "ldmatrix.sync.aligned", "rsqrt.approx"),
     "gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
     "router_topk": ("redux.sync.max.u32", "vote.sync.ballot.b32", "ex2.approx"),
     "expert_up": ("ld.global.L1::no_allocate.L2::256B.v4",),

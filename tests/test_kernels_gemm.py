@@ -17,7 +17,7 @@ import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
 from codegen import bind
 from codegen.kernels import KERNELS, source_files
-from codegen.launchers.in_proj_gemm import gemm_tiling
+from codegen.launchers.gemm_specs import gemm_tiling
 from codegen.templates import spec_for_call, template
 
 

@@ -27,7 +27,8 @@ import rewriter.ops
 from codegen import bind
 from codegen.cache import KernelCache
 from codegen.kernels import KERNELS, source_files
-from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
+from codegen.launchers.gemv_specs import gemv_spec, skinny_gemv_tiling, token_chunk
+from codegen.launchers.latent_tail import LATENT_GEMM_MIN_TOKENS
 from codegen.launchers.o_proj import O_PROJ_GEMM_MIN_TOKENS, project
 from codegen.templates import spec_for_call, template
 from rewriter.layers.attn_res import attn_res
@@ -105,10 +106,16 @@ def test_router_down_spec(tp, gate_rows, down_rows, tokens):
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_latent_tail_spec(tokens):
     _, (spec,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=16))
-    assert spec.shape_dict == {"tokens": tokens, "k": L, "rows0": D, "rows1": 0}
     p = spec.param_dict
+    if tokens < LATENT_GEMM_MIN_TOKENS:
+        assert spec.kernel == "gemv" and spec.shape_dict == {"tokens": tokens, "k": L, "rows0": D, "rows1": 0}
+        assert p["norm"] and p["eps"] == EPS
+    else:  # the tensor-core GEMM with the norm prologue and the residual epilogue
+        assert spec.kernel == "latent_tail_gemm"
+        assert spec.shape_dict == {"token_tile": -(-tokens // 16) * 16, "k": L, "rows": D}
+        assert p["norm_eps"] == EPS and tuple(p["segments"]) == (D,)
     # at TP > 1 the kernel reads views of the all-reduced [routed | shared]: row stride L + D
-    assert p["norm"] and p["residual"] and p["eps"] == EPS and p["x_stride"] == p["r_stride"] == L + D
+    assert p["residual"] and p["x_stride"] == p["r_stride"] == L + D
     assert spec == specs_of("k3f::latent_tail", tail_args(tokens, tp=8))[1][0]  # the tail is not sharded
     (tp1,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=1))[1]
     assert tp1.param_dict["x_stride"] == L and tp1.param_dict["r_stride"] == D
@@ -193,18 +200,25 @@ def stand_in_attn_res(spec):
 
 
 def stand_in_gemm(spec):
-    """The skinny ``gemm`` kernel (one output segment) in torch, with its shape checks."""
-    s = spec.shape_dict
+    """The skinny ``gemm`` kernel (one output segment) in torch, with its shape and stride checks."""
+    s, p = spec.shape_dict, spec.param_dict
 
-    def fn(x, w, y0, y1, y2, y3):
-        assert x.shape[1] == s["k"] and x.shape[0] <= s["token_tile"] and x.is_contiguous()
+    def fn(x, w, y0, y1, y2, y3, norm_w, r):
+        assert x.shape[1] == s["k"] and x.shape[0] <= s["token_tile"] and x.stride() == (p.get("x_stride", s["k"]), 1)
         assert w.shape == (s["rows"], s["k"]) and y0.shape == (x.shape[0], s["rows"]) and y1 is y2 is y3 is None
-        y0.copy_(torch.nn.functional.linear(x.float(), w.float()))
+        assert (norm_w is not None) == ("norm_eps" in p) and (r is not None) == p.get("residual", False)
+        xn = rms_norm(x, norm_w, p["norm_eps"]) if norm_w is not None else x
+        acc = torch.nn.functional.linear(xn.float(), w.float())
+        if r is not None:
+            assert r.stride() == (p["r_stride"], 1)
+            acc = acc.to(torch.bfloat16) + r
+        y0.copy_(acc)
     return fn
 
 
 def stand_ins(specs):
-    makers = {"gemv": stand_in_gemv, "o_proj_gemm": stand_in_gemm, "attn_res_norm": stand_in_attn_res}
+    makers = {"gemv": stand_in_gemv, "o_proj_gemm": stand_in_gemm, "latent_tail_gemm": stand_in_gemm,
+              "attn_res_norm": stand_in_attn_res}
     return tuple(makers[s.kernel](s) for s in specs)
 
 
@@ -254,9 +268,10 @@ def test_router_down_launch_plumbing(fake_collectives, tp, rank):
 
 
 @pytest.mark.parametrize("tp", [1, 16])
-def test_latent_tail_launch_plumbing(fake_collectives, tp):
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_latent_tail_launch_plumbing(fake_collectives, tp, tokens):
     gen = torch.Generator().manual_seed(tp)
-    args = (*tail_inputs(13, gen), L, D, GROUP, tp, EPS)
+    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS)
     tpl, specs = specs_of("k3f::latent_tail", args)
     assert tpl.runtime_check(args) is None
     y = tpl.launch(stand_ins(specs), specs, args)
@@ -281,8 +296,9 @@ def test_o_proj_launch_plumbing(fake_collectives, tp, prefix, tokens):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Router (TP 16, 1 token), latent tail (TP 16, 13 tokens: 2 chunks of 7, one padded slot)
-    and o_proj (TP 16, 1 token, both stages; 64 tokens at TP 8: its GEMM), for sm_90a and sm_100a."""
+    """Router (TP 16, 1 token), the latent tail's GEMV (TP 16, 13 tokens: 2 chunks of 7, one padded
+    slot; the template gives it one token, the kernel takes up to 64) and GEMM (13 tokens), and
+    o_proj (TP 16, 1 token, both stages; 64 tokens at TP 8: its GEMM), for sm_90a and sm_100a."""
     from codegen.compiler import clear_memory_cache, compile_kernel
 
     cache = KernelCache(tmp_path_factory.mktemp("gemv-kernel-cache"))
@@ -290,11 +306,14 @@ def compiled(tmp_path_factory):
     out = {}
     for arch in ARCHS:
         for name, op, args in (("router", "k3f::router_down", router_args(1, 16, 0)),
-                               ("tail", "k3f::latent_tail", tail_args(13, 16)),
+                               ("tail_gemm", "k3f::latent_tail", tail_args(13, 16)),
                                ("o_proj", "k3f::o_proj_attn_res", o_proj_args(1, 16, prefix=False)),
                                ("o_proj_gemm", "k3f::o_proj_attn_res", o_proj_args(64, 8, prefix=True))):
             _, specs = specs_of(op, args, arch)
             out[name, arch] = [compile_kernel(s, cache=cache) for s in specs]
+        tail_gemv = gemv_spec("k3f::latent_tail", arch, tokens=13, k=L, rows0=D, out0="bf16", x_stride=L + D,
+                              norm=True, eps=EPS, residual=True, r_stride=L + D)
+        out["tail", arch] = [compile_kernel(tail_gemv, cache=cache)]
     return out
 
 
@@ -373,6 +392,18 @@ def test_o_proj_ptx(compiled, arch):
     assert _count(ptx, "shfl.sync.bfly.b32") == 5 and _count(ptx, "st.global.b16") == 1
     assert "bar.sync" not in ptx and "ld.shared" not in ptx and "st.shared" not in ptx  # one warp per row
     assert res.spec.kernel == "attn_res_norm" and f".target {arch}" in res.ptx
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_latent_tail_gemm_ptx(compiled, arch):
+    """The latent tail on tensor cores: mma.sync over cp.async tiles, the norm prologue's rsqrt
+    and bf16 multiplies in shared memory, the cluster's sums of squares read through DSMEM."""
+    (k,) = compiled["tail_gemm", arch]
+    assert k.spec.kernel == "latent_tail_gemm" and f".target {arch}" in k.ptx
+    assert "mma.sync.aligned.m16n8k16" in k.ptx and "cp.async.cg.shared.global" in k.ptx
+    assert "rsqrt.approx" in k.ptx and "mapa.shared::cluster" in k.ptx
+    assert "ld.local" not in k.ptx and "st.local" not in k.ptx
 
 
 @needs_cutedsl

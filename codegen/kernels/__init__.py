@@ -21,6 +21,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "dense_gate_up_gemm": ("gemm",),
     "dense_down_gemm": ("gemm",),
     "o_proj_gemm": ("gemm",),
+    "latent_tail_gemm": ("gemm",),
     "kda_core": ("kda_core",),
     "mla_attend": ("mla_attend", "warp_mma"),
     "expert_up_mxfp4": ("expert_up_mxfp4", "mxfp4"),

@@ -9,7 +9,14 @@ the last segment are neither read nor written. With ``glu`` (the gate/up project
 gated MLP, ``W = [gate; up]``, 2I rows) the output is ``act(gate_c, up_c)`` per channel c < I
 (SiTU or SiLU-and-mul, ``common.gated_act``): a CTA's 128 weight rows are 64 gate rows and
 the 64 up rows of the same channels, so the activation is applied where the cluster's
-partial sums meet, and the [T, 2I] projection never leaves the chip.
+partial sums meet, and the [T, 2I] projection never leaves the chip. With ``norm_eps`` (the
+latent tail: RMSNorm before the projection) each x tile is multiplied by the norm weight in
+shared memory as it lands (by the thread that copied it, so no extra barrier) while its
+squares are summed per token, the cluster's partial sums of squares meet with the partial
+tiles and the epilogue scales each token's row by ``rsqrt(mean(x^2) + eps)`` (the reference
+scales before rounding, this kernel after the projection: the same math, bf16 rounding apart);
+with ``residual`` the epilogue adds ``r`` in bf16, ``y = bf16(bf16(acc) + r)``. x and r may be
+row-strided views.
 
 Work split (decode is bound by reading W once from HBM; x is small and stays in L2):
 - the MMA's M is the weight rows, its N the tokens (padded to ``token_tile``, a multiple of 16;
@@ -37,6 +44,8 @@ Work split (decode is bound by reading W once from HBM; x is small and stays in 
 """
 from __future__ import annotations
 
+import operator
+
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import BFloat16, Float32, const_expr, cute
@@ -62,7 +71,9 @@ class SkinnyGemm:
     segment of I = rows / 2 channels), or None for a plain projection."""
 
     def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
-                 split_k: int = 1, stages: int = 4, glu: tuple[float | None, float | None] | None = None):
+                 split_k: int = 1, stages: int = 4, glu: tuple[float | None, float | None] | None = None,
+                 norm_eps: float | None = None, residual: bool = False, x_stride: int | None = None,
+                 r_stride: int | None = None):
         if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:
             raise ValueError(f"token tile {token_tile}: a multiple of 16 in 16..{MAX_TOKENS}")
         if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or sum(segments) > rows:
@@ -71,6 +82,15 @@ class SkinnyGemm:
             raise ValueError(f"a gated projection writes one segment of rows / 2 channels, got {segments} of {rows}")
         if rows_per_cta % (WARPS * MMA_SHAPE[0]):
             raise ValueError(f"rows per CTA {rows_per_cta} must be a multiple of {WARPS * MMA_SHAPE[0]}")
+        if (norm_eps is not None or residual) and (glu is not None or len(segments) != 1):
+            raise ValueError("the norm prologue and the residual epilogue go with one plain output segment")
+        self.norm = norm_eps is not None
+        self.eps = float(norm_eps) if self.norm else 0.0
+        self.residual = residual
+        self.x_stride = x_stride or k
+        self.r_stride = r_stride or sum(segments)
+        if self.x_stride % VEC or self.x_stride < k or self.r_stride < sum(segments):
+            raise ValueError(f"x row stride {self.x_stride} (K {k}, 16-byte rows) or r row stride {self.r_stride}")
         self.glu = glu is not None
         self.beta, self.linear_beta = glu if glu is not None else (None, None)
         self.tile_out = rows_per_cta // 2 if self.glu else rows_per_cta  # output rows (channels) per CTA tile
@@ -101,7 +121,8 @@ class SkinnyGemm:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
-                 mY2: cute.Tensor | None, mY3: cute.Tensor | None, stream: cuda.CUstream):
+                 mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
+                 stream: cuda.CUstream):
         # K-major tiles in shared memory: 8 rows x 128 bytes per atom, the 16-byte chunks XOR-ed with
         # the row (Swizzle<3,4,3> on byte addresses), so ldmatrix's 8 row reads hit 8 distinct banks
         atom = cute.make_layout((8, TILE_K), stride=(TILE_K, 1))
@@ -117,13 +138,13 @@ class SkinnyGemm:
                                         cute.make_layout((WARPS, 1, 1)),
                                         permutation_mnk=(WARPS * MMA_SHAPE[0], 16, MMA_SHAPE[2]))
         cluster = [self.split_k, 1, 1] if const_expr(self.split_k > 1) else None
-        self.kernel(mX, mW, mY0, mY1, mY2, mY3, sW_layout, sX_layout, tiled_g2s, tiled_mma).launch(
+        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, sW_layout, sX_layout, tiled_g2s, tiled_mma).launch(
             grid=[self.grid, 1, 1], block=[THREADS, 1, 1], cluster=cluster, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
-               mY2: cute.Tensor | None, mY3: cute.Tensor | None, sW_layout: cute.Layout, sX_layout: cute.Layout,
-               tiled_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
+               mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
+               sW_layout: cute.Layout, sX_layout: cute.Layout, tiled_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         C = const_expr(self.split_k)
@@ -159,6 +180,16 @@ class SkinnyGemm:
         # after the main loop the same bytes hold the fp32 partial tile, (rows, tokens), rows contiguous
         sP = cute.make_tensor(cute.recast_ptr(base, dtype=Float32),
                               cute.make_layout((BM, self.tile_n), stride=(1, BM + PAD)))
+        # norm prologue: this CTA's K slice of the norm weight, and the tokens' sums of squares
+        sNw = smem.allocate_tensor(BFloat16, cute.make_layout((NK * TILE_K,)), byte_alignment=16)
+        sSq = smem.allocate_tensor(Float32, cute.make_layout((self.tile_n,)), byte_alignment=16)
+        if const_expr(self.norm):
+            g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                      BFloat16, num_bits_per_copy=BITS)
+            gNw = cute.domain_offset((k0,), mNw)
+            gNw = cute.make_tensor(gNw.iterator.align(16), gNw.layout)  # k0: whole 64-element tiles
+            for v in cutlass.range(tidx, NK * TILE_K // VEC, THREADS, unroll=1):
+                cute.copy(g2s, cute.local_tile(gNw, (VEC,), (v,)), cute.local_tile(sNw, (VEC,), (v,)))
 
         thr_g2s = tiled_g2s.get_slice(tidx)
         tWgW = thr_g2s.partition_S(gW)
@@ -170,6 +201,8 @@ class SkinnyGemm:
         x_ok = cute.make_rmem_tensor((XR,), cutlass.Boolean)
         for j in cutlass.range_constexpr(XR):
             x_ok[j] = tXcX[0, j, 0, 0][0] < tokens
+        rSq = cute.make_rmem_tensor((XR,), Float32)  # the norm prologue's sums of squares, per x row
+        rSq.fill(0.0)
 
         # prologue: tiles 0 .. S-2 in flight, their weights first, before the wait (PDL): no kernel
         # writes W, so their DRAM latency overlaps the previous kernel's tail; x is that kernel's
@@ -208,6 +241,8 @@ class SkinnyGemm:
 
         # the first K step's fragments
         cute.arch.cp_async_wait_group(S - 2)
+        if const_expr(self.norm):
+            self.norm_tile(tXsX, sNw, rSq, x_ok, 0, 0, tidx)
         cute.arch.sync_threads()
         cute.copy(s2r_W, tLsW[None, None, 0, 0], tLrW[None, None, 0])
         cute.copy(s2r_X, tLsX[None, None, 0, 0], tLrX[None, None, 0])
@@ -220,6 +255,9 @@ class SkinnyGemm:
                     # tile kt + 1 must be resident (and every warp done with tile kt's last
                     # fragments, issued one step ago) before its first fragments are read
                     cute.arch.cp_async_wait_group(S - 2)
+                    if const_expr(self.norm):
+                        if kt + 1 < NK:
+                            self.norm_tile(tXsX, sNw, rSq, x_ok, kt + 1, (read + 1) % S, tidx)
                     cute.arch.sync_threads()
                 nxt = const_expr((kb + 1) % KB)
                 stage = read if const_expr(kb < KB - 1) else (read + 1) % S
@@ -238,12 +276,17 @@ class SkinnyGemm:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         cute.autovec_copy(acc, tCsP)
+        if const_expr(self.norm):  # this CTA's sums of squares per token (8 threads share an x row)
+            for j in cutlass.range_constexpr(XR):
+                total = cute.arch.warp_reduction(rSq[j], operator.add, threads_in_group=8)
+                if tidx % 8 == 0 and x_ok[j]:
+                    sSq[tXcX[0, j, 0, 0][0]] = total
         if const_expr(C > 1):
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self.reduce_store(sP, mY0, mY1, mY2, mY3, tidx, rank, row0, first, tokens)
+        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens)
         if const_expr(C > 1):
             # peers may still be reading this CTA's partials
             cute.arch.cluster_arrive()
@@ -259,7 +302,21 @@ class SkinnyGemm:
                 cute.copy(tiled_g2s, tXgX[None, j, None, kt], tXsX[None, j, None, stage])
 
     @cute.jit
-    def reduce_store(self, sP, mY0, mY1, mY2, mY3, tidx, rank, row0, first, tokens):
+    def norm_tile(self, tXsX, sNw, rSq, x_ok, kt, stage, tidx):
+        """The norm prologue on K tile ``kt`` (in ``stage``): this thread's x vectors (its own
+        cp.async copies, complete after its wait) summed squared and multiplied by the norm
+        weight, rounded to bf16, in place."""
+        for j in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            if x_ok[j]:
+                xs = tXsX[None, j, 0, stage]
+                xf = xs.load().to(Float32)
+                rSq[j] = rSq[j] + (xf * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                w = cute.local_tile(sNw, (VEC,), (kt * (TILE_K // VEC) + tidx % (TILE_K // VEC),))
+                w = cute.make_tensor(w.iterator, cute.make_layout(xs.shape)).load()  # the x vector's (8, 1) shape
+                xs.store((xf * w.to(Float32)).to(BFloat16))
+
+    @cute.jit
+    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens):
         """Sum output rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4
         rows per 128-bit load; gated: each with its up row ``tile_out`` further, then the
         activation) and store them, rounded to bf16, into their output segments; rows below
@@ -275,6 +332,17 @@ class SkinnyGemm:
             t = v // per_token
             mv = rank * per_token + v % per_token  # 4-row group inside the CTA's output rows
             if (const_expr(nvec % THREADS == 0) or v < nvec) and t < tokens:
+                rstd = Float32(1.0)
+                if const_expr(self.norm):
+                    sq = Float32(0.0)
+                    part = cute.make_rmem_tensor((1,), Float32)
+                    for r in cutlass.range_constexpr(self.split_k):
+                        src = sSq
+                        if const_expr(self.split_k > 1):
+                            src = cute.make_tensor(cute.arch.map_dsmem_ptr(sSq.iterator, r), sSq.layout)
+                        cute.autovec_copy(cute.local_tile(src, (1,), (t,)), part)
+                        sq = sq + part[0]
+                    rstd = cute.math.rsqrt(sq * Float32(1.0 / self.k) + Float32(self.eps))
                 self.cluster_sum(sP, mv, t, gate)
                 if const_expr(self.glu):
                     self.cluster_sum(sP, mv + up_groups, t, up)
@@ -283,7 +351,9 @@ class SkinnyGemm:
                     val = gate[e, 0]
                     if const_expr(self.glu):
                         val = gated_act(val, up[e, 0], self.beta, self.linear_beta)
-                    val = val.to(BFloat16)
+                    val = (val * rstd).to(BFloat16)
+                    if const_expr(self.residual):
+                        val = (val.to(Float32) + mR[t, n].to(Float32)).to(BFloat16)
                     for i in cutlass.range_constexpr(len(self.segments)):
                         lo = const_expr(self.starts[i])
                         hi = const_expr(lo + self.segments[i])
@@ -311,11 +381,15 @@ def build(spec) -> tuple[SkinnyGemm, tuple]:
     segments = tuple(p["segments"])
     glu = (p["beta"], p["linear_beta"]) if p.get("glu") else None
     kernel = SkinnyGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
-                        stages=p["stages"], glu=glu)
+                        stages=p["stages"], glu=glu, norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
+                        x_stride=p.get("x_stride"), r_stride=p.get("r_stride"))
     tokens = cute.sym_int32()
     # outputs: 2-byte scalar stores, any alignment torch gives a fresh [T, size] tensor
     ys = [make_fake_tensor(BFloat16, (tokens, size), (size, 1), assumed_align=2) for size in segments]
     ys += [None] * (MAX_SEGMENTS - len(ys))
-    return kernel, (make_fake_tensor(BFloat16, (tokens, k), (k, 1), assumed_align=16),
-                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys,
+    norm_w = make_fake_tensor(BFloat16, (k,), (1,), assumed_align=16) if kernel.norm else None
+    r = (make_fake_tensor(BFloat16, (tokens, kernel.rows_out), (kernel.r_stride, 1), assumed_align=2)
+         if kernel.residual else None)
+    return kernel, (make_fake_tensor(BFloat16, (tokens, k), (kernel.x_stride, 1), assumed_align=16),
+                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys, norm_w, r,
                     make_fake_stream(use_tvm_ffi_env_stream=True))

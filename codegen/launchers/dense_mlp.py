@@ -23,7 +23,7 @@ import torch
 
 from codegen.launchers.experts import (MAX_CHUNK, act_params, expert_outputs, one_expert_launch, one_expert_runtime,
                                       one_expert_specs, shared_tiling)
-from codegen.launchers.in_proj_gemm import GEMM_TILE_K, gemm_tiling
+from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
 from codegen.spec import KernelSpec
 from codegen.template import Template, check_tensors, shape_is
 from rewriter import ops
@@ -114,8 +114,8 @@ def _gemm_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=No
     or (y, scratch)."""
     (up, down), (x, gate_up, down_w) = fns, args[:3]
     y, act = expert_outputs(x, x.shape[1], (x.shape[0], down_w.shape[1]), out)
-    up(x, gate_up, act, None, None, None)
-    down(act, down_w, y, None, None, None)
+    gemm_call(up, x, gate_up, [act])
+    gemm_call(down, act, down_w, [y])
     return _all_reduced(y, args)
 
 

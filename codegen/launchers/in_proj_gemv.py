@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from codegen.launchers.gemm_specs import gemm_call
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
 
@@ -81,7 +82,10 @@ def in_proj_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=
     x, weight, _ = args
     segments = spec.param_dict["segments"]
     ys = list(out) if out is not None else [x.new_empty((x.shape[0], s)) for s in segments]
-    fn(x, weight, *ys, *[None] * (4 - len(ys)))
+    if spec.kernel == "attn_in_proj_gemm":
+        gemm_call(fn, x, weight, ys)
+    else:
+        fn(x, weight, *ys, *[None] * (4 - len(ys)))
     return tuple(ys)
 
 

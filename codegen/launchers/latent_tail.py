@@ -1,6 +1,8 @@
 """``latent_tail``: the MoE tail (``k3f::latent_tail``): at TP > 1 the all-reduce of [routed |
-shared] partials as the reference does it, then one skinny GEMV: ``routed_expert_norm`` as its
-prologue, ``routed_expert_up_proj``, and the shared add as its epilogue."""
+shared] partials as the reference does it, then one kernel: ``routed_expert_norm`` as its
+prologue, ``routed_expert_up_proj``, and the shared add as its epilogue; the skinny GEMV at one
+token, the tensor-core skinny GEMM (``latent_tail_gemm``) from ``LATENT_GEMM_MIN_TOKENS``, where
+the GEMV's CUDA-core dot products over K = 3584 stop hiding behind its 51 MB of loads."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,9 +11,12 @@ from typing import Any
 import torch
 
 from rewriter import ops
+from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
+
+LATENT_GEMM_MIN_TOKENS = 2  # measured on the H200 (BENCHMARKS.md, the latent tail)
 
 
 def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
@@ -33,6 +38,14 @@ def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
     if reason:
         return reason
     stride = latent + hidden if ops.reduces(tp) else None
+    if LATENT_GEMM_MIN_TOKENS <= t <= GEMV_MAX_TOKENS and latent % GEMM_TILE_K == 0 and latent >= 2 * GEMM_TILE_K \
+            and hidden >= 128:
+        tiling = gemm_tiling(t, latent, hidden, arch)
+        return (KernelSpec.make("latent_tail_gemm", op, arch,
+                                shapes={"token_tile": tiling.pop("token_tile"), "k": latent, "rows": hidden},
+                                dtypes={"act": "bf16", "weight": "bf16"},
+                                params={"segments": [hidden], "norm_eps": float(eps), "residual": True,
+                                        "x_stride": stride or latent, "r_stride": stride or hidden, **tiling}),)
     spec = gemv_spec(op, arch, tokens=t, k=latent, rows0=hidden, out0="bf16", x_stride=stride or latent, norm=True,
                      eps=eps, residual=True, r_stride=stride or hidden)
     return spec if isinstance(spec, str) else (spec,)
@@ -51,11 +64,14 @@ def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
         reduced = torch.ops.k3.all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
         routed, shared = reduced.split([latent, hidden], dim=-1)
     y = out if out is not None else shared.new_empty((shared.shape[0], hidden))
-    fn(routed, up_weight, None, norm_weight, shared, y, None)
+    if specs[0].kernel == "latent_tail_gemm":
+        gemm_call(fn, routed, up_weight, [y], norm_weight, shared)
+    else:
+        fn(routed, up_weight, None, norm_weight, shared, y, None)
     return y
 
 
 TEMPLATE = Template("latent_tail", ("k3f::latent_tail",), _latent_tail_spec, _latent_tail_runtime,
                     _latent_tail_launch,
                     doc=f"[routed | shared] all-reduce (TP > 1), then RMSNorm + up projection + shared add, "
-                        f"1..{GEMV_MAX_TOKENS} tokens: one skinny GEMV")
+                        f"1..{GEMV_MAX_TOKENS} tokens: one skinny GEMV (1 token) or tensor-core GEMM")

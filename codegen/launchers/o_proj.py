@@ -15,7 +15,7 @@ import torch
 from rewriter import ops
 from codegen.launchers import attn_res_norm
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
-from codegen.launchers.in_proj_gemm import GEMM_TILE_K, gemm_tiling
+from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
 
@@ -64,7 +64,7 @@ def _projection_spec(op: str, arch: str, t: int, k: int, hidden: int) -> KernelS
 def project(fn, spec: KernelSpec, o: torch.Tensor, weight: torch.Tensor, attn: torch.Tensor) -> None:
     """Launch the projection stage (GEMM or GEMV, as ``spec`` says) into ``attn`` [T, hidden]."""
     if spec.kernel == "o_proj_gemm":
-        fn(o, weight, attn, None, None, None)
+        gemm_call(fn, o, weight, [attn])
     else:
         fn(o, weight, None, None, None, attn, None)
 

@@ -1,0 +1,46 @@
+"""Spec helpers of every template built on the skinny tensor-core ``gemm`` kernel
+(``codegen/kernels/gemm.py``: attn_in_proj_gemm, o_proj_gemm, the dense MLP's, latent_tail's):
+its tiling and how it is called."""
+from __future__ import annotations
+
+from typing import Any
+
+GEMM_ROWS_PER_CTA = 128
+GEMM_TILE_K = 64  # codegen/kernels/gemm.py: K per pipeline stage
+GEMM_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs fit an SM's 228 KB (sm_90a, sm_100a)
+SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
+MAX_SEGMENTS = 4
+
+
+def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False) -> dict[str, Any]:
+    """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
+    128 weight rows per CTA (x then costs at most half the weight bytes in L2 traffic), 64
+    where that alone fills more SMs; the largest K split (cluster of 8, 4, 2 CTAs) that keeps
+    the grid within 1.6 CTAs per SM, so every SM streams weights and the clusters stay
+    resident in one wave (two CTAs per SM by shared memory, less where a GPC's SM count is
+    not a multiple of the cluster); as many pipeline stages (at most 6) as fit two CTAs per
+    SM. ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many outputs."""
+    token_tile = -(-tokens // 16) * 16
+    k_tiles = k // GEMM_TILE_K
+    sms = SM_COUNT.get(arch, 132)
+    limit = int(1.6 * sms)
+    best = None
+    for rows_per_cta in (GEMM_ROWS_PER_CTA, GEMM_ROWS_PER_CTA // 2):
+        per_tile = rows_per_cta // 2 if glu else rows_per_cta
+        if rows_out < per_tile:
+            continue
+        tiles = -(-rows_out // per_tile)
+        split = next(c for c in (8, 4, 2, 1)
+                     if k_tiles % c == 0 and k_tiles // c >= 2 and per_tile % (4 * c) == 0
+                     and (tiles * c <= limit or c == 1))
+        if best is None or (best[0] < sms and tiles * split > best[0]):
+            best = (tiles * split, rows_per_cta, split)
+    _, rows_per_cta, split = best
+    stage_bytes = (rows_per_cta + token_tile) * GEMM_TILE_K * 2
+    stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
+    return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_tile": token_tile}
+
+
+def gemm_call(fn, x, weight, ys, norm_weight=None, residual=None) -> None:
+    """Launch a compiled skinny GEMM: up to 4 outputs, then its optional norm weight and residual."""
+    fn(x, weight, *ys, *[None] * (MAX_SEGMENTS - len(ys)), norm_weight, residual)
