@@ -4,8 +4,9 @@ an auxiliary stream, and the latent tail.
 - ``routed_experts`` (bf16) and ``routed_experts_mxfp4`` (the checkpoint's MXFP4, in the
   layout vLLM's MoE backend leaves): for each token, its selected experts' gate/up rows,
   SiTU, and down projections, weighted and summed;
-- ``shared_experts``: gate_up, SiTU, down on the un-projected rows; it reads nothing of
-  the routed branch, so it runs on the aux stream beside it;
+- ``shared_experts.small`` / ``.large``: gate_up, SiTU, down on the un-projected rows (GEMVs
+  at one token, the tensor-core GEMM from 2); it reads nothing of the routed branch, so it
+  runs on the aux stream beside it;
 - ``latent_tail``: one cross-GPU reduction of [latent | shared] partials, then
   ``routed_expert_norm``, ``routed_expert_up_proj`` and the shared add.
 """
@@ -15,7 +16,9 @@ import torch
 from torch import Tensor
 
 from rewriter.layers.moe import experts_down, experts_up, latent_tail, shared_experts_down, shared_experts_up
-from rewriter.rules import Rule, RuleContext, common_guard, fused_op
+from rewriter.rules import Rule, RuleContext, common_guard, fused_op, token_range_guard
+
+SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
 
 
 @fused_op("routed_experts")
@@ -116,8 +119,14 @@ RULES = [
          doc="grouped GEMV/GEMM over the selected experts: gate/up + SiTU, then down + weighted sum"),
     Rule("routed_experts_mxfp4", "moe", _routed_mxfp4_variants, common_guard, launches=2,
          doc="the same on MXFP4 experts in the layout vLLM's MoE backend leaves, dequantized in registers"),
-    Rule("shared_experts", "moe", _shared_variants, common_guard, stream="aux", launches=2,
-         doc="shared experts' gate_up + SiTU, then down (a partial sum), beside the routed experts"),
+    Rule("shared_experts.small", "moe", _shared_variants,
+         token_range_guard(1, SHARED_SMALL_MAX, "the GEMV rule takes 1 token"), kernel="shared_experts",
+         stream="aux", launches=2,
+         doc="shared experts' gate_up + SiTU, then down (a partial sum), beside the routed experts: GEMVs"),
+    Rule("shared_experts.large", "moe", _shared_variants,
+         token_range_guard(SHARED_SMALL_MAX + 1, 64, f"the GEMM rule takes {SHARED_SMALL_MAX + 1}..64 tokens"),
+         kernel="shared_experts_gemm", stream="aux", launches=2,
+         doc="the same from 2 tokens: gate_up GEMM with SiTU in its epilogue, then the down GEMM"),
     Rule("latent_tail", "moe", _tail_variants, common_guard, communicates=True,
          doc="[latent | shared] cross-GPU reduction, routed_expert_norm, up projection, shared add"),
 ]

@@ -34,14 +34,13 @@ def test_inspect_json_contract(capsys, layer, kind, tp, batch):
     # every layer kind within the 13 kernels of vLLM's hand-written path
     assert report["rewritten_kernels"] <= 13
     # the only refusals: the rules for the other batch range (their twins matched): the input
-    # projection's and the dense MLP's at 1 token
-    small = {"attn_in_proj": batch <= 1, "dense_mlp": batch <= 1}
+    # projection's, the dense MLP's and the shared experts' at 1 token
+    small = {"attn_in_proj": batch <= 1, "dense_mlp": batch <= 1, "shared_experts": batch <= 1}
     twins = {f"{family}.{'small' if s else 'large'}" for family, s in small.items()}
     others = {f"{family}.{'large' if s else 'small'}" for family, s in small.items()}
     assert {r["rule"] for r in report["refusals"]} <= others
-    assert twins - {"dense_mlp.small", "dense_mlp.large"} <= {m["rule"] for m in report["matches"]}
-    if kind == "dense":
-        assert twins <= {m["rule"] for m in report["matches"]}
+    present = {"attn_in_proj"} | ({"dense_mlp"} if kind == "dense" else {"shared_experts"})
+    assert {t for t in twins if t.split(".")[0] in present} <= {m["rule"] for m in report["matches"]}
     families = {m["family"] for m in report["matches"]}
     if kind != "dense":
         assert {"attention_projection", "output_projection", "router", "moe"} <= families
@@ -124,7 +123,7 @@ def test_custom_rule_example(capsys, tmp_path):
     import pathlib
     example = pathlib.Path(__file__).parent.parent / "examples" / "custom_rule.py"
     out = subprocess.run([sys.executable, str(example)], check=True, capture_output=True, text=True).stdout
-    assert "15 rules: 12 kernels" in out and "16 rules: 11 kernels" in out
+    assert "16 rules: 12 kernels" in out and "17 rules: 11 kernels" in out
     report = json.loads(_inspect(capsys, "--layer", "1", "--tp", "16", "--rules", str(example), "--json"))
     assert "topk_routed_experts" in {m["rule"] for m in report["matches"]}
     assert report["rewritten_kernels"] == 11

@@ -59,7 +59,7 @@ def test_gemm_specs_at_kimi_k3_shapes(shape, tokens):
     tpl, specs = spec_for_call(OP, "sm_90a", dense_args(tokens, inter))
     assert tpl is not None and tpl.kernel == "dense_mlp_gemm", specs
     up, down = specs
-    assert (up.kernel, down.kernel) == ("dense_gate_up_gemm", "dense_down_gemm")
+    assert (up.kernel, down.kernel) == ("mlp_gate_up_gemm", "mlp_down_gemm")
     tile = -(-tokens // 16) * 16
     assert up.shape_dict == {"token_tile": tile, "k": H, "rows": 2 * inter}
     assert down.shape_dict == {"token_tile": tile, "k": inter, "rows": H}

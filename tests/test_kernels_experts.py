@@ -59,17 +59,26 @@ def specs_of(op, arch, args):
     return specs
 
 
+def gemv_specs_of(arch, args):
+    """The shared experts' GEMV template by name (the rules give it one token; it takes 1..64)."""
+    specs = template("shared_experts").make_specs(SHARED, arch, args)
+    assert not isinstance(specs, str), specs
+    return specs
+
+
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
 
 def test_one_module_serves_both_templates():
     routed, shared = template("routed_experts_grouped"), template("shared_experts")
-    assert routed.ops == (ROUTED,) and shared.ops == (SHARED,)
+    shared_gemm = template("shared_experts_gemm")
+    assert routed.ops == (ROUTED,) and shared.ops == shared_gemm.ops == (SHARED,)
     assert TEMPLATES["routed_experts_grouped"] is routed
     for name in ("expert_up", "expert_down"):
         assert KERNELS[name] == (name,) and all(p.is_file() for p in source_files(name))
     # the schedule names the fused ops' kernels the way the templates do
     kernels = {r.name: r.kernel_name for r in patterns.moe.RULES}
-    assert kernels["routed_experts"] == routed.kernel and kernels["shared_experts"] == shared.kernel
+    assert kernels["routed_experts"] == routed.kernel and kernels["shared_experts.small"] == shared.kernel
+    assert kernels["shared_experts.large"] == shared_gemm.kernel
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -97,7 +106,7 @@ def test_routed_specs_at_kimi_k3_shapes(shape):
 def test_shared_specs_at_kimi_k3_shapes(shape):
     _, inter = SHAPES[shape]
     for t, chunk in ((1, 1), (3, 3), (8, 8), (64, 8)):
-        up, down = specs_of(SHARED, "sm_90a", shared_args(tokens=t, inter=inter))
+        up, down = gemv_specs_of("sm_90a", shared_args(tokens=t, inter=inter))
         assert (up.kernel, down.kernel) == ("expert_up", "expert_down") and up.op == SHARED
         assert up.shape_dict == {"experts": 1, "top_k": 1, "latent": H, "inter": inter, "tokens": t}
         assert down.shape_dict == {"experts": 1, "top_k": 1, "rows": H, "inter": inter, "tokens": t}
@@ -106,6 +115,13 @@ def test_shared_specs_at_kimi_k3_shapes(shape):
         assert up.param_dict["k_slices"] == up.param_dict["warps_per_cta"] == 4
     silu = specs_of(SHARED, "sm_90a", shared_args(beta=None, linear_beta=25.0))[0]
     assert silu.param_dict["beta"] is None and silu.param_dict["linear_beta"] is None
+    # from 2 tokens the skinny GEMM (the dense MLP's path): gate/up + SiTU, then down
+    for t in (2, 8, 64):
+        up, down = specs_of(SHARED, "sm_90a", shared_args(tokens=t, inter=inter))
+        assert (up.kernel, down.kernel) == ("mlp_gate_up_gemm", "mlp_down_gemm") and up.op == SHARED
+        assert up.shape_dict == {"token_tile": -(-t // 16) * 16, "k": H, "rows": 2 * inter}
+        assert up.param_dict["glu"] and (up.param_dict["beta"], up.param_dict["linear_beta"]) == (BETA, LINEAR_BETA)
+        assert down.shape_dict == {"token_tile": -(-t // 16) * 16, "k": inter, "rows": H}
 
 
 def test_tiling_at_a_small_shape():
@@ -114,7 +130,7 @@ def test_tiling_at_a_small_shape():
     up, down = specs_of(ROUTED, "sm_90a", routed_args(tokens=5, inter=128, experts=16, top_k=4, latent=512))
     assert (up.param_dict["k_slices"], up.param_dict["warps_per_cta"]) == (1, 4)
     assert (down.param_dict["slot_warps"], down.param_dict["slots_per_step"]) == (1, 4)
-    up, _ = specs_of(SHARED, "sm_90a", shared_args(tokens=5, inter=128, hidden=512))
+    up, _ = gemv_specs_of("sm_90a", shared_args(tokens=5, inter=128, hidden=512))
     assert (up.param_dict["k_slices"], up.param_dict["warps_per_cta"], up.param_dict["chunk"]) == (1, 1, 5)
 
 
@@ -185,9 +201,9 @@ def compiled(kcache):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CutlassBaseDSL, "cuda_launch_func", staticmethod(record))
         for arch in ARCHS:
-            for name, (op, args) in COMPILED.items():
+            for name, (op, args) in COMPILED.items():  # the shared experts' GEMVs by name
                 kernels = []
-                for spec in specs_of(op, arch, args):
+                for spec in (gemv_specs_of(arch, args) if op == SHARED else specs_of(op, arch, args)):
                     launches.clear()
                     k = compile_kernel(spec, cache=kcache)
                     assert k.cache == "miss"  # compiled here, so its launch was recorded
@@ -392,17 +408,21 @@ def cuda(args):
     return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def check_shared(cpu):
+def check_shared(cpu, kernel=None):
+    """The template the call picks (or ``kernel``): y and the activation scratch poisoned first."""
     x, gate_up, down, beta, linear_beta = cpu
     ref = torch.ops.k3f.shared_experts(*cpu)
     ref_h = shared_experts_up(x, gate_up, beta=beta, linear_beta=linear_beta)
     gpu = cuda(cpu)
-    tpl, specs, fns = gpu_kernels(SHARED, gpu)
-    y, h = nan(*ref.shape), nan(x.shape[0], 1, down.shape[1])
+    tpl, specs, fns = gpu_kernels(SHARED, gpu, kernel)
+    assert tpl.kernel == kernel or (kernel is None and tpl.kernel == ("shared_experts" if x.shape[0] == 1 else
+                                                                        "shared_experts_gemm"))
+    gemv = tpl.kernel == "shared_experts"
+    y, h = nan(*ref.shape), nan(x.shape[0], 1, down.shape[1]) if gemv else nan(x.shape[0], down.shape[1])
     out = tpl.launch(fns, specs, gpu, out=(y, h))
     torch.cuda.synchronize()
     assert out is y and torch.isfinite(h).all() and torch.isfinite(y).all()
-    assert rel_err(h[:, 0], ref_h) <= TOL
+    assert rel_err(h[:, 0] if gemv else h, ref_h) <= TOL
     assert rel_err(y, ref) <= TOL
 
 
@@ -417,11 +437,13 @@ def test_routed_experts(tokens, shape):
 
 
 @on_gpu
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens,kernel", [(1, None), (2, None), (8, None), (64, None), (8, "shared_experts"),
+                                           (64, "shared_experts")])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_shared_experts(tokens, shape):
+def test_shared_experts(tokens, kernel, shape):
+    """As served (GEMVs at 1 token, the GEMM from 2), and the GEMVs over their whole range."""
     _, inter = SHAPES[shape]
-    check_shared(shared_inputs(tokens, inter, torch.Generator().manual_seed(20 * tokens + inter)))
+    check_shared(shared_inputs(tokens, inter, torch.Generator().manual_seed(20 * tokens + inter)), kernel)
 
 
 @on_gpu
@@ -430,7 +452,8 @@ def test_silu_and_mul_at_a_small_shape():
     gen = torch.Generator().manual_seed(5)
     case = RoutedCase(5, 128, gen, experts=16, top_k=4, latent=512, beta=None, linear_beta=None)
     check_routed(case, *case.inputs(5, gen))
-    check_shared(shared_inputs(5, 128, gen, hidden=512, beta=None, linear_beta=None))
+    for kernel in ("shared_experts", "shared_experts_gemm"):
+        check_shared(shared_inputs(5, 128, gen, hidden=512, beta=None, linear_beta=None), kernel)
 
 
 @on_gpu

@@ -32,8 +32,8 @@ def test_runner_knows_the_aux_kernels(tiny):
     _, result, schedule = _prepared(tiny, 1)
     runner = LayerRunner(result, schedule)
     aux = {k for k, s in runner.stream_name.items() if s == "aux"}
-    assert aux == {"shared_experts"}
-    assert runner.waits["shared_experts"] and runner.waits["latent_tail"] == ["shared_experts"]
+    assert aux == {"shared_experts_gemm"}  # batch 3: the shared experts' GEMM rule
+    assert runner.waits["shared_experts_gemm"] and runner.waits["latent_tail"] == ["shared_experts_gemm"]
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """The tensor-core skinny GEMM of decode (2..64 tokens): the attention input projection
 (``attn_in_proj_gemm``), the output projection (``o_proj_gemm``) and the dense MLP's two
-projections (``dense_gate_up_gemm``, ``dense_down_gemm``).
+projections and the shared experts' (``mlp_gate_up_gemm``, ``mlp_down_gemm``).
 
 Computes ``y[T, n] = sum_k x[T, k] * W[n, k]`` (``torch.nn.functional.linear(x, W)``, fp32
 accumulation, bf16 result) and writes it split like ``attn_in_proj_gemv``: rows

@@ -7,8 +7,9 @@
   projection shares a row among as many lanes as divide it (8 at TP 16, 16 at TP 8) and
   splits the row's I over 3 warps (11 128-bit vectors per lane).
 - ``dense_mlp_gemm`` (2..64 tokens, rule ``dense_mlp.large``): the tensor-core skinny GEMM
-  twice (``codegen/kernels/gemm.py``): gate/up with the activation in its epilogue (a CTA
-  holds 64 gate rows and their 64 up rows), writing the [T, I] activation, then down. The
+  twice (``codegen/kernels/gemm.py``; the shared experts' GEMM path, ``experts.one_expert_gemm_*``):
+  gate/up with the activation in its epilogue (a CTA holds 64 gate rows and their 64 up
+  rows), writing the [T, I] activation, then down. The
   GEMV kernels re-read x once per channel (at 64 tokens gigabytes from L2); measured on the
   H200 the GEMM wins from 2 tokens at TP 8 and ties at TP 16, the GEMVs win at 1 (BENCHMARKS.md).
 
@@ -21,11 +22,10 @@ from typing import Any
 
 import torch
 
-from codegen.launchers.experts import (MAX_CHUNK, act_params, expert_outputs, one_expert_launch, one_expert_runtime,
-                                      one_expert_specs, shared_tiling)
-from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
+from codegen.launchers.experts import (MAX_CHUNK, one_expert_gemm_launch, one_expert_gemm_specs, one_expert_launch,
+                                      one_expert_runtime, one_expert_specs, shared_tiling)
 from codegen.spec import KernelSpec
-from codegen.template import Template, check_tensors, shape_is
+from codegen.template import Template
 from rewriter import ops
 
 DENSE_MAX_TOKENS = 8  # the GEMV kernels' range; the rules give them 1 token (patterns.layer.DENSE_SMALL_MAX)
@@ -69,37 +69,6 @@ def _dense_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
     return one_expert_specs(op, arch, args, dense_tiling)
 
 
-def _gemm_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
-    x, gate_up, down_w, beta, linear_beta = args[:5]
-    if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
-        return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
-                f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
-    (t, hidden), inter = x.shape, gate_up.shape[0] // 2
-    lo, hi = DENSE_GEMM_TOKENS
-    if not lo <= t <= hi:
-        return f"{t} tokens outside {lo}..{hi} (the GEMM template)"
-    reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
-              or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
-              or shape_is("down_weight", down_w, (hidden, inter)))
-    if reason:
-        return reason
-    for name, size in (("H", hidden), ("I", inter)):
-        if size % GEMM_TILE_K or size < 2 * GEMM_TILE_K:
-            return f"{name} {size} is not a multiple of {GEMM_TILE_K} of at least two tiles (the GEMM's K tile)"
-    act = act_params(beta, linear_beta)
-    if isinstance(act, str):
-        return act
-    dtypes = {"act": "bf16", "weight": "bf16"}
-    up = gemm_tiling(t, hidden, inter, arch, glu=True)
-    down = gemm_tiling(t, inter, hidden, arch)
-    return (KernelSpec.make("dense_gate_up_gemm", op, arch,
-                            shapes={"token_tile": up.pop("token_tile"), "k": hidden, "rows": 2 * inter},
-                            dtypes=dtypes, params={"segments": [inter], "glu": True, **act, **up}),
-            KernelSpec.make("dense_down_gemm", op, arch,
-                            shapes={"token_tile": down.pop("token_tile"), "k": inter, "rows": hidden},
-                            dtypes=dtypes, params={"segments": [hidden], **down}))
-
-
 def _all_reduced(y: torch.Tensor, args: Sequence[Any]) -> torch.Tensor:
     group, tp = args[5:7]
     return torch.ops.k3.all_reduce(y, group, tp) if ops.reduces(tp) else y
@@ -109,14 +78,12 @@ def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
     return _all_reduced(one_expert_launch(fns, specs, args, out), args)
 
 
+def _gemm_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    return one_expert_gemm_specs(op, arch, args, DENSE_GEMM_TOKENS)
+
+
 def _gemm_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """Gate/up + activation into the [T, I] scratch, then down into y [T, H]; ``out``: None, y,
-    or (y, scratch)."""
-    (up, down), (x, gate_up, down_w) = fns, args[:3]
-    y, act = expert_outputs(x, x.shape[1], (x.shape[0], down_w.shape[1]), out)
-    gemm_call(up, x, gate_up, [act])
-    gemm_call(down, act, down_w, [y])
-    return _all_reduced(y, args)
+    return _all_reduced(one_expert_gemm_launch(fns, specs, args, out), args)
 
 
 TEMPLATES = (

@@ -4,7 +4,9 @@ layout) and ``shared_experts`` (``k3f::shared_experts``), 1..64 tokens; two kern
 ``expert_up`` (gate/up projection and activation into a bf16 scratch [T, k, I]) then
 ``expert_down`` (down projection and the routing-weighted fp32 sum), because the down
 projection needs an expert's whole activation (``*_mxfp4`` for MXFP4 weights).
-The shared experts are the same kernels with one expert, one slot and weight 1."""
+The shared experts are the same kernels with one expert, one slot and weight 1 at one token,
+and from 2 tokens (``shared_experts_gemm``) the skinny tensor-core GEMM twice, as the dense
+MLP: the GEMVs re-read x once per channel."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -12,10 +14,12 @@ from typing import Any
 
 import torch
 
+from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, shape_is
 
 EXPERTS_MAX_TOKENS = 64  # decode batches; larger ones want a grouped GEMM
+SHARED_GEMM_TOKENS = (2, 64)  # patterns.moe.SHARED_SMALL_MAX + 1 .. 64; tried before the GEMVs
 MAX_CHUNK = 8  # tokens per chunk: fp32 accumulators per row and lane (codegen/kernels/expert_up.py, expert_down.py)
 ROUTED_ROWS_LANES = 8  # lanes sharing one w2 row in the routed down projection
 SHARED_ROW_LANES = 16  # lanes sharing one down_weight row in the shared down projection
@@ -160,6 +164,10 @@ def _shared_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, 
     return one_expert_specs(op, arch, args, tiling)
 
 
+def _shared_gemm_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    return one_expert_gemm_specs(op, arch, args, SHARED_GEMM_TOKENS)
+
+
 def one_expert_runtime(args: Sequence[Any]) -> str | None:
     x, gate_up, down_w = args[:3]
     return aligned({"x": x, "gate_up_weight": gate_up, "down_weight": down_w})
@@ -193,11 +201,62 @@ def one_expert_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], o
     return y
 
 
+def one_expert_gemm_specs(op: str, arch: str, args: Sequence[Any], tokens: tuple[int, int]
+                          ) -> tuple[KernelSpec, ...] | str:
+    """One expert of weight 1 on the skinny tensor-core GEMM (the shared experts, the dense MLP)
+    from the op's ``(x, gate_up_weight, down_weight, beta, linear_beta, ...)`` for ``tokens``
+    (lo, hi): gate/up with the activation in its epilogue (``mlp_gate_up_gemm``), then down
+    (``mlp_down_gemm``); or why not."""
+    x, gate_up, down_w, beta, linear_beta = args[:5]
+    if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
+        return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
+                f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
+    (t, hidden), inter = x.shape, gate_up.shape[0] // 2
+    lo, hi = tokens
+    if not lo <= t <= hi:
+        return f"{t} tokens outside {lo}..{hi} (the GEMM template)"
+    reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
+              or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
+              or shape_is("down_weight", down_w, (hidden, inter)))
+    if reason:
+        return reason
+    for name, size in (("H", hidden), ("I", inter)):
+        if size % GEMM_TILE_K or size < 2 * GEMM_TILE_K:
+            return f"{name} {size} is not a multiple of {GEMM_TILE_K} of at least two tiles (the GEMM's K tile)"
+    act = act_params(beta, linear_beta)
+    if isinstance(act, str):
+        return act
+    dtypes = {"act": "bf16", "weight": "bf16"}
+    up = gemm_tiling(t, hidden, inter, arch, glu=True)
+    down = gemm_tiling(t, inter, hidden, arch)
+    return (KernelSpec.make("mlp_gate_up_gemm", op, arch,
+                            shapes={"token_tile": up.pop("token_tile"), "k": hidden, "rows": 2 * inter},
+                            dtypes=dtypes, params={"segments": [inter], "glu": True, **act, **up}),
+            KernelSpec.make("mlp_down_gemm", op, arch,
+                            shapes={"token_tile": down.pop("token_tile"), "k": inter, "rows": hidden},
+                            dtypes=dtypes, params={"segments": [hidden], **down}))
+
+
+def one_expert_gemm_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    """Gate/up + activation into the [T, I] scratch, then down into y [T, H]; ``out``: None, y,
+    or (y, scratch)."""
+    (up, down), (x, gate_up, down_w) = fns, args[:3]
+    y, act = expert_outputs(x, x.shape[1], (x.shape[0], down_w.shape[1]), out)
+    gemm_call(up, x, gate_up, [act])
+    gemm_call(down, act, down_w, [y])
+    return y
+
+
 TEMPLATES = (
     Template("routed_experts_grouped", ("k3f::routed_experts",), _routed_specs, _routed_runtime, _routed_launch,
              doc="routed experts for 1..64 tokens: gate/up + SiTU per (token, slot), then down + weighted sum"),
+    Template("shared_experts_gemm", ("k3f::shared_experts",), _shared_gemm_specs, one_expert_runtime,
+             one_expert_gemm_launch,
+             doc=f"shared experts for {SHARED_GEMM_TOKENS[0]}..{SHARED_GEMM_TOKENS[1]} tokens: tensor-core GEMM with "
+                 "SiTU in its epilogue, then the down GEMM"),
     Template("shared_experts", ("k3f::shared_experts",), _shared_specs, one_expert_runtime, one_expert_launch,
-             doc="shared experts for 1..64 tokens: gate/up + SiTU, then down; tokens in chunks of 8"),
+             doc="shared experts for 1..64 tokens (the rules give them 1): gate/up + SiTU, then down; tokens in "
+                 "chunks of 8"),
 )
 
 
