@@ -1,17 +1,17 @@
 """Layer 0's dense MLP (``k3f::dense_mlp``), gate_up + SiTU, down, all-reduce: two templates.
 
-- ``dense_mlp`` (1..8 tokens; rule ``dense_mlp.small`` gives it one): the shared experts' two GEMV kernels
-  with the dense MLP's sizes (``expert_up`` then ``expert_down``, one expert, weight 1;
+- ``dense_mlp`` (1..8 tokens; rule ``dense_mlp.small`` gives it one): the shared experts' two
+  GEMV kernels with the dense MLP's sizes (``expert_up`` then ``expert_down``, one expert, weight 1;
   ``codegen/launchers/experts.py``). Kimi K3's dense intermediate per rank (2112 at TP 16,
   4224 at TP 8) is not a multiple of the shared experts' 16 lanes x 8 per row, so the down
   projection shares a row among as many lanes as divide it (8 at TP 16, 16 at TP 8) and
   splits the row's I over 3 warps (11 128-bit vectors per lane).
 - ``dense_mlp_gemm`` (2..64 tokens, rule ``dense_mlp.large``): the tensor-core skinny GEMM
-  twice (``codegen/kernels/gemm.py``; the shared experts' GEMM path, ``experts.one_expert_gemm_*``):
-  gate/up with the activation in its epilogue (a CTA holds 64 gate rows and their 64 up
-  rows), writing the [T, I] activation, then down. The
-  GEMV kernels re-read x once per channel (at 64 tokens gigabytes from L2); measured on the
-  H200 the GEMM wins from 2 tokens at TP 8 and ties at TP 16, the GEMVs win at 1 (BENCHMARKS.md).
+  twice (``codegen/kernels/gemm.py``; the shared experts' GEMM path,
+  ``experts.one_expert_gemm_*``): gate/up with the activation in its epilogue (a CTA holds 64
+  gate rows and their 64 up rows), writing the [T, I] activation, then down. The GEMV kernels
+  re-read x once per channel (at 64 tokens gigabytes from L2); measured on the H200 the GEMM
+  wins from 2 tokens at TP 8 and ties at TP 16, the GEMVs win at 1 (BENCHMARKS.md).
 
 Both then, at TP > 1, ``k3::all_reduce`` the bf16 partial, as the reference.
 """
