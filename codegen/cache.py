@@ -22,10 +22,12 @@ import json
 import os
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 ENV_VAR = "K3_REWRITER_CACHE"
 ENTRY_FORMAT = 1  # bump when the layout of an entry changes
@@ -38,6 +40,24 @@ def default_root() -> Path:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def read_or_discard(path: Path, decode: Callable[[bytes], T], errors: tuple[type[BaseException], ...],
+                    on_bad: Callable[[BaseException], None]) -> T | None:
+    """``decode`` of the file at ``path``; None if it is missing, or if ``decode`` raises one of
+    ``errors``: then ``on_bad`` hears why and the file is deleted (a bad entry is a miss, never
+    trusted). Both caches read their entries this way."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return decode(data)
+    except errors as e:
+        on_bad(e)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
 
 
 def write_atomic(path: Path, data: bytes) -> Path:
@@ -79,18 +99,10 @@ class KernelCache:
 
     def get(self, key: str) -> Entry | None:
         """The verified entry for ``key``, or None (missing, or corrupt: then it is deleted)."""
-        path = self.path(key)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
-            return self._decode(key, data)
-        except (zipfile.BadZipFile, KeyError, ValueError, json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-            self.rejected.append((key, f"{type(e).__name__}: {e}"))
-            with contextlib.suppress(OSError):
-                path.unlink()
-            return None
+        return read_or_discard(self.path(key), lambda data: self._decode(key, data),
+                               (zipfile.BadZipFile, KeyError, ValueError, json.JSONDecodeError, UnicodeDecodeError,
+                                OSError),
+                               lambda e: self.rejected.append((key, f"{type(e).__name__}: {e}")))
 
     @staticmethod
     def _decode(key: str, data: bytes) -> Entry:

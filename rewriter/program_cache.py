@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 
-from codegen.cache import default_root, write_atomic
+from codegen.cache import default_root, read_or_discard, write_atomic
 
 log = logging.getLogger("k3_rewriter")
 ENTRY_FORMAT = 1
@@ -102,19 +102,17 @@ class ProgramCache:
         import rewriter.rules  # noqa: F401  (imports patterns: the fused ops an entry names)
 
         path = self.path(key)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
+
+        def decode(data: bytes) -> StoredRewrite:
             stored = _Unpickler(io.BytesIO(data)).load()
             if not isinstance(stored, StoredRewrite):
                 raise pickle.UnpicklingError(f"holds a {type(stored).__name__}")
             return stored
-        except Exception as e:  # noqa: BLE001  (a bad entry is a miss, never trusted)
+
+        def bad(e: BaseException) -> None:
             log.warning("rewriter: program cache entry %s unreadable (%s); rewriting again", path.name, e)
-            path.unlink(missing_ok=True)
-            return None
+
+        return read_or_discard(path, decode, (Exception,), bad)  # any failure: a miss, never trusted
 
     def store(self, key: str, stored: StoredRewrite) -> Path:
         buf = io.BytesIO()

@@ -100,6 +100,16 @@ def gpu_arch() -> str:
     return arch
 
 
+def spec_of(op, arch, args):
+    """The spec of a one-stage template's call (the template the call picks)."""
+    from codegen.templates import spec_for_call
+
+    tpl, specs = spec_for_call(op, arch, args)
+    assert tpl is not None, specs
+    (spec,) = specs
+    return spec
+
+
 def gpu_kernels(op, args, kernel=None):
     """(template, specs, loaded kernels) serving this call on this GPU (``bind.load_kernels``);
     ``kernel`` names the template instead of the one the op's call would pick."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HAVE_CUTEDSL, needs_cutedsl, pdl_flags
+from conftest import HAVE_CUTEDSL, needs_cutedsl, pdl_flags, spec_of
 
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
@@ -54,14 +54,6 @@ def router_args(tokens=1, experts=896, top_k=16, dtype=torch.float32, renormaliz
 def gemv_spec(arch, tokens):
     """The GEMV's spec for ``tokens`` (its kernel takes 1..8; the rules give it one token)."""
     (spec,) = template("attn_in_proj_gemv").make_specs("k3f::kda_in_proj", arch, gemv_args(tokens=tokens))
-    return spec
-
-
-def spec_of(op, arch, args):
-    """The spec of a one-stage template's call."""
-    tpl, specs = spec_for_call(op, arch, args)
-    assert tpl is not None, specs
-    (spec,) = specs
     return spec
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err, spec_of
 
 import patterns.layer  # noqa: F401  (defines k3f::mla_attend)
 import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
@@ -37,10 +37,7 @@ def attend_args(batch=1, heads=6, cache_dtype=torch.bfloat16, make=meta, blocks=
 
 
 def attend_spec(arch, args):
-    tpl, specs = spec_for_call(OP, arch, args)
-    assert tpl is not None, specs
-    (spec,) = specs
-    return spec
+    return spec_of(OP, arch, args)
 
 
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)

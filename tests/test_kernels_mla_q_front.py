@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import GPU_MARKS, gpu_kernels, needs_cutedsl, pdl_flags, ptxas_usage, rel_err
+from conftest import GPU_MARKS, gpu_kernels, needs_cutedsl, pdl_flags, ptxas_usage, rel_err, spec_of
 
 import patterns.attention_projection  # noqa: F401  (defines k3f::mla_q_front)
 import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
@@ -55,10 +55,7 @@ def replace(args, i, value):
 
 
 def q_spec(arch, args):
-    tpl, specs = spec_for_call(OP, arch, args)
-    assert tpl is not None, specs
-    (spec,) = specs
-    return spec
+    return spec_of(OP, arch, args)
 
 
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)

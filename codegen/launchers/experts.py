@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
+from codegen.launchers.gemm_specs import gemm_call, gemm_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, shape_is
 
@@ -121,24 +121,33 @@ def _routed_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, 
             KernelSpec.make("expert_down", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes, params=down))
 
 
-def one_expert_specs(op: str, arch: str, args: Sequence[Any], tiling) -> tuple[KernelSpec, ...] | str:
-    """The two kernels' specs for one expert of weight 1 (the shared experts, the dense MLP) from
-    the op's ``(x, gate_up_weight, down_weight, beta, linear_beta, ...)``; ``tiling(T, H, I)``
-    gives the (up, down) tiling or why the sizes do not fit."""
+def _one_expert_operands(args: Sequence[Any]) -> tuple[int, int, int, dict[str, Any]] | str:
+    """(T, H, I, activation params) of one expert's ``(x, gate_up_weight, down_weight, beta,
+    linear_beta, ...)`` (the shared experts, the dense MLP), or why the call is malformed."""
     x, gate_up, down_w, beta, linear_beta = args[:5]
     if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
         return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
                 f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
-    t, hidden = x.shape
-    inter = gate_up.shape[0] // 2
+    (t, hidden), inter = x.shape, gate_up.shape[0] // 2
     reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
               or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
-              or shape_is("down_weight", down_w, (hidden, inter)) or _common_refusal(t, "H", hidden))
+              or shape_is("down_weight", down_w, (hidden, inter)))
     if reason:
         return reason
     act = act_params(beta, linear_beta)
-    if isinstance(act, str):
-        return act
+    return act if isinstance(act, str) else (t, hidden, inter, act)
+
+
+def one_expert_specs(op: str, arch: str, args: Sequence[Any], tiling) -> tuple[KernelSpec, ...] | str:
+    """The two GEMV kernels' specs for one expert of weight 1; ``tiling(T, H, I)`` gives the
+    (up, down) tiling or why the sizes do not fit."""
+    operands = _one_expert_operands(args)
+    if isinstance(operands, str):
+        return operands
+    t, hidden, inter, act = operands
+    reason = _common_refusal(t, "H", hidden)
+    if reason:
+        return reason
     tiles = tiling(t, hidden, inter)
     if isinstance(tiles, str):
         return tiles
@@ -203,38 +212,23 @@ def one_expert_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], o
 
 def one_expert_gemm_specs(op: str, arch: str, args: Sequence[Any], tokens: tuple[int, int]
                           ) -> tuple[KernelSpec, ...] | str:
-    """One expert of weight 1 on the skinny tensor-core GEMM (the shared experts, the dense MLP)
-    from the op's ``(x, gate_up_weight, down_weight, beta, linear_beta, ...)`` for ``tokens``
-    (lo, hi): gate/up with the activation in its epilogue (``mlp_gate_up_gemm``), then down
-    (``mlp_down_gemm``); or why not."""
-    x, gate_up, down_w, beta, linear_beta = args[:5]
-    if x.dim() != 2 or gate_up.dim() != 2 or down_w.dim() != 2:
-        return (f"x [T, H], gate_up_weight [2I, H], down_weight [H, I] expected, got {tuple(x.shape)}, "
-                f"{tuple(gate_up.shape)}, {tuple(down_w.shape)}")
-    (t, hidden), inter = x.shape, gate_up.shape[0] // 2
+    """One expert of weight 1 on the skinny tensor-core GEMM for ``tokens`` (lo, hi): gate/up
+    with the activation in its epilogue (``mlp_gate_up_gemm``), then down (``mlp_down_gemm``);
+    or why not."""
+    operands = _one_expert_operands(args)
+    if isinstance(operands, str):
+        return operands
+    t, hidden, inter, act = operands
     lo, hi = tokens
     if not lo <= t <= hi:
         return f"{t} tokens outside {lo}..{hi} (the GEMM template)"
-    reason = (check_tensors({"x": x, "gate_up_weight": gate_up, "down_weight": down_w}, torch.bfloat16)
-              or shape_is("gate_up_weight", gate_up, (2 * inter, hidden))
-              or shape_is("down_weight", down_w, (hidden, inter)))
-    if reason:
-        return reason
-    for name, size in (("H", hidden), ("I", inter)):
-        if size % GEMM_TILE_K or size < 2 * GEMM_TILE_K:
-            return f"{name} {size} is not a multiple of {GEMM_TILE_K} of at least two tiles (the GEMM's K tile)"
-    act = act_params(beta, linear_beta)
-    if isinstance(act, str):
-        return act
-    dtypes = {"act": "bf16", "weight": "bf16"}
-    up = gemm_tiling(t, hidden, inter, arch, glu=True)
-    down = gemm_tiling(t, inter, hidden, arch)
-    return (KernelSpec.make("mlp_gate_up_gemm", op, arch,
-                            shapes={"token_tile": up.pop("token_tile"), "k": hidden, "rows": 2 * inter},
-                            dtypes=dtypes, params={"segments": [inter], "glu": True, **act, **up}),
-            KernelSpec.make("mlp_down_gemm", op, arch,
-                            shapes={"token_tile": down.pop("token_tile"), "k": inter, "rows": hidden},
-                            dtypes=dtypes, params={"segments": [hidden], **down}))
+    up = gemm_spec("mlp_gate_up_gemm", op, arch, tokens=t, k=hidden, rows=2 * inter, segments=[inter], k_name="H",
+                   glu=True, **act)
+    down = gemm_spec("mlp_down_gemm", op, arch, tokens=t, k=inter, rows=hidden, segments=[hidden], k_name="I")
+    for spec in (up, down):
+        if isinstance(spec, str):
+            return spec
+    return up, down
 
 
 def one_expert_gemm_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):

@@ -1,15 +1,19 @@
 """Spec helpers of every template built on the skinny tensor-core ``gemm`` kernel
-(``codegen/kernels/gemm.py``: attn_in_proj_gemm, o_proj_gemm, the dense MLP's, latent_tail's):
-its tiling and how it is called."""
+(``codegen/kernels/gemm.py``: attn_in_proj_gemm, o_proj_gemm, latent_tail_gemm, the shared
+experts' and the dense MLP's): its tiling, its spec and how it is called."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from codegen.spec import KernelSpec
 
 GEMM_ROWS_PER_CTA = 128
 GEMM_TILE_K = 64  # codegen/kernels/gemm.py: K per pipeline stage
 GEMM_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs fit an SM's 228 KB (sm_90a, sm_100a)
 SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
 MAX_SEGMENTS = 4
+GEMM_MAX_TOKENS = 64  # codegen/kernels/gemm.py: the token tile's largest size
 
 
 def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False) -> dict[str, Any]:
@@ -39,6 +43,26 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     stage_bytes = (rows_per_cta + token_tile) * GEMM_TILE_K * 2
     stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
     return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_tile": token_tile}
+
+
+def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int, segments: Sequence[int],
+              k_name: str = "K", glu: bool = False, **params: Any) -> KernelSpec | str:
+    """The skinny GEMM's spec for ``tokens`` x [``rows``, ``k``] writing ``segments`` (gated:
+    one segment of rows / 2 channels), its tiling chosen here; or why K or the rows do not fit
+    (``k_name``: what K is, for the reason). ``params``: the kernel's options (norm, residual,
+    activation, strides)."""
+    if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
+        return f"{k_name} {k} is not a multiple of {GEMM_TILE_K} of at least two tiles (the GEMM's K tile)"
+    rows_out = sum(segments)
+    smallest = GEMM_ROWS_PER_CTA // 2 if glu else GEMM_ROWS_PER_CTA
+    if rows_out < smallest:
+        return f"{rows_out} output rows < {smallest} (one CTA tile)"
+    tiling = gemm_tiling(tokens, k, rows_out, arch, glu=glu)
+    if glu:
+        params["glu"] = True
+    return KernelSpec.make(kernel, op, arch, shapes={"token_tile": tiling.pop("token_tile"), "k": k, "rows": rows},
+                           dtypes={"act": "bf16", "weight": "bf16"},
+                           params={"segments": list(segments), **params, **tiling})
 
 
 def gemm_call(fn, x, weight, ys, norm_weight=None, residual=None) -> None:

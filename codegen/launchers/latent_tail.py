@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from rewriter import ops
-from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
+from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
@@ -38,14 +38,11 @@ def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
     if reason:
         return reason
     stride = latent + hidden if ops.reduces(tp) else None
-    if LATENT_GEMM_MIN_TOKENS <= t <= GEMV_MAX_TOKENS and latent % GEMM_TILE_K == 0 and latent >= 2 * GEMM_TILE_K \
-            and hidden >= 128:
-        tiling = gemm_tiling(t, latent, hidden, arch)
-        return (KernelSpec.make("latent_tail_gemm", op, arch,
-                                shapes={"token_tile": tiling.pop("token_tile"), "k": latent, "rows": hidden},
-                                dtypes={"act": "bf16", "weight": "bf16"},
-                                params={"segments": [hidden], "norm_eps": float(eps), "residual": True,
-                                        "x_stride": stride or latent, "r_stride": stride or hidden, **tiling}),)
+    if LATENT_GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
+        spec = gemm_spec("latent_tail_gemm", op, arch, tokens=t, k=latent, rows=hidden, segments=[hidden],
+                         norm_eps=float(eps), residual=True, x_stride=stride or latent, r_stride=stride or hidden)
+        if not isinstance(spec, str):
+            return (spec,)
     spec = gemv_spec(op, arch, tokens=t, k=latent, rows0=hidden, out0="bf16", x_stride=stride or latent, norm=True,
                      eps=eps, residual=True, r_stride=stride or hidden)
     return spec if isinstance(spec, str) else (spec,)

@@ -15,7 +15,7 @@ import torch
 from rewriter import ops
 from codegen.launchers import attn_res_norm
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
-from codegen.launchers.gemm_specs import GEMM_TILE_K, gemm_call, gemm_tiling
+from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
 
@@ -52,12 +52,10 @@ def _o_proj_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
 
 def _projection_spec(op: str, arch: str, t: int, k: int, hidden: int) -> KernelSpec | str:
     """The GEMM from ``O_PROJ_GEMM_MIN_TOKENS`` tokens (where K allows its pipeline), else the GEMV."""
-    if O_PROJ_GEMM_MIN_TOKENS <= t <= GEMV_MAX_TOKENS and k % GEMM_TILE_K == 0 and k >= 2 * GEMM_TILE_K \
-            and hidden >= 128:
-        tiling = gemm_tiling(t, k, hidden, arch)
-        return KernelSpec.make("o_proj_gemm", op, arch, shapes={"token_tile": tiling.pop("token_tile"), "k": k,
-                                                                 "rows": hidden},
-                               dtypes={"act": "bf16", "weight": "bf16"}, params={"segments": [hidden], **tiling})
+    if O_PROJ_GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
+        spec = gemm_spec("o_proj_gemm", op, arch, tokens=t, k=k, rows=hidden, segments=[hidden])
+        if not isinstance(spec, str):
+            return spec
     return gemv_spec(op, arch, tokens=t, k=k, rows0=hidden, out0="bf16", x_stride=k)
 
 
