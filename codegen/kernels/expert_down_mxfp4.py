@@ -32,8 +32,8 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.mxfp4 import (ORDERS, cluster_barrier, cluster_sum, load_b, load_scales, load_weights, tile_mma,
-                                   warp_registers)
+from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, NO_CARVEOUT_PREFERENCE, ORDERS, cluster_barrier, cluster_sum,
+                                   load_b, load_scales, load_weights, tile_mma, warp_registers)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -75,7 +75,8 @@ class ExpertDownMxfp4:
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
         self.kernel(mA, mIds, mWeights, mW, mS, mOut).launch(
             grid=[mIds.shape[0] * self.cluster, self.tiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
-            stream=stream, use_pdl=True)
+            stream=stream, use_pdl=True, min_blocks_per_mp=max(1, DOWN_WARPS_PER_SM // self.warps),
+            preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,

@@ -16,7 +16,7 @@ registers and multiplied on the tensor cores, ``codegen/kernels/mxfp4.py``):
   contiguous run of ``kb_per_warp`` 16-wide K blocks: one 16-byte load per lane per block (the
   tile's 512 bytes), one 8-byte scale load per lane per two blocks, all issued at once and held
   in registers (at L = 3584: 8 CTAs of 4 warps per pair and tile, 14 blocks per warp: small
-  CTAs, so that three fit an SM and a whole batch's grid is resident in few waves);
+  CTAs, so that four fit an SM and a whole batch's grid is resident in few waves);
 - the MMA is m16n8k16 with the weight rows as M and the token's x as every one of the 8 N
   columns (all lanes read the same x pairs, staged once per CTA in shared memory), so each
   lane's C holds its rows' sums directly;
@@ -35,7 +35,8 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import gated_act
-from codegen.kernels.mxfp4 import ORDERS, cluster_barrier, cluster_sum, load_scales, load_weights, tile_mma, warp_registers
+from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, cluster_barrier, cluster_sum, load_scales,
+                                   load_weights, tile_mma, warp_registers)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -79,7 +80,8 @@ class ExpertUpMxfp4:
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
         self.kernel(mX, mIds, mW, mS, mA).launch(grid=[pairs * self.cluster, self.ctiles, 1],
                                                  block=[32 * self.warps, 1, 1], cluster=cluster, stream=stream,
-                                                 use_pdl=True)
+                                                 use_pdl=True, min_blocks_per_mp=max(1, UP_WARPS_PER_SM // self.warps),
+                                                 preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):

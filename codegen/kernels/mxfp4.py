@@ -20,6 +20,13 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 ORDERS = ("interleaved", "natural")
+# warps per SM the expert kernels ask ptxas to make room for (``min_blocks_per_mp`` = these / the
+# CTA's warps, no preference of shared-memory carveout, so no device is asked at compile time):
+# a CTA loads, computes and reduces in turn, so the more CTAs an SM holds the more of its time
+# some of them have loads in flight (the up stage's 129 registers a thread held three CTAs of 4
+# warps; 128 holds four)
+UP_WARPS_PER_SM, DOWN_WARPS_PER_SM = 16, 20
+NO_CARVEOUT_PREFERENCE = -1
 
 # bf16 bits of code nibble c = s e1 e0 m: sign at 15, e1 e0 m at 8..6 (both halves at once)
 _SIGN, _MAG = "0x80008000", "0x01C001C0"

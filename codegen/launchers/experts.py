@@ -257,13 +257,14 @@ TEMPLATES = (
 # ---- routed experts on MXFP4 weights (Humming's layout) ---------------------------------------
 MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
 MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
+MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
     """(cluster, warps per tile) of ``expert_up_mxfp4``: the longest even run of K blocks per warp
     up to 14, then the rest of L over a cluster of up to 8 CTAs, each with the fewest warps per
     tile (1, 2 or 4) that keep the cluster that small (L = 3584: 224 blocks = 8 CTAs x 2 warps x
-    14; CTAs of 4 warps at 130 registers a thread: three fit an SM)."""
+    14; CTAs of 4 warps, four of which fit an SM: ``mxfp4.UP_WARPS_PER_SM``)."""
     kb = latent // 16
     for per_warp in range(MXFP4_MAX_KB_PER_WARP, 1, -2):
         if kb % per_warp:
@@ -277,17 +278,19 @@ def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
 
 def mxfp4_down_tiling(top_k: int, inter_live: int) -> dict[str, int] | str:
     """(cluster, warps per slot) of ``expert_down_mxfp4``: a slot's live K blocks in even runs of
-    up to 14 per warp; the slots over a cluster of 4 CTAs where k allows (TP 16: 4 CTAs x 4
-    slots x 1 warp of 12 blocks; TP 8: 2 warps of 12)."""
+    up to 14 per warp; CTAs of 4 warps (five of which fit an SM: ``mxfp4.DOWN_WARPS_PER_SM``),
+    the k slots over a cluster of them (TP 16, I_live = 192: 4 CTAs x 4 slots x 1 warp of 12
+    blocks; TP 8: 8 CTAs x 2 slots x 2 warps of 12)."""
     kb = inter_live // 16
     per_warp = next((n for n in range(MXFP4_MAX_KB_PER_WARP, 1, -2) if kb % n == 0), None)
     if per_warp is None:
         return f"I_live {inter_live}: {kb} K blocks do not split into even runs of at most 14"
     warps = kb // per_warp
-    for cluster in (4, 2, 1, 8):
-        if top_k % cluster == 0 and top_k // cluster * warps <= 32:
-            return {"cluster": cluster, "warps_per_slot": warps}
-    return f"top_k {top_k} x {warps} warps per slot do not fit CTAs of at most 32 warps"
+    cluster, rest = divmod(top_k * warps, MXFP4_DOWN_CTA_WARPS)
+    if rest or MXFP4_DOWN_CTA_WARPS % warps or cluster not in (1, 2, 4, 8):
+        return (f"top_k {top_k} x {warps} warps per slot do not split into a cluster of 1, 2, 4 or 8 CTAs of "
+                f"{MXFP4_DOWN_CTA_WARPS} warps")
+    return {"cluster": cluster, "warps_per_slot": warps}
 
 
 def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:

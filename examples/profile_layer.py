@@ -1,0 +1,99 @@
+"""One rewritten layer call under Nsight Compute: each kernel's own time, DRAM bytes and
+occupancy, with the L2 flushed before each kernel (as a served step finds the weights) and no
+programmatic-dependent-launch overlap (ncu serializes kernels), so the sum over the kernels
+against ``python -m rewriter bench``'s figure tells what the overlap gains.
+
+    ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,\\
+        dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,\\
+        sm__warps_active.avg.pct_of_peak_sustained_active \\
+        python3 examples/profile_layer.py --layer 3 --tp 16 --batch 1 8
+    python3 examples/profile_layer.py --summarize ncu.csv      # a table per call from that CSV
+
+Needs CUDA and the cutedsl extra. Collectives are excluded as in ``bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from collections import defaultdict
+
+import torch
+
+
+def profile(args: argparse.Namespace) -> None:
+    from codegen import bind
+    from codegen.bind import device_arch
+    from rewriter.bench_cmd import _Case, _rewritten
+    from rewriter.config import KimiK3Config
+    from rewriter.ops import collectives_excluded
+    from rewriter.shape import DecodeShape
+
+    cfg = KimiK3Config.load(args.model)
+    arch = device_arch()
+    bind.install_cuda_kernels(arch)
+    with torch.no_grad(), collectives_excluded():
+        for batch in args.batch:
+            shape = DecodeShape(batch=batch, tp=args.tp, rank=0, arch=arch, context=args.context,
+                                kv_cache_dtype=args.kv_cache_dtype)
+            case = _Case(cfg, args.layer, shape, 1, args.experts)
+            _, run_one, _ = _rewritten(case)
+            for _ in range(3):  # compile or load, then warm
+                run_one()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push(f"layer{args.layer}_tp{args.tp}_b{batch}")
+            torch.cuda.cudart().cudaProfilerStart()
+            run_one()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            torch.cuda.nvtx.range_pop()
+            print(f"profiled layer {args.layer} TP {args.tp} batch {batch}", file=sys.stderr, flush=True)
+            del case, run_one
+            torch.cuda.empty_cache()
+
+
+def summarize(path: str) -> None:
+    """A per-kernel table from ncu's ``--csv`` output (one row per kernel and metric)."""
+    rows: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
+    order: list[tuple[str, str]] = []
+    with open(path) as f:
+        lines = [line for line in f if line.startswith('"')]
+    for rec in csv.DictReader(lines):
+        key = (rec["ID"], rec["Kernel Name"])
+        if key not in rows:
+            order.append(key)
+        rows[key][rec["Metric Name"]] = rec["Metric Value"].replace(",", "")
+    total = 0.0
+    print(f"{'us':>7} {'MB read':>8} {'TB/s':>5} {'grid':>6} {'regs':>5} {'warps%':>6}  kernel")
+    for key in order:
+        m = rows[key]
+        ns = float(m.get("gpu__time_duration.sum", 0))
+        mb = float(m.get("dram__bytes_read.sum", 0)) / 1e6
+        total += ns / 1e3
+        name = key[1].split("codegenkernels")[-1].split("_object_at_")[0][:60]
+        print(f"{ns / 1e3:7.1f} {mb:8.1f} {mb / max(ns / 1e3, 1e-9):5.2f} {m.get('launch__grid_size', ''):>6} "
+              f"{m.get('launch__registers_per_thread', ''):>5} "
+              f"{float(m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0)):6.1f}  {name}")
+    print(f"{total:7.1f} us over {len(order)} kernels")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--summarize", metavar="CSV", help="print the table of an ncu --csv file and exit")
+    p.add_argument("--model", default="kimi-k3")
+    p.add_argument("--layer", type=int, default=3)
+    p.add_argument("--tp", type=int, default=16)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4")
+    args = p.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+    else:
+        profile(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
