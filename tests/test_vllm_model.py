@@ -9,6 +9,7 @@ the stock path to compute, that vLLM layer's ``forward`` is stood in for by its 
 layer, called with vLLM's signature."""
 from __future__ import annotations
 
+import importlib
 import functools
 import json
 import os
@@ -40,7 +41,7 @@ from rewriter.rewrite import is_fused  # noqa: E402
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noqa: E402
 from rewriter.vllm.guard import KV_CACHE_DTYPES, decide_step  # noqa: E402
 from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
-from rewriter.vllm.runtime import run_layers  # noqa: E402
+from rewriter.vllm.runtime import run_layers, stage_inputs  # noqa: E402
 from rewriter.vllm.state import layer_name, state_inputs  # noqa: E402
 
 B = 4  # the decode batch: vllm_model.SEQ_LENS, one new token per request
@@ -192,11 +193,16 @@ def _touched(served: Served, caches: list[tuple[torch.Tensor, ...]]) -> dict[str
 
 def _reference_step(served: Served, refs: list[KimiDecoderLayer], x: torch.Tensor, context: Any):
     """vLLM's backbone loop (KimiLinearModel.forward with AttnRes) over the bound reference layers."""
-    prefix, hidden = x, None
-    blocks = x.new_empty(x.shape[0], served.num_attn_res_blocks, x.shape[1])
+    return _reference_layers(served, refs, x, x.new_empty(x.shape[0], served.num_attn_res_blocks, x.shape[1]),
+                             context)
+
+
+def _reference_layers(served: Served, refs: list[KimiDecoderLayer], prefix: torch.Tensor, blocks: torch.Tensor,
+                      context: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden = None
     for layer, ref in zip(served.layers, refs):
         hidden, prefix, blocks = ref(hidden if hidden is not None else prefix, prefix, blocks,
-                                     *state_inputs(layer, context, x.shape[0]))
+                                     *state_inputs(layer, context, prefix.shape[0]))
     return hidden, prefix, blocks
 
 
@@ -253,8 +259,8 @@ def test_decode_step_matches_the_reference_layers(served):
     before = _snapshot(served)
     x = _embeddings(seed=3)
     with decode_context(served.vllm_config, served.batch) as context:
-        got = run_layers(served.layers, programs, served.batch.positions, x.clone(), served.num_attn_res_blocks,
-                         context)
+        got = run_layers(served.layers, programs, served.batch.positions,
+                         *stage_inputs(served.model.model, x.clone(), None), context)
     after_programs = _snapshot(served)
     _restore(served, before)
     with decode_context(served.vllm_config, served.batch) as context:
@@ -311,13 +317,13 @@ def test_a_step_padded_as_for_a_full_cuda_graph_leaves_the_real_rows_and_the_nul
     x = _embeddings(seed=5)
     pad = torch.randn(2, x.shape[1], generator=torch.Generator().manual_seed(6)).to(x.dtype)
     with decode_context(bf16.vllm_config, padded) as context:
-        got = run_layers(bf16.layers, programs, padded.positions_padded, torch.cat([x, pad]),
-                         bf16.num_attn_res_blocks, context)
+        got = run_layers(bf16.layers, programs, padded.positions_padded,
+                         *stage_inputs(bf16.model.model, torch.cat([x, pad]), None), context)
     after_padded = _snapshot(bf16)
     _restore(bf16, before)
     with decode_context(bf16.vllm_config, bf16.batch) as context:
-        want = run_layers(bf16.layers, bf16.programs, bf16.batch.positions, x.clone(), bf16.num_attn_res_blocks,
-                          context)
+        want = run_layers(bf16.layers, bf16.programs, bf16.batch.positions,
+                          *stage_inputs(bf16.model.model, x.clone(), None), context)
     after = _snapshot(bf16)
     for name, a, b in (("hidden", got[0][:B], want[0]), ("prefix sum", got[1][:B], want[1])):
         assert rel_err(a, b) < TOL, (name, rel_err(a, b))
@@ -481,8 +487,8 @@ def test_a_layer_whose_compile_fails_falls_back_alone(bf16):
             return refs[2](hidden_states, prefix_sum, residual, *state_inputs(stock_layer, context, B))
 
         with mock.patch.object(stock_layer, "forward", side_effect=stock_forward) as stock:
-            mixed = run_layers(bf16.layers, programs, bf16.batch.positions, x.clone(), bf16.num_attn_res_blocks,
-                               context)
+            mixed = run_layers(bf16.layers, programs, bf16.batch.positions,
+                               *stage_inputs(bf16.model.model, x.clone(), None), context)
     assert stock.call_count == 1 and set(stock.call_args.kwargs) == {"positions", "hidden_states", "residual",
                                                                       "prefix_sum"}
     assert torch.equal(stock.call_args.kwargs["positions"], bf16.batch.positions)
@@ -549,6 +555,107 @@ def test_tp_ranks_reach_the_same_decisions(tmp_path):
     assert r1["fallbacks"] == {"1": "compile failed on rank 1"}
     assert r0["programs"] == r1["programs"] == [[i, B] for i in (0, 2, 3, 4, 5)]
     assert r0["decision"] == r1["decision"] == "pure decode"
+
+
+# ---- pipeline parallelism: two stages of two TP ranks -----------------------------------------------
+def _reference_stage(served: Served, refs: list[KimiDecoderLayer], prefix: torch.Tensor, carried: Any,
+                     context: Any, last: bool) -> Any:
+    """vLLM's KimiLinearModel.forward on one stage, over the bound reference layers: the stage's
+    block buffer (the previous stage's blocks at its front), every layer, then the boundary sum
+    and blocks for the next stage, or the final AttnRes."""
+    attn_res_ops = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module (its package exports the function)
+
+    backbone = served.model.model
+    blocks = prefix.new_empty(prefix.shape[0], backbone.num_attn_res_blocks, prefix.shape[1])
+    if carried is not None:
+        blocks[:, :carried.shape[1]] = carried
+    hidden, prefix, blocks = _reference_layers(served, refs, prefix, blocks, context)
+    if not last:
+        return {"hidden_states": hidden + prefix, "residual": blocks}
+    return attn_res_ops.attn_res(prefix, hidden, blocks, backbone.output_attn_res_norm.weight,
+                                 backbone.output_attn_res_proj.weight.squeeze(0), None,
+                                 num_blocks=backbone.num_attn_res_blocks, block_write_idx=-1,
+                                 eps=backbone.output_attn_res_norm.variance_epsilon, output_norm_eps=0.0)
+
+
+def _pp_worker(rank: int, tp: int, pp: int, init_method: str, out_dir: str) -> None:
+    """One rank of PP x TP: the rewriter's path for its stage (``RewriterDecode.run``, programs on
+    vLLM's caches, the TP all-reduces over vLLM's own group) and the bound reference layers, each
+    chain fed by its own chain's previous stage through vLLM's PP group."""
+    from vllm.config import CUDAGraphMode
+    from vllm.distributed import get_pp_group, get_tp_group
+    from vllm.sequence import IntermediateTensors
+    from vllm_model import attn_res_in_torch
+
+    from rewriter.vllm.model import RewriterDecode
+    from rewriter.vllm.programs import use_tp_group
+
+    model, vc = build_loaded(None, tp=tp, pp=pp, rank=rank, init_method=init_method)
+    stage, group = get_pp_group(), get_tp_group()
+    use_tp_group(group)
+    runner = bind_caches(model, vc)
+    served = Served(None, model, vc, text_config(vc), decoder_layers(model), runner, prepare_decode(runner))
+    rewriter = RewriterDecode(vc)
+    rewriter.programs = build_programs(served.layers, served.cfg, tp=tp, rank=group.rank_in_group, arch=ARCH,
+                                       batches=(B,), compile_fn=_no_compile, group=group.cpu_group, progress=_quiet)
+    _fill_caches(served, seed=11 + stage.rank_in_group)
+    before = _snapshot(served)
+    tokens = torch.tensor([5, 17, 3, 60])
+    positions = served.batch.positions
+    got_in = ref_in = None
+    if not stage.is_first_rank:
+        got_in = IntermediateTensors(stage.recv_tensor_dict())
+        ref_in = stage.recv_tensor_dict()
+    with attn_res_in_torch():
+        with decode_context(vc, served.batch, mode=CUDAGraphMode.FULL) as context:
+            decision = decide_step(B, set(rewriter.programs.batches), True, context).reason
+        with decode_context(vc, served.batch) as context:
+            got = rewriter.run(model, tokens if stage.is_first_rank else None, positions, None, got_in)
+        _restore(served, before)
+        with decode_context(vc, served.batch) as context:
+            first = model.model.embed_input_ids(tokens) if stage.is_first_rank else ref_in["hidden_states"]
+            refs = [bind_layer(layer, served.cfg, layer.layer_idx, tp, group.rank_in_group) for layer in served.layers]
+            want = _reference_stage(served, refs, first, None if stage.is_first_rank else ref_in["residual"],
+                                    context, last=stage.is_last_rank)
+    result = {"stage": stage.rank_in_group, "tp_rank": group.rank_in_group, "decision": decision,
+              "layers": [layer.layer_idx for layer in served.layers], "fallbacks": dict(rewriter.programs.fallbacks)}
+    if stage.is_last_rank:
+        empty = model.model.make_empty_intermediate_tensors(B, torch.bfloat16, torch.device("cpu"))
+        result["received"] = {k: list(v.shape) for k, v in got_in.tensors.items()}
+        result["vllm_expects"] = {k: list(v.shape) for k, v in empty.tensors.items()}
+        result["rel_err"] = {"output": rel_err(got, want)}
+        result["finite"] = bool(torch.isfinite(got).all())
+    else:
+        assert isinstance(got, IntermediateTensors)
+        result["sent"] = {k: list(v.shape) for k, v in got.tensors.items()}
+        result["rel_err"] = {"hidden_states": rel_err(got["hidden_states"], want["hidden_states"]),
+                             "residual": rel_err(got["residual"], want["residual"])}  # stage 0 writes both blocks
+        stage.send_tensor_dict(got.tensors)
+        stage.send_tensor_dict(want)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_of_two_tp_ranks_equal_the_reference_over_all_layers(tmp_path):
+    """PP 2 x TP 2 on four gloo processes of vLLM's real tiny model (6 layers: stage 0 holds
+    layers 0..2, stage 1 layers 3..5): each stage's rewritten step takes the previous stage's
+    intermediate tensors as vLLM sends them (its PP group) and hands on the names and shapes vLLM's
+    next stage expects; the last stage's output equals the reference layers' over all six."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_pp_worker, args=(2, 2, f"file://{tmp_path}/dist-init", str(tmp_path)), nprocs=4, join=True)
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(4)]
+    assert [(r["stage"], r["tp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # vLLM's numbering
+    assert [r["layers"] for r in ranks] == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+    assert all(r["decision"] == "pure decode" for r in ranks)  # every rank of every stage decides alike
+    assert all(r["fallbacks"] == {} for r in ranks)
+    for r in ranks[:2]:  # stage 0 hands on the AttnRes stream and its 2 blocks (layers 0 and 2 wrote them)
+        assert r["sent"] == {"hidden_states": [B, 64], "residual": [B, 2, 64]}
+        assert all(e < TOL for e in r["rel_err"].values()), r["rel_err"]
+    for r in ranks[2:]:  # stage 1 receives what vLLM's make_empty_intermediate_tensors allocates for it
+        assert r["received"] == r["vllm_expects"] == {"hidden_states": [B, 64], "residual": [B, 2, 64]}
+        assert r["finite"] and r["rel_err"]["output"] < TOL, r["rel_err"]
 
 
 # ---- the kernels asked about vLLM's state layout, before any step ------------------------------

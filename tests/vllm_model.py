@@ -15,13 +15,16 @@ manager active only where it is needed:
   lacks;
 - ``fp8_mla_cache_on_cpu`` (only with ``kv_cache_dtype="fp8"``): vLLM's CPU platform has no MLA
   kernel for an fp8 cache and refuses to pick a backend; the layer keeps its fp8 cache
-  dtype, so vLLM still allocates the uint8 cache and ``_k_scale`` a GPU would get.
+  dtype, so vLLM still allocates the uint8 cache and ``_k_scale`` a GPU would get;
+- ``attn_res_in_torch`` (only where the last pipeline stage's final AttnRes runs): vLLM's op is
+  a Triton kernel; its math in torch.
 
 vLLM's stock layer forward cannot run on a CPU (its ops are Triton kernels); the plugin's
 programs and the reference layers can, on vLLM's tensors and caches.
 """
 from __future__ import annotations
 
+import importlib
 import contextlib
 import copy
 import json
@@ -130,28 +133,52 @@ def fp8_mla_cache_on_cpu() -> contextlib.AbstractContextManager:
     return _patched(current_platform, "get_attn_backend_cls", get_attn_backend_cls)
 
 
+def attn_res_in_torch() -> contextlib.AbstractContextManager:
+    """Why: vLLM's ``attn_res`` op (the last stage's final AttnRes) is a Triton kernel. Its math in
+    torch, as the kernel computes it: the delta added to the prefix, the block written, softmax over
+    ``<s, norm * qk> / rms(s)`` of the blocks and the prefix, their mix, and the output RMSNorm only
+    when a weight is given."""
+    module = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module, not the function
+
+    def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks, block_write_idx,
+                 eps, output_norm_eps):
+        p = prefix if delta is None else (prefix.float() + delta.float()).to(prefix.dtype)
+        if block_write_idx >= 0:
+            blocks[:, block_write_idx] = p
+        sources = torch.cat([blocks[:, :num_blocks], p.unsqueeze(1)], 1).float()
+        logits = (sources * (norm_weight.float() * qk_weight.float())).sum(-1)
+        logits = logits * torch.rsqrt(sources.pow(2).mean(-1) + eps)
+        mix = (torch.softmax(logits, -1).unsqueeze(-1) * sources).sum(1)
+        if output_norm_weight is not None:
+            mix = mix * torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + output_norm_eps) * output_norm_weight.float()
+        return mix.to(prefix.dtype)
+
+    return _patched(module, "attn_res", attn_res)
+
+
 def _moe_patch(quant: str | None) -> contextlib.AbstractContextManager:
     return {None: unquantized_moe_triton, "mxfp4": mxfp4_moe_backend_none}[quant]()
 
 
 # ---- build and load ---------------------------------------------------------------------
-def init_distributed(tp: int = 1, rank: int = 0, init_method: str | None = None) -> None:
-    """vLLM's own gloo world (once per process) and its TP group."""
+def init_distributed(tp: int = 1, rank: int = 0, init_method: str | None = None, pp: int = 1) -> None:
+    """vLLM's own gloo world of ``tp x pp`` processes (once per process) and its TP and PP groups
+    (rank = stage x tp + TP rank, as vLLM numbers them)."""
     from vllm.distributed import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
-        assert ps.get_tensor_model_parallel_world_size() == tp
+        assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pp_group().world_size == pp
         return
     if init_method is None:
-        assert tp == 1, "TP > 1 needs one process per rank and a shared init_method"
+        assert tp * pp == 1, "TP or PP > 1 needs one process per rank and a shared init_method"
         init_method = f"file://{tempfile.mkdtemp(prefix='k3-vllm-dist-')}/init"
-    ps.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, distributed_init_method=init_method,
-                                    backend="gloo")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.init_distributed_environment(world_size=tp * pp, rank=rank, local_rank=rank,
+                                    distributed_init_method=init_method, backend="gloo")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
 def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None = None,
-                     kv_cache_dtype: str = "auto") -> VllmConfig:
+                     kv_cache_dtype: str = "auto", pp: int = 1) -> VllmConfig:
     """A fresh VllmConfig per model (vLLM registers every attention layer's name in it) for a folder
     holding only a ``config.json``; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
@@ -169,7 +196,7 @@ def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None 
         model_config=model,
         # prefix caching would switch mamba_cache_mode to "align", whose state-index gather is Triton
         cache_config=CacheConfig(mamba_cache_mode="none", enable_prefix_caching=False, cache_dtype=kv_cache_dtype),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
                                          is_encoder_decoder=False),
         device_config=DeviceConfig(device="cpu"),
@@ -253,18 +280,20 @@ def make_checkpoint(cfg: dict, quant: str | None, seed: int = 0) -> dict[str, to
 
 
 def build_loaded(quant: str | None = None, *, tp: int = 1, rank: int = 0, init_method: str | None = None,
-                 seed: int = 0, config: dict | None = None, kv_cache_dtype: str = "auto"
+                 seed: int = 0, config: dict | None = None, kv_cache_dtype: str = "auto", pp: int = 1
                  ) -> tuple[torch.nn.Module, VllmConfig]:
     """vLLM's KimiLinearForCausalLM for the tiny config (or ``config``), built as its loader builds
     it, a random checkpoint loaded through its own ``load_weights``, then vLLM's post-load step.
-    ``quant``: None (bf16 experts) or ``"mxfp4"``; ``kv_cache_dtype``: ``--kv-cache-dtype``."""
+    ``quant``: None (bf16 experts) or ``"mxfp4"``; ``kv_cache_dtype``: ``--kv-cache-dtype``; with
+    ``pp`` > 1 the stage of ``rank`` holds its own layers only (vLLM's ``PPMissingLayer`` for the
+    others, which its ``load_weights`` skips)."""
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = config or TINY_VLLM_CONFIG
-    vc = make_vllm_config(quant, tp, config, kv_cache_dtype)
+    vc = make_vllm_config(quant, tp, config, kv_cache_dtype, pp)
     with set_current_vllm_config(vc):
-        init_distributed(tp, rank, init_method)
+        init_distributed(tp, rank, init_method, pp)
         fp8 = fp8_mla_cache_on_cpu() if kv_cache_dtype.startswith("fp8") else contextlib.nullcontext()
         with no_cuda_streams(), _moe_patch(quant), fp8, set_default_torch_dtype(vc.model_config.dtype), \
                 torch.device("cpu"):

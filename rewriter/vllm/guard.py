@@ -4,8 +4,8 @@
   error listing every reason at once (vLLM's own check stops at the first).
 - ``decide_step``: per forward, whether this step takes the rewritten path. Only pure
   decode steps of a built batch size that are being captured as FULL CUDA graphs do; the
-  decision is made from the forward context alone, so every TP rank makes the same one,
-  and it is baked into the captured graph.
+  decision is made from the forward context alone, so every TP rank of every pipeline stage
+  makes the same one, and it is baked into the captured graph.
 ``StepLog`` counts the steps each path took, with their reasons, and logs a summary at
 shutdown. With FULL CUDA graphs vLLM replays graphs without calling ``forward``, so the
 counts are of forward calls: captures plus the steps that run outside FULL graphs.
@@ -62,8 +62,6 @@ def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = N
         reasons.append("no CUDA GPU")
     elif arch_of(capability) is None:
         reasons.append(f"this GPU (sm_{capability[0]}{capability[1]}; supported: sm_90, sm_100, sm_103)")
-    if par.pipeline_parallel_size != 1:
-        reasons.append(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size})")
     if par.enable_expert_parallel:
         reasons.append("expert parallelism (--enable-expert-parallel)")
     if getattr(par, "use_ubatching", False):

@@ -9,7 +9,10 @@ With ``auto`` it is vLLM's class unchanged. With ``latency_specialized`` it
 - builds its programs once the weights are loaded (in the V2 runner's model state), and checks
   them against the KV cache and KDA state once vLLM binds them;
 - routes each forward: pure decode steps of a built batch size being captured as FULL
-  CUDA graphs run the programs, every other step runs vLLM's stock forward.
+  CUDA graphs run the programs, every other step runs vLLM's stock forward;
+- with pipeline parallelism, each stage builds programs for its own layers and runs its part
+  of the step: it takes the previous stage's ``IntermediateTensors`` and hands its own on
+  (``runtime.run_stage``), the first stage embeds, the last applies the final AttnRes.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from rewriter.vllm.guard import KV_CACHE_DTYPES, StepDecision, StepLog, arch_of,
 from rewriter.vllm.experts import select_moe_backend
 from rewriter.vllm.knob import REWRITER, decode_backend
 from rewriter.vllm.programs import (ProgramSet, build_programs, check_cache_layouts, compile_with_codegen,
-                                    served_batches)
-from rewriter.vllm.runtime import run_layers
+                                    served_batches, use_tp_group)
+from rewriter.vllm.runtime import run_stage
 
 log = logging.getLogger("rewriter.vllm")
 
@@ -59,6 +62,7 @@ class RewriterDecode:
 
         cfg = KimiK3Config.from_dict(self.vllm_config.model_config.hf_text_config.to_dict(), name="served model")
         group = get_tp_group()
+        use_tp_group(group)
         backbone = model.model
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         capture = self.vllm_config.compilation_config.cudagraph_capture_sizes or ()
@@ -96,19 +100,19 @@ class RewriterDecode:
         return decide_step(num_tokens, set(self.programs.batches), capturing, context)
 
     def run(self, model: "RewrittenKimiLinearForCausalLM", input_ids: torch.Tensor | None,
-            positions: torch.Tensor, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+            positions: torch.Tensor, inputs_embeds: torch.Tensor | None, intermediate_tensors: Any = None) -> Any:
+        """This pipeline stage's part of the step: the final hidden state on the last stage, the
+        ``IntermediateTensors`` vLLM sends to the next stage on the others."""
+        from vllm.distributed import get_pp_group
         from vllm.forward_context import get_forward_context
-        from vllm.models.kimi_k3.nvidia.ops.attn_res import attn_res
 
         backbone = model.model
-        x = inputs_embeds if inputs_embeds is not None else backbone.embed_input_ids(input_ids)
-        layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
-        hidden, prefix, blocks = run_layers(layers, self.programs, positions, x, backbone.num_attn_res_blocks,
-                                            get_forward_context())
-        return attn_res(prefix, hidden, blocks, backbone.output_attn_res_norm.weight,
-                        backbone.output_attn_res_proj.weight.squeeze(0), None,
-                        num_blocks=backbone.num_attn_res_blocks, block_write_idx=-1,
-                        eps=backbone.output_attn_res_norm.variance_epsilon, output_norm_eps=0.0)
+        pp = get_pp_group()
+        embeddings = None
+        if pp.is_first_rank:
+            embeddings = inputs_embeds if inputs_embeds is not None else backbone.embed_input_ids(input_ids)
+        return run_stage(backbone, self.programs, positions, embeddings, None if pp.is_first_rank else
+                         intermediate_tensors, get_forward_context(), last=pp.is_last_rank)
 
 
 class RewrittenKimiLinearForCausalLM(KimiLinearForCausalLM):
@@ -136,11 +140,11 @@ class RewrittenKimiLinearForCausalLM(KimiLinearForCausalLM):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: Any) -> Any:
         rewriter = self.rewriter
-        if rewriter is not None and intermediate_tensors is None:
+        if rewriter is not None:
             decision = rewriter.decide(positions.shape[0])
             rewriter.steps.record(decision)
             if decision.rewritten:
-                return rewriter.run(self, input_ids, positions, inputs_embeds)
+                return rewriter.run(self, input_ids, positions, inputs_embeds, intermediate_tensors)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
 
 

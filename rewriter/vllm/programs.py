@@ -44,6 +44,15 @@ class ProgramError(Exception):
     """Why one layer's program cannot be built; that layer keeps the stock forward."""
 
 
+def use_tp_group(group: Any) -> None:
+    """vLLM's TP group (its ``GroupCoordinator``) as the programs' ``"tp"`` process group, so the
+    all-reduces and gathers inside a layer's program run over vLLM's own device group (one per
+    pipeline stage: its TP ranks)."""
+    from rewriter.ops import register_group
+
+    register_group("tp", group.device_group)
+
+
 def served_batches(capture_sizes: Iterable[int] = ()) -> tuple[int, ...]:
     """1..8, 16, 32, 64 and vLLM's CUDA graph capture sizes up to 64."""
     return tuple(sorted({*SERVED_BATCHES, *(s for s in capture_sizes if 1 <= s <= 64)}))

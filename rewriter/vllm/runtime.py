@@ -1,12 +1,19 @@
-"""One rewritten decode step over vLLM's backbone: the layer loop, with per-layer fallback.
+"""One rewritten decode step over vLLM's backbone: the layer loop, with per-layer fallback, on
+one pipeline stage.
 
-The loop mirrors vLLM's ``KimiLinearModel.forward`` for AttnRes models (embedding as the
-first prefix sum, a fresh block buffer, then every layer, then the final AttnRes). Each
-layer runs its program for this batch size if it has one, else vLLM's own layer forward;
-both take and return (hidden, prefix sum, blocks), so they mix freely.
+The loop mirrors vLLM's ``KimiLinearModel.forward`` for AttnRes models: the first stage takes
+the embeddings as the first prefix sum and a fresh block buffer; a later stage takes the
+previous stage's ``IntermediateTensors`` (``hidden_states``: the AttnRes stream at the
+boundary, the prefix sum with the last layer's pending output added; ``residual``: the blocks
+written so far, ``cdiv(start_layer, block_size)`` of them) into a buffer of its own
+``cdiv(end_layer, block_size)`` blocks. Then every layer of the stage, each by its program for
+this batch size if it has one, else vLLM's own layer forward (both take and return (hidden,
+prefix sum, blocks), so they mix freely); then a stage that is not the last hands the same
+two tensors on, and the last applies the final AttnRes.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -16,12 +23,11 @@ from rewriter.vllm.programs import ProgramSet
 from rewriter.vllm.state import state_inputs
 
 
-def run_layers(layers: list[nn.Module], programs: ProgramSet, positions: torch.Tensor, embeddings: torch.Tensor,
-               num_blocks: int, context: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(last MLP output, prefix sum, blocks) after every layer, each by program or stock."""
-    tokens = embeddings.shape[0]
-    prefix = embeddings
-    blocks = embeddings.new_empty(tokens, num_blocks, embeddings.shape[1])
+def run_layers(layers: list[nn.Module], programs: ProgramSet, positions: torch.Tensor, prefix: torch.Tensor,
+               blocks: torch.Tensor, context: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(last MLP output, prefix sum, blocks) after every layer, each by program or stock, from
+    the stage's first prefix sum and its block buffer."""
+    tokens = prefix.shape[0]
     hidden = None
     for i, layer in enumerate(layers):
         program = programs.get(getattr(layer, "layer_idx", i), tokens)
@@ -33,3 +39,36 @@ def run_layers(layers: list[nn.Module], programs: ProgramSet, positions: torch.T
                       *state_inputs(layer, context, tokens))
             hidden, prefix, blocks = program(*inputs)
     return hidden, prefix, blocks
+
+
+def stage_inputs(backbone: nn.Module, embeddings: torch.Tensor | None, intermediate: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first prefix sum, block buffer) of this stage: from the embeddings on the first stage,
+    else from the previous stage's intermediate tensors (their blocks copied to the front)."""
+    if intermediate is None:
+        prefix = embeddings
+        return prefix, prefix.new_empty(prefix.shape[0], backbone.num_attn_res_blocks, prefix.shape[1])
+    prefix, carried = intermediate["hidden_states"], intermediate["residual"]
+    blocks = prefix.new_empty(prefix.shape[0], backbone.num_attn_res_blocks, prefix.shape[1])
+    blocks[:, :carried.shape[1]].copy_(carried)
+    return prefix, blocks
+
+
+def run_stage(backbone: nn.Module, programs: ProgramSet, positions: torch.Tensor, embeddings: torch.Tensor | None,
+              intermediate: Any, context: Any, last: bool) -> Any:
+    """This stage's part of a decode step (``embeddings`` on the first stage, ``intermediate``
+    on the others): the final hidden state on the last stage, else vLLM's ``IntermediateTensors``
+    for the next one."""
+    layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
+    prefix, blocks = stage_inputs(backbone, embeddings, intermediate)
+    hidden, prefix, blocks = run_layers(layers, programs, positions, prefix, blocks, context)
+    if not last:
+        from vllm.sequence import IntermediateTensors
+
+        return IntermediateTensors({"hidden_states": hidden + prefix, "residual": blocks})
+    attn_res_ops = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module (its package exports the function)
+
+    return attn_res_ops.attn_res(prefix, hidden, blocks, backbone.output_attn_res_norm.weight,
+                                 backbone.output_attn_res_proj.weight.squeeze(0), None,
+                                 num_blocks=backbone.num_attn_res_blocks, block_write_idx=-1,
+                                 eps=backbone.output_attn_res_norm.variance_epsilon, output_norm_eps=0.0)
