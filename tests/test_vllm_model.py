@@ -658,6 +658,37 @@ def test_two_pipeline_stages_of_two_tp_ranks_equal_the_reference_over_all_layers
         assert r["finite"] and r["rel_err"]["output"] < TOL, r["rel_err"]
 
 
+# ---- speculative decoding configured: refused at startup, and no program reads its conv rows ----------
+def test_speculative_decoding_is_refused_and_its_conv_rows_are_never_read_as_one_token_state():
+    """vLLM's real model with 3 speculative tokens a step: vLLM keeps 3 + 3 conv rows per KDA slot
+    (its SD layout, read from vLLM's own flag, not guessed from the shape) and every decode step is
+    a verify step. Startup names speculative decoding among the refusals; a program built anyway is
+    dropped once the caches are bound, naming the rows, so no one-token program reads them."""
+    from rewriter.vllm.guard import deployment_refusals
+    from rewriter.vllm.programs import check_cache_layouts
+    from rewriter.vllm.state import cache_tensors
+
+    model, vc = build_loaded(None, speculative_tokens=3)
+    layers, cfg = decoder_layers(model), text_config(vc)
+    assert any(r.startswith("speculative decoding (ngram, 3 tokens)") for r in deployment_refusals(vc, (9, 0)))
+    programs = build_programs(layers, cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=_no_compile,
+                              progress=_quiet)
+    bind_caches(model, vc)
+    kda = [layer for layer in layers if _is_kda(layer)]
+    raw = kda[0].self_attn.kv_cache[0]
+    conv = cache_tensors(kda[0])["conv_state"]
+    assert raw.shape[1:] == (6, conv.shape[1]) and conv.shape[2] == 6  # vLLM's [slots, rows, C] -> [slots, C, rows]
+    check_cache_layouts(programs, layers, ARCH)
+    for layer in kda:
+        assert programs.fallbacks[layer.layer_idx] == ("vLLM keeps 6 conv state rows per slot (3 + 3 speculative "
+                                                       "tokens): the programs serve one-token decode steps; "
+                                                       "speculative verify steps have none yet")
+        assert programs.get(layer.layer_idx, B) is None
+    for layer in layers:  # the MLA layers keep no conv state (the tiny model's shapes are refused by other templates)
+        if not _is_kda(layer):
+            assert "conv state rows" not in programs.fallbacks.get(layer.layer_idx, ""), layer.layer_idx
+
+
 # ---- the kernels asked about vLLM's state layout, before any step ------------------------------
 def test_vllms_state_layout_is_taken_and_one_the_kernels_cannot_read_is_refused_when_bound():
     """At the smallest sizes the KDA+MoE templates take, vLLM's real model with bf16 experts: once

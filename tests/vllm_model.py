@@ -178,9 +178,12 @@ def init_distributed(tp: int = 1, rank: int = 0, init_method: str | None = None,
 
 
 def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None = None,
-                     kv_cache_dtype: str = "auto", pp: int = 1) -> VllmConfig:
+                     kv_cache_dtype: str = "auto", pp: int = 1, speculative_tokens: int = 0) -> VllmConfig:
     """A fresh VllmConfig per model (vLLM registers every attention layer's name in it) for a folder
-    holding only a ``config.json``; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
+    holding only a ``config.json``; ``kv_cache_dtype`` as ``--kv-cache-dtype``; ``speculative_tokens``
+    > 0: vLLM's speculative config with that many tokens drafted per step, by n-gram lookup (no draft
+    model to load on a CPU; the target's caches and metadata are the same whichever method drafts,
+    DSpark on a GPU)."""
     from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig)
 
@@ -192,11 +195,19 @@ def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None 
         json.dump(raw, f)
     model = ModelConfig(model=folder, tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
                         enforce_eager=True, max_model_len=MAX_MODEL_LEN)
+    spec = None
+    parallel = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    if speculative_tokens:
+        from vllm.config import SpeculativeConfig
+
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=speculative_tokens, prompt_lookup_max=3,
+                                 prompt_lookup_min=1, target_model_config=model, target_parallel_config=parallel)
     return VllmConfig(
         model_config=model,
+        speculative_config=spec,
         # prefix caching would switch mamba_cache_mode to "align", whose state-index gather is Triton
         cache_config=CacheConfig(mamba_cache_mode="none", enable_prefix_caching=False, cache_dtype=kv_cache_dtype),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        parallel_config=parallel,
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN,
                                          is_encoder_decoder=False),
         device_config=DeviceConfig(device="cpu"),
@@ -280,8 +291,8 @@ def make_checkpoint(cfg: dict, quant: str | None, seed: int = 0) -> dict[str, to
 
 
 def build_loaded(quant: str | None = None, *, tp: int = 1, rank: int = 0, init_method: str | None = None,
-                 seed: int = 0, config: dict | None = None, kv_cache_dtype: str = "auto", pp: int = 1
-                 ) -> tuple[torch.nn.Module, VllmConfig]:
+                 seed: int = 0, config: dict | None = None, kv_cache_dtype: str = "auto", pp: int = 1,
+                 speculative_tokens: int = 0) -> tuple[torch.nn.Module, VllmConfig]:
     """vLLM's KimiLinearForCausalLM for the tiny config (or ``config``), built as its loader builds
     it, a random checkpoint loaded through its own ``load_weights``, then vLLM's post-load step.
     ``quant``: None (bf16 experts) or ``"mxfp4"``; ``kv_cache_dtype``: ``--kv-cache-dtype``; with
@@ -291,7 +302,7 @@ def build_loaded(quant: str | None = None, *, tp: int = 1, rank: int = 0, init_m
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = config or TINY_VLLM_CONFIG
-    vc = make_vllm_config(quant, tp, config, kv_cache_dtype, pp)
+    vc = make_vllm_config(quant, tp, config, kv_cache_dtype, pp, speculative_tokens)
     with set_current_vllm_config(vc):
         init_distributed(tp, rank, init_method, pp)
         fp8 = fp8_mla_cache_on_cpu() if kv_cache_dtype.startswith("fp8") else contextlib.nullcontext()

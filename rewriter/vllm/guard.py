@@ -66,6 +66,10 @@ def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = N
         reasons.append("expert parallelism (--enable-expert-parallel)")
     if getattr(par, "use_ubatching", False):
         reasons.append("dual-batch overlap (DBO)")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and getattr(spec, "num_speculative_tokens", 0):
+        reasons.append(f"speculative decoding ({getattr(spec, 'method', None)}, {spec.num_speculative_tokens} "
+                       "tokens): every decode step is then a verify step, which has no programs yet")
     if getattr(par, "decode_context_parallel_size", 1) != 1:
         reasons.append(f"decode context parallelism ({par.decode_context_parallel_size})")
     if vllm_config.lora_config is not None:

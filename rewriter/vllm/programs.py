@@ -250,6 +250,13 @@ def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch
     for i, layer in enumerate(vllm_layers):
         idx = getattr(layer, "layer_idx", i)
         states = cache_tensors(layer)
+        rows = speculative_conv_rows(layer, states)
+        if rows:
+            programs.fallbacks[idx] = rows
+            for batch in programs.batches:
+                programs.programs.pop((idx, batch), None)
+            log.warning("rewriter: layer %d keeps the stock forward: %s", idx, rows)
+            continue
         layout = tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in sorted(states.items()))
         for b in programs.batches:
             program = programs.get(idx, b)
@@ -266,6 +273,18 @@ def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch
                 log.warning("rewriter: layer %d keeps the stock forward: %s", idx, reason)
                 break
     agree_across_ranks(programs, [getattr(m, "layer_idx", i) for i, m in enumerate(vllm_layers)], group)
+
+
+def speculative_conv_rows(vllm_layer: nn.Module, states: dict[str, torch.Tensor]) -> str | None:
+    """Why a KDA layer's programs cannot serve this conv state: vLLM keeps ``K - 1 + k`` rows per
+    slot when it verifies ``k`` speculative tokens a step, and the programs serve one-token steps
+    over ``K - 1`` (None: they can)."""
+    conv = states.get("conv_state")
+    width = getattr(vllm_layer.self_attn, "conv_size", None)
+    if conv is None or width is None or conv.shape[-1] == width - 1:
+        return None
+    return (f"vLLM keeps {conv.shape[-1]} conv state rows per slot ({width - 1} + {conv.shape[-1] - width + 1} "
+            "speculative tokens): the programs serve one-token decode steps; speculative verify steps have none yet")
 
 
 def agree_across_ranks(programs: ProgramSet, layer_ids: list[int], group: Any) -> None:

@@ -16,14 +16,17 @@ def layer_name(attention: nn.Module) -> str | None:
 
 def cache_tensors(vllm_layer: nn.Module) -> dict[str, torch.Tensor]:
     """The layer's KV cache / KDA state as vLLM bound it, as views under the names of the
-    reference layer's inputs: KDA ``conv_state`` [slots, C, K-1] (a transposed view when vLLM
-    keeps it width-major, its default) and ``recurrent_state`` [slots, H, V, K]; MLA
+    reference layer's inputs: KDA ``conv_state`` [slots, C, rows] (a transposed view in vLLM's
+    default "SD" layout, read from vLLM's own flag: rows are K - 1, or K - 1 + k with k
+    speculative tokens, so the shape cannot tell) and ``recurrent_state`` [slots, H, V, K]; MLA
     ``kv_cache`` [blocks, block_size, 576] (bf16, or fp8 as uint8) and ``kv_scale`` (its
     ``_k_scale``, a [1] view). Slots are vLLM's pages: not contiguous across slots."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
     attention = vllm_layer.self_attn
     if hasattr(attention, "conv_size"):
         conv, recurrent = attention.kv_cache[:2]
-        if conv.shape[-1] != attention.conv_size - 1:  # vLLM may keep the conv state width-major
+        if not is_conv_state_dim_first():  # "SD", vLLM's default: [rows, C] per slot
             conv = conv.transpose(-1, -2)
         return {"conv_state": conv, "recurrent_state": recurrent}
     scale = getattr(attention, "_k_scale", None)
