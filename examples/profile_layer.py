@@ -6,8 +6,10 @@ against ``python -m rewriter bench``'s figure tells what the overlap gains.
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,\\
         dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,\\
         sm__warps_active.avg.pct_of_peak_sustained_active \\
-        python3 examples/profile_layer.py --layer 3 --tp 16 --batch 1 8
-    python3 examples/profile_layer.py --summarize ncu.csv      # a table per call from that CSV
+        python3 examples/profile_layer.py --layer 3 --tp 16 --batch 1 > ncu.csv
+    python3 examples/profile_layer.py --summarize ncu.csv      # the call's kernels, in launch order
+
+(Several ``--batch`` values profile one call each, listed one after the other.)
 
 Needs CUDA and the cutedsl extra. Collectives are excluded as in ``bench``.
 """
@@ -41,12 +43,10 @@ def profile(args: argparse.Namespace) -> None:
             for _ in range(3):  # compile or load, then warm
                 run_one()
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(f"layer{args.layer}_tp{args.tp}_b{batch}")
-            torch.cuda.cudart().cudaProfilerStart()
+            torch.cuda.cudart().cudaProfilerStart()  # ncu --profile-from-start off: this call alone
             run_one()
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStop()
-            torch.cuda.nvtx.range_pop()
             print(f"profiled layer {args.layer} TP {args.tp} batch {batch}", file=sys.stderr, flush=True)
             del case, run_one
             torch.cuda.empty_cache()

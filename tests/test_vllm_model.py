@@ -563,7 +563,7 @@ def _reference_stage(served: Served, refs: list[KimiDecoderLayer], prefix: torch
     """vLLM's KimiLinearModel.forward on one stage, over the bound reference layers: the stage's
     block buffer (the previous stage's blocks at its front), every layer, then the boundary sum
     and blocks for the next stage, or the final AttnRes."""
-    attn_res_ops = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module (its package exports the function)
+    attn_res_ops = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module, not the function
 
     backbone = served.model.model
     blocks = prefix.new_empty(prefix.shape[0], backbone.num_attn_res_blocks, prefix.shape[1])

@@ -135,23 +135,16 @@ def fp8_mla_cache_on_cpu() -> contextlib.AbstractContextManager:
 
 def attn_res_in_torch() -> contextlib.AbstractContextManager:
     """Why: vLLM's ``attn_res`` op (the last stage's final AttnRes) is a Triton kernel. Its math in
-    torch, as the kernel computes it: the delta added to the prefix, the block written, softmax over
-    ``<s, norm * qk> / rms(s)`` of the blocks and the prefix, their mix, and the output RMSNorm only
-    when a weight is given."""
+    torch: the reference layers' ``attn_res`` (``rewriter/layers/attn_res.py``), with the block
+    write done in place as vLLM's op does it."""
+    from rewriter.layers.attn_res import attn_res as reference
+
     module = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module, not the function
 
-    def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks, block_write_idx,
-                 eps, output_norm_eps):
-        p = prefix if delta is None else (prefix.float() + delta.float()).to(prefix.dtype)
-        if block_write_idx >= 0:
-            blocks[:, block_write_idx] = p
-        sources = torch.cat([blocks[:, :num_blocks], p.unsqueeze(1)], 1).float()
-        logits = (sources * (norm_weight.float() * qk_weight.float())).sum(-1)
-        logits = logits * torch.rsqrt(sources.pow(2).mean(-1) + eps)
-        mix = (torch.softmax(logits, -1).unsqueeze(-1) * sources).sum(1)
-        if output_norm_weight is not None:
-            mix = mix * torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + output_norm_eps) * output_norm_weight.float()
-        return mix.to(prefix.dtype)
+    def attn_res(prefix, delta, blocks, *args, **kwargs):
+        out, _, written = reference(prefix, delta, blocks, *args, **kwargs)
+        blocks.copy_(written)
+        return out
 
     return _patched(module, "attn_res", attn_res)
 

@@ -35,8 +35,8 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import gated_act
-from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, cluster_barrier, cluster_sum, load_scales,
-                                   load_weights, tile_mma, warp_registers)
+from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, cluster_barrier, cluster_sum,
+                                   load_scales, load_weights, tile_mma, warp_registers)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once

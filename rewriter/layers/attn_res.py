@@ -17,7 +17,7 @@ def attn_res(
     blocks: Tensor,
     norm_weight: Tensor,
     qk_weight: Tensor,
-    output_norm_weight: Tensor,
+    output_norm_weight: Tensor | None,
     num_blocks: int,
     block_write_idx: int,
     eps: float,
@@ -30,7 +30,8 @@ def attn_res(
     finished block outputs. When ``block_write_idx >= 0`` the updated prefix is stored
     as block ``block_write_idx``. Each source s gets the logit
     ``<s, norm_weight * qk_weight> / rms(s)``; the sources are averaged with the
-    softmax of those logits, and the mix is normalized with ``output_norm_weight``.
+    softmax of those logits, and the mix is normalized with ``output_norm_weight`` (None: not
+    normalized, as vLLM's op does for the model's final AttnRes).
     Returns (normalized mix [T, D], updated prefix, updated blocks).
     """
     if delta is not None:
@@ -42,5 +43,7 @@ def attn_res(
     query = norm_weight.float() * qk_weight.float()  # [D]
     logits = (sources * query).sum(-1) * inv_rms
     mix = (torch.softmax(logits, dim=-1).unsqueeze(-1) * sources).sum(1)  # [T, D]
+    if output_norm_weight is None:
+        return mix.type_as(prefix), prefix, blocks
     mix = mix * torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + output_norm_eps)
     return (mix * output_norm_weight.float()).type_as(prefix), prefix, blocks

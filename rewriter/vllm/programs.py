@@ -2,9 +2,9 @@
 
 For each layer of the loaded vLLM backbone: bind vLLM's parameter tensors to a reference
 layer by name (no copies; routed experts in the format vLLM's MoE backend left them), trace
-it, rewrite it and compile its kernels for every batch size served. A layer whose program cannot be built (a parameter that is not what the
-kernels take, a missing kernel, a compile failure) keeps vLLM's stock forward, with the
-reason logged. Then every TP rank adopts the union of all ranks' fallbacks, so all ranks
+it, rewrite it and compile its kernels for every batch size served. A layer whose program
+cannot be built (a parameter that is not what the kernels take, a missing kernel, a compile
+failure) keeps vLLM's stock forward, with the reason logged. Then every TP rank adopts the union of all ranks' fallbacks, so all ranks
 take the same path before any program's collective runs.
 
 Graphs depend only on a layer's structure (attention kind, dense or MoE, its AttnRes
@@ -252,10 +252,7 @@ def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch
         states = cache_tensors(layer)
         rows = speculative_conv_rows(layer, states)
         if rows:
-            programs.fallbacks[idx] = rows
-            for batch in programs.batches:
-                programs.programs.pop((idx, batch), None)
-            log.warning("rewriter: layer %d keeps the stock forward: %s", idx, rows)
+            _keep_stock(programs, idx, rows)
             continue
         layout = tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in sorted(states.items()))
         for b in programs.batches:
@@ -266,13 +263,17 @@ def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch
             if key not in checked:
                 checked[key] = program.state_refusal(states, arch)
             if checked[key]:
-                reason = f"the state as vLLM lays it out: {checked[key]}"
-                programs.fallbacks[idx] = reason
-                for batch in programs.batches:
-                    programs.programs.pop((idx, batch), None)
-                log.warning("rewriter: layer %d keeps the stock forward: %s", idx, reason)
+                _keep_stock(programs, idx, f"the state as vLLM lays it out: {checked[key]}")
                 break
     agree_across_ranks(programs, [getattr(m, "layer_idx", i) for i, m in enumerate(vllm_layers)], group)
+
+
+def _keep_stock(programs: ProgramSet, idx: int, reason: str) -> None:
+    """Layer ``idx`` drops its programs for every batch and keeps vLLM's stock forward, the reason logged."""
+    programs.fallbacks[idx] = reason
+    for batch in programs.batches:
+        programs.programs.pop((idx, batch), None)
+    log.warning("rewriter: layer %d keeps the stock forward: %s", idx, reason)
 
 
 def speculative_conv_rows(vllm_layer: nn.Module, states: dict[str, torch.Tensor]) -> str | None:

@@ -45,12 +45,11 @@ def stage_inputs(backbone: nn.Module, embeddings: torch.Tensor | None, intermedi
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(first prefix sum, block buffer) of this stage: from the embeddings on the first stage,
     else from the previous stage's intermediate tensors (their blocks copied to the front)."""
-    if intermediate is None:
-        prefix = embeddings
-        return prefix, prefix.new_empty(prefix.shape[0], backbone.num_attn_res_blocks, prefix.shape[1])
-    prefix, carried = intermediate["hidden_states"], intermediate["residual"]
+    prefix = embeddings if intermediate is None else intermediate["hidden_states"]
     blocks = prefix.new_empty(prefix.shape[0], backbone.num_attn_res_blocks, prefix.shape[1])
-    blocks[:, :carried.shape[1]].copy_(carried)
+    if intermediate is not None:
+        carried = intermediate["residual"]
+        blocks[:, :carried.shape[1]].copy_(carried)
     return prefix, blocks
 
 
@@ -66,8 +65,8 @@ def run_stage(backbone: nn.Module, programs: ProgramSet, positions: torch.Tensor
         from vllm.sequence import IntermediateTensors
 
         return IntermediateTensors({"hidden_states": hidden + prefix, "residual": blocks})
-    attn_res_ops = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module (its package exports the function)
-
+    # the module, looked up at call time (its package exports the function under the same name)
+    attn_res_ops = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")
     return attn_res_ops.attn_res(prefix, hidden, blocks, backbone.output_attn_res_norm.weight,
                                  backbone.output_attn_res_proj.weight.squeeze(0), None,
                                  num_blocks=backbone.num_attn_res_blocks, block_write_idx=-1,
