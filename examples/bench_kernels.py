@@ -162,14 +162,14 @@ def bench_o_proj(tp: int) -> None:
 
 
 def bench_latent_tail() -> None:
-    """The latent tail (``k3f::latent_tail``: norm, up projection, shared add; not sharded): GEMV and GEMM."""
+    """The latent tail (``k3f::latent_tail``: norm, up projection, shared add) at TP 1, all rows: GEMV and GEMM."""
     from codegen.launchers import latent_tail
 
     lat = 3584
 
     def make_args(t, w):
         return (torch.randn(t, lat, device="cuda").bfloat16(), torch.randn(t, D, device="cuda").bfloat16(),
-                torch.randn(lat, device="cuda").bfloat16(), w, lat, D, "tp", 1, 1e-5)
+                torch.randn(lat, device="cuda").bfloat16(), w, lat, D, "tp", 1, 1e-5, 0)
 
     def call(fn, spec, args, w):
         latent_tail.TEMPLATE.launch((fn,), (spec,), (*args[:3], w, *args[4:]))

@@ -8,15 +8,19 @@ an auxiliary stream, and the latent tail.
   at one token, the tensor-core GEMM from 2); it reads nothing of the routed branch, so it
   runs on the aux stream beside it;
 - ``latent_tail``: one cross-GPU reduction of [latent | shared] partials, then
-  ``routed_expert_norm``, ``routed_expert_up_proj`` and the shared add.
+  ``routed_expert_norm``, ``routed_expert_up_proj`` and the shared add. vLLM replicates the up
+  projection (51 MB read on every rank); here each rank computes its 1/TP of the hidden rows
+  (and adds its columns of the shared sum) and the shares are gathered, as the router does.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from rewriter import ops  # gather_last_dim looked up at call time (tests mock it)
+from rewriter.layers.common import rms_norm
 from rewriter.layers.moe import experts_down, experts_up, latent_tail, shared_experts_down, shared_experts_up
-from rewriter.rules import Rule, RuleContext, common_guard, fused_op, token_range_guard
+from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, token_range_guard
 
 SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
 
@@ -43,11 +47,21 @@ def shared_experts_op(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, be
     return shared_experts_down(shared_experts_up(x, gate_up_weight, beta=beta, linear_beta=linear_beta), down_weight)
 
 
-@fused_op("latent_tail")
+def _latent_tail_fake(routed: Tensor, shared: Tensor, norm_weight: Tensor, up_weight: Tensor, latent: int,
+                      hidden: int, group: str, tp: int, eps: float, rank: int) -> Tensor:
+    return shared.new_empty(shared.shape[0], hidden)
+
+
+@fused_op("latent_tail", fake=_latent_tail_fake)
 def latent_tail_op(routed: Tensor, shared: Tensor, norm_weight: Tensor, up_weight: Tensor, latent: int, hidden: int,
-                   group: str, tp: int, eps: float) -> Tensor:
-    return latent_tail(routed, shared, norm_weight, up_weight, latent=latent, hidden=hidden, group=group, tp=tp,
-                       eps=eps)
+                   group: str, tp: int, eps: float, rank: int) -> Tensor:
+    """The all-reduce of [routed | shared] partials, then rank ``rank``'s rows [rank/tp, (rank+1)/tp)
+    of the up projection plus its columns of the shared sum; the ranks' shares gathered."""
+    reduced = torch.ops.k3.all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
+    routed, shared = reduced.split([latent, hidden], dim=-1)
+    rows = up_weight.chunk(tp)[rank]
+    part = shared[:, rank * rows.shape[0]:(rank + 1) * rows.shape[0]]
+    return ops.gather_last_dim(torch.nn.functional.linear(rms_norm(routed, norm_weight, eps), rows) + part, group, tp)
 
 
 def _routed_variants(ctx: RuleContext):
@@ -103,15 +117,24 @@ def _tail_variants(ctx: RuleContext):
     if moe is None:
         return []
     c = dict(latent=moe.latent, hidden=moe.hidden, group=moe.tp_group, tp=moe.tp, eps=moe.eps)
+    rank = ctx.layer.rank
 
     def pattern(routed, shared, norm_weight, up_weight):
         return latent_tail(routed, shared, norm_weight, up_weight, **c)
 
     def replacement(routed, shared, norm_weight, up_weight):
         return torch.ops.k3f.latent_tail(routed, shared, norm_weight, up_weight, c["latent"], c["hidden"],
-                                         c["group"], c["tp"], c["eps"])
+                                         c["group"], c["tp"], c["eps"], rank)
 
     return [(pattern, replacement)]
+
+
+def _tail_guard(m: Match) -> str | None:
+    reason = common_guard(m)
+    rows, tp = m.val("up_weight").shape[0], m.shape.tp
+    if reason is None and rows % tp:
+        reason = f"TP {tp} does not divide the {rows} rows of {m.inputs['up_weight'].target or 'up_weight'}"
+    return reason
 
 
 RULES = [
@@ -127,6 +150,8 @@ RULES = [
          token_range_guard(SHARED_SMALL_MAX + 1, 64, f"the GEMM rule takes {SHARED_SMALL_MAX + 1}..64 tokens"),
          kernel="shared_experts_gemm", stream="aux", launches=2,
          doc="the same from 2 tokens: gate_up GEMM with SiTU in its epilogue, then the down GEMM"),
-    Rule("latent_tail", "moe", _tail_variants, common_guard, communicates=True,
-         doc="[latent | shared] cross-GPU reduction, routed_expert_norm, up projection, shared add"),
+    Rule("latent_tail", "moe", _tail_variants, _tail_guard, communicates=True,
+         weight_fraction=lambda ctx: 1 / ctx.shape.tp, split_inputs=("up_weight",),
+         doc="[latent | shared] cross-GPU reduction, routed_expert_norm, this rank's rows of the up projection, "
+             "shared add, gathered"),
 ]

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
-from rewriter.cost import group_bytes, is_gathered, weight_uses
+from rewriter.cost import floor_bytes, group_bytes, is_gathered, weight_uses
 from rewriter.layers.state import decode_inputs
 from rewriter.rules import Match, Rule, RuleContext, RuleError, RuleSet, default_rules
 from rewriter.trace import LayerGraph, propagate_meta, trace_function
@@ -43,6 +43,7 @@ class Accepted:
     regions: list[str]
     weights: dict[str, int]  # parameter -> bytes the kernel reads of it
     dynamic_weights: list[str]  # of those, the ones read at rows picked at run time
+    split_saving: int = 0  # weight bytes this rank leaves to the others (a replicated weight split across TP)
 
 
 @dataclass
@@ -58,6 +59,16 @@ class RewriteResult:
     after: LayerGraph
     matches: list[Accepted] = field(default_factory=list)
     refusals: list[Refused] = field(default_factory=list)
+
+    def reference_floor_bytes(self) -> int:
+        """The reference layer's floor: every weight as vLLM holds it (replicated ones whole)."""
+        return floor_bytes(self.before.graph, self.before.shape)
+
+    def served_floor_bytes(self) -> int:
+        """The floor of the layer as served: the reference floor less what the accepted rules'
+        splits of replicated weights leave to the other ranks (each weight read once per rank
+        under the best sharding the rules chose)."""
+        return self.reference_floor_bytes() - sum(m.split_saving for m in self.matches)
 
 
 def is_fused(node: fx.Node) -> bool:
@@ -136,13 +147,14 @@ def _inputs(im: Any, pg: fx.GraphModule) -> dict[str, fx.Node]:
     return dict(zip(names, im.placeholder_nodes))
 
 
-def _traffic(graph: fx.Graph, lg: LayerGraph, nodes: list[fx.Node], weight_fraction: float
-             ) -> tuple[int, dict[str, int]]:
-    """Bytes the matched nodes move as one kernel, and what it reads of each weight.
+def _traffic(graph: fx.Graph, lg: LayerGraph, nodes: list[fx.Node], weight_fraction: float,
+             split: set[str] | None = None) -> tuple[int, dict[str, int], int]:
+    """Bytes the matched nodes move as one kernel, what it reads of each weight, and the
+    weight bytes a split leaves to the other ranks.
 
     Measured on the original nodes: only there is it visible that a gather reads just the
-    selected experts. ``weight_fraction`` scales the weights for rules that split a
-    replicated weight across ranks.
+    selected experts. ``weight_fraction`` scales the weights in ``split`` (all when None) for
+    rules that split a replicated weight across ranks.
     """
     members = set(nodes)
     moved = group_bytes(graph, lg.shape, lambda n: 0 if n in members else None).get(0, 0)
@@ -151,8 +163,9 @@ def _traffic(graph: fx.Graph, lg: LayerGraph, nodes: list[fx.Node], weight_fract
         b = sum(b for c, b in weight_uses(p) if c in members)
         if b:
             full[p.target] = b
-    weights = {name: int(b * weight_fraction) for name, b in full.items()}
-    return moved - sum(full.values()) + sum(weights.values()), weights
+    weights = {name: int(b * weight_fraction) if split is None or name in split else b for name, b in full.items()}
+    saving = sum(full.values()) - sum(weights.values())
+    return moved - saving, weights, saving
 
 
 def stable_toposort(graph: fx.Graph) -> None:
@@ -219,12 +232,13 @@ def rewrite(lg: LayerGraph, rules: RuleSet | None = None) -> RewriteResult:
             if reason is not None:
                 result.refusals.append(Refused(rule=rule.name, reason=str(reason), nodes=names))
                 return False
-            moved, weights = _traffic(graph, lg, nodes, rule.weight_fraction(ctx))
+            split = {m.inputs[name].target for name in rule.split_inputs} if rule.split_inputs else None
+            moved, weights, saving = _traffic(graph, lg, nodes, rule.weight_fraction(ctx), split)
             dynamic = [n.target for n in graph.nodes if n.op == "get_attr" and n.target in weights and is_gathered(n)]
             regions = sorted({n.meta["region"] for n in nodes if n.meta.get("region")})
             accepted.append(Accepted(rule=rule.name, family=rule.family, variant=variant, nodes=names,
                                      kernel=rule.kernel_name, bytes=moved, regions=regions, weights=weights,
-                                     dynamic_weights=dynamic))
+                                     dynamic_weights=dynamic, split_saving=saving))
             return True
 
         with _no_recompile(after.gm):  # torch regenerates the module's code after every call: once, below

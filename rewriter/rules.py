@@ -85,6 +85,8 @@ class Rule:
     launches: int = 1
     # share of the matched weights one rank reads (rules that split a replicated weight: 1/TP)
     weight_fraction: Callable[[RuleContext], float] = lambda ctx: 1.0
+    # the pattern inputs (weights) that share applies to; empty: every matched weight
+    split_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

@@ -71,3 +71,16 @@ def test_hbm_us():
     assert hbm_us(4_270_000, 4.27) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="HBM bandwidth must be positive"):
         hbm_us(1, 0)
+
+
+@pytest.mark.parametrize("layer,tp", [(1, 16), (3, 8), (1, 1), (0, 16)])
+def test_served_floor_leaves_split_weights_to_the_other_ranks(k3, layer, tp):
+    """The floor as served reads 1/TP of the weights the rules split (router gate, latent down and
+    up projections), the reference floor all of them; the dense layer splits none."""
+    from rewriter.rewrite import rewrite
+
+    result = rewrite(trace(build_layer(k3, layer, tp=tp, experts="mxfp4"), DecodeShape(batch=1, tp=tp)))
+    split = 0 if layer == 0 else (896 * 7168 + 2 * 3584 * 7168) * 2  # gate, down, up: bf16, replicated
+    saved = result.reference_floor_bytes() - result.served_floor_bytes()
+    assert result.reference_floor_bytes() == floor_bytes(result.before.graph, result.before.shape)
+    assert saved == pytest.approx(split * (tp - 1) / tp, abs=8)

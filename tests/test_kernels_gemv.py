@@ -52,8 +52,8 @@ def router_args(tokens=1, tp=16, rank=0, make=meta):
     return (make(tokens, D), make(E, D), make(L, D), GROUP, tp, rank)
 
 
-def tail_args(tokens=1, tp=16, make=meta):
-    return (make(tokens, L), make(tokens, D), make(L), make(D, L), L, D, GROUP, tp, EPS)
+def tail_args(tokens=1, tp=16, make=meta, rank=0):
+    return (make(tokens, L), make(tokens, D), make(L), make(D, L), L, D, GROUP, tp, EPS, rank)
 
 
 def o_proj_args(tokens=1, tp=16, prefix=True, num_blocks=2, make=meta):
@@ -107,16 +107,19 @@ def test_router_down_spec(tp, gate_rows, down_rows, tokens):
 def test_latent_tail_spec(tokens):
     _, (spec,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=16))
     p = spec.param_dict
+    rows = D // 16  # this rank's share of the up projection's rows
     if tokens < LATENT_GEMM_MIN_TOKENS:
-        assert spec.kernel == "gemv" and spec.shape_dict == {"tokens": tokens, "k": L, "rows0": D, "rows1": 0}
+        assert spec.kernel == "gemv" and spec.shape_dict == {"tokens": tokens, "k": L, "rows0": rows, "rows1": 0}
         assert p["norm"] and p["eps"] == EPS
     else:  # the tensor-core GEMM with the norm prologue and the residual epilogue
         assert spec.kernel == "latent_tail_gemm"
-        assert spec.shape_dict == {"token_tile": -(-tokens // 16) * 16, "k": L, "rows": D}
-        assert p["norm_eps"] == EPS and tuple(p["segments"]) == (D,)
+        assert spec.shape_dict == {"token_tile": -(-tokens // 16) * 16, "k": L, "rows": rows}
+        assert p["norm_eps"] == EPS and tuple(p["segments"]) == (rows,)
     # at TP > 1 the kernel reads views of the all-reduced [routed | shared]: row stride L + D
     assert p["residual"] and p["x_stride"] == p["r_stride"] == L + D
-    assert spec == specs_of("k3f::latent_tail", tail_args(tokens, tp=8))[1][0]  # the tail is not sharded
+    assert spec == specs_of("k3f::latent_tail", tail_args(tokens, tp=16, rank=15))[1][0]  # one kernel for every rank
+    (tp8,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=8))[1]
+    assert (tp8.shape_dict.get("rows") or tp8.shape_dict["rows0"]) == D // 8
     (tp1,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=1))[1]
     assert tp1.param_dict["x_stride"] == L and tp1.param_dict["r_stride"] == D
 
@@ -151,6 +154,8 @@ def test_o_proj_specs(tp, prefix):
      "up_weight is fp16"),
     ("k3f::latent_tail", (meta(2, 2 * L)[:, :L], *tail_args(2, tp=1)[1:]), "routed is not contiguous"),
     ("k3f::latent_tail", (meta(1, L, dtype=torch.float32), *tail_args()[1:]), "routed is fp32"),
+    ("k3f::latent_tail", tail_args(rank=16), "rank 16 of TP 16"),
+    ("k3f::latent_tail", (*tail_args(tp=6)[:9], 0), f"rank 0 of TP 6 over {D} up-projection rows"),
     ("k3f::o_proj_attn_res", o_proj_args(tokens=65), "65 tokens outside 1..64"),
     ("k3f::o_proj_attn_res", (meta(1, 700), meta(D, 700), *o_proj_args()[2:]), "not a multiple of 256"),
     ("k3f::o_proj_attn_res", o_proj_args(num_blocks=9), "attn_res_norm stage: num_blocks 9"),
@@ -267,15 +272,31 @@ def test_router_down_launch_plumbing(fake_collectives, tp, rank):
     assert rel_err(logits, ref_logits) <= LOGIT_TOL and rel_err(latent, ref_latent) <= TOL
 
 
-@pytest.mark.parametrize("tp", [1, 16])
+@pytest.mark.parametrize("tp,rank", [(1, 0), (16, 5)])
 @pytest.mark.parametrize("tokens", [1, 13])
-def test_latent_tail_launch_plumbing(fake_collectives, tp, tokens):
+def test_latent_tail_launch_plumbing(fake_collectives, tp, rank, tokens):
     gen = torch.Generator().manual_seed(tp)
-    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS)
+    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS, rank)
     tpl, specs = specs_of("k3f::latent_tail", args)
     assert tpl.runtime_check(args) is None
     y = tpl.launch(stand_ins(specs), specs, args)
     assert rel_err(y, torch.ops.k3f.latent_tail(*args)) <= TOL
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_latent_tail_rank_shares_gather_to_the_unsharded_tail(monkeypatch, tp):
+    """Each rank's share (the gather mocked as the identity) is its slice of the replicated
+    reference tail; in rank order they are the whole of it."""
+    from rewriter.layers.moe import latent_tail
+
+    monkeypatch.setattr(rewriter.ops, "gather_last_dim", lambda x, group, world_size: x)
+    monkeypatch.setattr(torch.ops.k3, "all_reduce", lambda x, group, world_size: x.clone())
+    gen = torch.Generator().manual_seed(tp)
+    inputs = tail_inputs(3, gen)
+    whole = latent_tail(*inputs, latent=L, hidden=D, group=GROUP, tp=tp, eps=EPS)
+    shares = [torch.ops.k3f.latent_tail(*inputs, L, D, GROUP, tp, EPS, r) for r in range(tp)]
+    assert all(s.shape == (3, D // tp) for s in shares)
+    assert rel_err(torch.cat(shares, dim=-1), whole) <= 1e-6
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -485,19 +506,21 @@ def test_router_down_gpu(identity_gather, tokens, tp, ranks):
 
 @on_gpu
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("tp", [1, 16])
-def test_latent_tail_gpu(monkeypatch, tokens, tp):
-    """tp 1: routed and shared read in place; tp 16 (the all-reduce mocked as the identity, on
-    both sides): the kernel reads row-strided views of the reduced [routed | shared]."""
+@pytest.mark.parametrize("tp,rank", [(1, 0), (16, 11)])
+def test_latent_tail_gpu(monkeypatch, tokens, tp, rank):
+    """tp 1: routed and shared read in place; tp 16 (the all-reduce and the gather mocked as the
+    identity, on both sides): the kernel reads row-strided views of the reduced [routed | shared]
+    and writes rank 11's share of the hidden rows."""
     if tp > 1:
         monkeypatch.setattr(torch.ops.k3, "all_reduce", lambda x, group, world_size: x.clone())
+        monkeypatch.setattr(rewriter.ops, "gather_last_dim", lambda x, group, world_size: x)
     gen = torch.Generator().manual_seed(10 * tokens + tp)
-    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS)
+    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS, rank)
     ref = torch.ops.k3f.latent_tail(*args)
     gpu = cuda(args)
     tpl, specs, fns = compiled_fns("k3f::latent_tail", gpu)
     assert tpl.runtime_check(gpu) is None
-    y = tpl.launch(fns, specs, gpu, out=nan(tokens, D))
+    y = tpl.launch(fns, specs, gpu, out=nan(tokens, D // tp))
     torch.cuda.synchronize()
     assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
 
@@ -534,7 +557,7 @@ def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
     gen = torch.Generator().manual_seed(5)
     calls = {
         "router_down": (*router_inputs(5, gen), GROUP, 1, 0),
-        "latent_tail": (*tail_inputs(5, gen), L, D, GROUP, 1, EPS),
+        "latent_tail": (*tail_inputs(5, gen), L, D, GROUP, 1, EPS, 0),
         "o_proj_attn_res": (*o_proj_inputs(5, 16, True, gen), GROUP, 1, 2, EPS),
     }
     for name, args in calls.items():
