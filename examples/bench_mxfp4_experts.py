@@ -4,7 +4,8 @@ humming-kernels (the GPU machine gets its wheel from ``.whl/``).
 
 All 896 experts of one rank (TP 16: I = 256 held, 192 live; TP 8: 384) are drawn in the
 checkpoint's layout and laid out by Humming's own transform, as vLLM does after loading. Each
-timed CUDA graph replays ``ROUTINGS`` launches with different random routings, so the experts
+timed CUDA graph replays ``ROUTINGS`` launches (Humming's: ``rewriter.stock_path.HummingMoE``, its
+routing alignment made before the graph) with different random routings, so the experts
 one launch reads are not in the L2 from the last (20 x 16 experts x 1.1 MB > 50 MB). Effective
 bandwidth = the MXFP4 bytes a step must read (the selected experts' live rows: codes and
 scales, each distinct expert once) over the median time per launch; the floor is those bytes
@@ -14,7 +15,6 @@ at 4.27 TB/s (the H200's measured copy bandwidth).
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -24,61 +24,12 @@ from bench_kernels import graph_us  # examples/: CUDA-graph replay timing
 from codegen.bind import device_arch, load_kernels
 from rewriter.cost import H200_COPY_TBPS
 from rewriter.layers.experts import GROUP, humming_relayout, random_mxfp4
+from rewriter.stock_path import HummingMoE
 
 E, K, L = 896, 16, 3584
 BETA, LINEAR_BETA = 4.0, 25.0
 ROUTINGS = 20
 SHAPES = {16: (256, 192), 8: (384, 384)}  # TP -> (I held, I live) per rank
-SITU = ("[](float a, float b) { const float gate = (4.0f) * tanhf(a / (4.0f)); "
-        "const float act = gate / (1.f + expf(-a)); const float up = (25.0f) * tanhf(b / (25.0f)); "
-        "return act * up; }(a, b)")
-
-
-class HummingMoE:
-    """Humming's decode MoE as vLLM 0.33 calls it (``fused_humming_moe.py``: w13 GEMM, the SiTU
-    pass, the w2 GEMM, the weighted sum), on the same tensors; the routing alignment (a host
-    sync) is prepared before capture, one per routing."""
-
-    def __init__(self, laid, configs, inter):
-        from humming.config import GemmType
-        from humming.tune import get_heuristics_config
-
-        self.laid, self.configs, self.inter = laid, configs, inter
-        self.tuning = {n: get_heuristics_config(layer_config=c, use_f16_accum=False, use_batch_invariant=False,
-                                                gemm_type=GemmType.INDEXED) for n, c in configs.items()}
-        self.compute = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.locks = torch.zeros(sms * 8, dtype=torch.int32, device="cuda")
-
-    def block(self, name, m):
-        return next((c["block_shape"][0] for lo, hi, c in self.tuning[name] if lo < m <= hi), 64)
-
-    def prepare(self, ids):
-        from humming.testing.data import generate_moe_tensors
-
-        m = ids.numel()
-        return {n: generate_moe_tensors(ids.int(), E, "indexed", block_size_config=self.block(n, m))[2:]
-                for n in ("w13", "w2")}
-
-    def __call__(self, x, weights, ids, aligned):
-        from humming.forward import humming_forward, may_process_input
-
-        t, k = ids.shape
-        m = t * k
-        gate_up = torch.empty(m, 2 * self.inter, dtype=torch.bfloat16, device="cuda")
-        (w, s), a = self.laid["w13"], aligned["w13"]
-        humming_forward(self.configs["w13"], inputs=x, weight=w, weight_scale=s, outputs=gate_up, locks=self.locks,
-                        top_k=k, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2], valid_shape_m=m,
-                        compute_config=self.compute, tuning_config=json.dumps(self.tuning["w13"]))
-        h = torch.empty(m, self.inter, dtype=torch.bfloat16, device="cuda")
-        may_process_input(self.configs["w2"], inputs=gate_up, outputs=h, token_scales=None, hadamard_block_size=0,
-                          layout="normal", activation_type="binary_split", activation_impl=SITU)
-        down = torch.empty(m, L, dtype=torch.bfloat16, device="cuda")
-        (w, s), a = self.laid["w2"], aligned["w2"]
-        humming_forward(self.configs["w2"], inputs=h, weight=w, weight_scale=s, outputs=down, locks=self.locks,
-                        top_k=1, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2], valid_shape_m=m,
-                        compute_config=self.compute, tuning_config=json.dumps(self.tuning["w2"]))
-        return (down.view(t, k, L).float() * weights[..., None]).sum(1).bfloat16()
 
 
 def must_read(ids, inter_live) -> int:
@@ -97,7 +48,7 @@ def bench(tp, gen) -> list[dict]:
         w, s, configs[name] = humming_relayout(packed, scale, n, k)
         laid[name] = (w, s)
         del packed, scale
-    peer = HummingMoE(laid, configs, inter)
+    peer = HummingMoE(configs, E, inter, L, BETA, LINEAR_BETA)
     out = []
     for tokens in (1, 8, 64):
         x = torch.randn(tokens, L, device="cuda").bfloat16()
@@ -113,9 +64,10 @@ def bench(tp, gen) -> list[dict]:
         y = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
         act = torch.empty(tokens, K, live, dtype=torch.bfloat16, device="cuda")
         ours = graph_us(lambda: [tpl.launch(fns, specs, a, out=(y, act)) for a in args]) / ROUTINGS
-        aligned = [peer.prepare(i) for _, i in routes]
-        theirs = graph_us(lambda: [peer(x, w, i, al) for (w, i), al in zip(routes, aligned)]) / ROUTINGS
-        ref = peer(x, *routes[0], aligned[0])
+        aligned = [peer.align(i) for _, i in routes]  # outside the timed graph, as before
+        theirs = graph_us(lambda: [peer(x, w, i, laid["w13"], laid["w2"], al)
+                                   for (w, i), al in zip(routes, aligned)]) / ROUTINGS
+        ref = peer(x, *routes[0], laid["w13"], laid["w2"], aligned[0])
         tpl.launch(fns, specs, args[0], out=(y, act))
         diff = float((y.float() - ref.float()).norm() / ref.float().norm())
         nbytes = sum(must_read(i, live) for _, i in routes) / ROUTINGS

@@ -1,9 +1,14 @@
 """``python -m rewriter bench``: time one layer, rewritten and reference, on this GPU.
 
 Routed experts are the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90) unless
-``--experts bf16``; the floor counts the bytes of that format, padding left out.
+``--experts bf16``. Two floors: the layer's as served (each weight read once per rank under the
+sharding the rules chose, the experts' own format, padding left out: the ``% floor`` column) and
+the reference layer's (replicated weights read whole on every rank, as vLLM holds them).
 For each TP shard shape and batch: the rewritten layer (its schedule run by ``LayerRunner``
-with the CuTe DSL kernels installed) and the reference layer eager, under a CUDA graph and
+with the CuTe DSL kernels installed), the layer on vLLM 0.33's stock sm_90 kernels where they
+run here (``rewriter.stock_path``: Humming's MXFP4 MoE, fla's Triton KDA decode, cuBLAS, under
+torch.compile and a CUDA graph; what stands in for a vLLM kernel is named there) and the
+reference layer eager, under a CUDA graph and
 under ``torch.compile`` with max-autotune and a CUDA graph (inductor's own graphs skip a
 layer that updates its decode state in place, so the compiled layer is compiled with
 ``max-autotune-no-cudagraphs`` and captured here, as vLLM captures it). Every row
@@ -36,7 +41,7 @@ import torch
 from rewriter.cost import H200_COPY_TBPS, hbm_us
 
 L2_BYTES = 50 * 2**20  # H200: 50 MiB
-PATHS = ("rewritten", "eager", "cuda graph", "torch.compile")
+PATHS = ("rewritten", "vllm-stock", "eager", "cuda graph", "torch.compile")
 
 
 @dataclass
@@ -46,8 +51,9 @@ class Row:
     path: str
     kernels: int | None  # GPU kernels per layer (profiler), None when not counted
     us: float | None  # median microseconds per layer, None when not run
-    floor_us: float
+    floor_us: float  # the layer as served
     note: str = ""
+    reference_floor_us: float = 0.0  # the reference layer: replicated weights whole
     stand_ins: int = 0  # torch kernels standing in for excluded collectives (timed, not counted)
     launched: list[tuple[str, float]] | None = None  # (kernel, us) of one profiled call
 
@@ -153,7 +159,7 @@ def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
     return len(names), names
 
 
-def _compilable(inputs: dict) -> list:
+def compilable_inputs(inputs: dict) -> list:
     """The layer's inputs with the KDA state's pages split into one buffer per dtype (same strides),
     which torch.compile takes (it refuses in-place updates of one buffer's views in two dtypes)."""
     from rewriter.layers.state import conv_layout_of, kda_state_pages
@@ -176,7 +182,7 @@ class _Case:
         self.layers = [init_random_(build_layer(cfg, layer_idx, tp=shape.tp, device="cuda", experts=experts),
                                     seed=1000 + i)
                        for i in range(copies)]
-        self.inputs = [_compilable(decode_inputs(layer, self.shape, device="cuda", seed=i))
+        self.inputs = [compilable_inputs(decode_inputs(layer, self.shape, device="cuda", seed=i))
                        for i, layer in enumerate(self.layers)]
 
     def reference(self) -> Callable[[], Any]:
@@ -209,17 +215,19 @@ def _rewritten(case: _Case) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
 def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
                 progress: Callable[[str], None]) -> list[Row]:
     from codegen import bind
-    from rewriter.cost import floor_bytes
     from rewriter.layers import build_layer
+    from rewriter.rewrite import rewrite
     from rewriter.shape import DecodeShape
     from rewriter.trace import trace
 
     meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch, context=args.context,
                              kv_cache_dtype=args.kv_cache_dtype)
-    floor = floor_bytes(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape).graph, meta_shape)
-    floor_us = hbm_us(floor, H200_COPY_TBPS)
+    planned = rewrite(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape))
+    floor, ref_floor = planned.served_floor_bytes(), planned.reference_floor_bytes()
+    floor_us, ref_floor_us = hbm_us(floor, H200_COPY_TBPS), hbm_us(ref_floor, H200_COPY_TBPS)
     copies = copies_for(floor, args.copies)
-    progress(f"TP {tp} batch {batch}: {copies} layer copies, HBM floor {floor / 1e6:.1f} MB = {floor_us:.1f} us")
+    progress(f"TP {tp} batch {batch}: {copies} layer copies, HBM floor as served {floor / 1e6:.1f} MB = "
+             f"{floor_us:.1f} us (reference layer {ref_floor / 1e6:.1f} MB = {ref_floor_us:.1f} us)")
     case = _Case(cfg, args.layer, meta_shape, copies, args.experts)
     rows = []
     if "rewritten" in args.paths:
@@ -243,22 +251,26 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
             notes.append(f"+{stand_ins} torch kernels standing in for the router's all-gather (timed, not counted)")
         elif others:
             notes.append(f"{len(others)} torch kernels: {', '.join(others)}")
-        rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, "; ".join(notes), stand_ins,
+        rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, "; ".join(notes), ref_floor_us, stand_ins,
                         [(short_name(n), round(t, 2)) for n, t in launched]))
         progress(f"  rewritten: {kernels} kernels, {us:.1f} us {rows[-1].note}")
         for name, k_us in launched:
             progress(f"    {k_us:7.1f} us  {short_name(name)}")
         del g
+    if "vllm-stock" in args.paths:
+        rows.append(_stock_row(case, tp, batch, floor_us, ref_floor_us, args.reps, progress))
     ref = case.reference()
     if "eager" in args.paths:
         ref()
         kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
-        rows.append(Row(tp, batch, "eager", kernels, _median_us(ref, args.reps) / copies, floor_us))
+        rows.append(Row(tp, batch, "eager", kernels, _median_us(ref, args.reps) / copies, floor_us,
+                        reference_floor_us=ref_floor_us))
         progress(f"  eager: {rows[-1].kernels} kernels, {rows[-1].us:.1f} us")
     if "cuda graph" in args.paths:
         g = _graph(ref)
         kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
-        rows.append(Row(tp, batch, "cuda graph", kernels, _median_us(g.replay, args.reps) / copies, floor_us))
+        rows.append(Row(tp, batch, "cuda graph", kernels, _median_us(g.replay, args.reps) / copies, floor_us,
+                        reference_floor_us=ref_floor_us))
         progress(f"  cuda graph: {rows[-1].us:.1f} us")
         del g
     if "torch.compile" in args.paths:
@@ -276,21 +288,77 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         g = _graph(run_compiled)
         us = _median_us(g.replay, args.reps) / copies
         rows.append(Row(tp, batch, "torch.compile", kernels, us, floor_us,
-                        f"max-autotune, CUDA graph; compiled in {seconds:.0f}s"))
+                        f"max-autotune, CUDA graph; compiled in {seconds:.0f}s", ref_floor_us))
         del g
         progress(f"  torch.compile: {us:.1f} us ({rows[-1].note})")
     return rows
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def agreement(run_a: Callable[..., Any], run_b: Callable[..., Any], inputs: list) -> float:
+    """The largest relative error between two paths' outputs and updated states over one step
+    from the same inputs (each on its own copy)."""
+    copies = [[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs] for _ in range(2)]
+    outs = [_tensors(run(*c)) + [t for t in c if isinstance(t, torch.Tensor)]
+            for run, c in zip((run_a, run_b), copies)]
+    return max(float((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30))
+               for a, b in zip(*outs) if a.is_floating_point())
+
+
+def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: float, reps: int,
+               progress: Callable[[str], None]) -> Row:
+    """The layer on vLLM's stock sm_90 kernels, or why it cannot run here."""
+    from rewriter.stock_path import StockPathError, lower
+
+    try:
+        lowered = [lower(layer, case.shape) for layer in case.layers]
+    except ModuleNotFoundError as e:
+        return Row(tp, batch, "vllm-stock", None, None, floor_us, f"not run: needs {e.name} (humming-kernels, "
+                   "fla-core)", ref_floor_us)
+    except StockPathError as e:
+        return Row(tp, batch, "vllm-stock", None, None, floor_us, f"not run: {e}", ref_floor_us)
+    t0 = time.perf_counter()
+    compiled = [torch.compile(gm) for gm in lowered]  # Inductor's default mode, as vLLM compiles
+
+    def run():
+        for fn, inputs in zip(compiled, case.inputs):
+            fn(*inputs)
+
+    run()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    diff = agreement(case.layers[0], compiled[0], case.inputs[0])
+    kernels, _ = count_kernels(lambda: compiled[0](*case.inputs[0]))
+    g = _graph(run)
+    us = _median_us(g.replay, reps) / len(compiled)
+    del g
+    row = Row(tp, batch, "vllm-stock", kernels, us, floor_us,
+              f"Humming MoE, fla Triton KDA, cuBLAS; torch.compile, CUDA graph; compiled in {seconds:.0f}s; "
+              f"vs reference {diff:.1e}", ref_floor_us)
+    progress(f"  vllm-stock: {kernels} kernels, {us:.1f} us ({row.note})")
+    return row
+
+
 def render(rows: list[Row], device: str, experts: str, layer: str = "") -> str:
     lines = [f"{device}; {layer}{experts} routed experts; one rank of each TP shape, collectives excluded; weights "
              "rotated past the L2",
-             f"{'TP':>3} {'batch':>5}  {'path':<14}{'kernels':>8}{'us/layer':>10}{'floor us':>10}{'% floor':>9}  note"]
+             "floor: the layer as served (each weight once per rank under the rules' sharding); ref floor: the "
+             "reference layer (replicated weights whole)",
+             f"{'TP':>3} {'batch':>5}  {'path':<14}{'kernels':>8}{'us/layer':>10}{'floor us':>10}{'% floor':>9}"
+             f"{'ref floor':>10}  note"]
     for r in rows:
         us = f"{r.us:10.1f}" if r.us else f"{'-':>10}"
         pct = f"{r.floor_pct:8.0f}%" if r.floor_pct else f"{'-':>9}"
         k = f"{r.kernels:8d}" if r.kernels is not None else f"{'-':>8}"
-        lines.append(f"{r.tp:>3} {r.batch:>5}  {r.path:<14}{k}{us}{r.floor_us:10.1f}{pct}  {r.note}")
+        lines.append(f"{r.tp:>3} {r.batch:>5}  {r.path:<14}{k}{us}{r.floor_us:10.1f}{pct}{r.reference_floor_us:10.1f}"
+                     f"  {r.note}")
     return "\n".join(lines)
 
 
