@@ -18,7 +18,7 @@ Conventions shared with vLLM 0.33.0:
   negative MLA cache slot is a padding token (vLLM's PAD_SLOT_ID, -1): nothing is written.
 
 On CUDA the KDA steps and the MLA cache insert and decode run batched
-(``_conv_update_batched``, ``_recurrent_step_batched``, ``_cache_insert_batched``,
+(``conv_update_batched``, ``_recurrent_step_batched``, ``_cache_insert_batched``,
 ``_decode_batched``: gathers and ``index_copy_``, no host sync), so the reference layer can
 be captured in a CUDA graph and compiled; a padding row reads slot 0 (vLLM's null block) and
 writes it back unchanged.
@@ -153,7 +153,7 @@ def _slots(state_indices: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @kda_conv_update.register_kernel("cuda")
-def _conv_update_batched(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> Tensor:
+def conv_update_batched(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> Tensor:
     """``kda_conv_update`` for all requests at once (no host sync); padding rows write slot 0's
     own values back (vLLM's null block, which belongs to no request)."""
     batch = state_indices.shape[0]
@@ -207,7 +207,7 @@ def kda_recurrent_step(
 def _recurrent_step_batched(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
                             state_indices: Tensor) -> Tensor:
     """``kda_recurrent_step`` for all requests at once (no host sync); padding rows as in
-    ``_conv_update_batched``."""
+    ``conv_update_batched``."""
     batch = state_indices.shape[0]
     q_len = _tokens_per_request(q.shape[0], batch, "k3::kda_recurrent_step")
     slots, valid = _slots(state_indices)

@@ -6,10 +6,11 @@ closest ones that can, the reference graph retargeted node by node:
 
 | part | vLLM 0.33 on sm_90 | here |
 |---|---|---|
-| routed experts | Humming MXFP4 MoE: align, w13 GEMM, SiTU, w2 GEMM, weighted sum | Humming's own w13 / SiTU / w2 kernels; the alignment (vLLM's CUDA ``moe_align_block_size``) and the weighted sum (vLLM's Triton ``moe_fused_mul_sum``) in torch ops |
+| routed experts | Humming MXFP4 MoE: align, w13 GEMM, SiTU, w2 GEMM, weighted sum | Humming's own w13 / SiTU / w2 kernels; the alignment (vLLM's CUDA ``moe_align_block_size``) in torch ops Inductor compiles, the weighted sum (vLLM's Triton ``moe_fused_mul_sum``) in torch ops |
 | KDA recurrent step | vLLM's Triton packed decode kernel (TP 16) or its CUDA fused decode (12/24/48/96 local heads: TP 8) | flash-linear-attention's Triton ``fused_recurrent_kda`` (fla-core), state read and written in vLLM's pages |
 | projections | cuBLAS (or vLLM's CuTe skinny GEMM where its table has the shape) | cuBLAS, through torch.compile |
-| AttnRes, norms, conv update, router top-k, SiTU of the shared experts | vLLM's CUDA / Triton custom ops | the reference's torch ops, fused by Inductor |
+| router gate | vLLM's CuTe bf16 GEMM with fp32 output | cuBLAS bf16 GEMM with fp32 output (``aten::mm.dtype``; the reference widens the weight to fp32 first) |
+| AttnRes, norms, KDA conv update, router top-k, SiTU of the shared experts | vLLM's CUDA / Triton custom ops | the reference's torch ops, fused by Inductor (the conv update's batched form, traced, not its opaque op) |
 | MLA decode | FA3-MLA (bf16) or FlashMLA (fp8) | not run: refused by name |
 
 The lowered graph is compiled with ``torch.compile`` (Inductor's default mode, as vLLM
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from rewriter.ops import conv_update_batched
 from rewriter.rules import RuleSet
 
 HUMMING_LOCK_SLOTS_PER_SM = 8  # Humming's stream-K locks (as vLLM allocates them)
@@ -113,8 +115,9 @@ class HummingMoE:
         second = first if blocks["w2"] == blocks["w13"] else align_block_size(ids, self.experts, blocks["w2"])
         return {"w13": first, "w2": second}
 
-    def __call__(self, x: Tensor, weights: Tensor, ids: Tensor, w13: tuple[Tensor, Tensor], w2: tuple[Tensor, Tensor],
-                 aligned: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None) -> Tensor:
+    def rows(self, x: Tensor, weights: Tensor, ids: Tensor, w13: tuple[Tensor, Tensor], w2: tuple[Tensor, Tensor],
+             aligned: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None) -> Tensor:
+        """Humming's three kernels: each (token, expert) row's down projection [T, k, latent]."""
         from humming.forward import humming_forward, may_process_input
 
         t, k = ids.shape
@@ -135,21 +138,80 @@ class HummingMoE:
                         locks=self.locks, top_k=1, sorted_ids=sorted_ids, expert_ids=expert_ids,
                         num_tokens_padded=total, valid_shape_m=m, compute_config=self.compute,
                         tuning_config=json.dumps(self.tuning["w2"]))
-        return (down.view(t, k, self.latent).float() * weights[..., None]).sum(1).bfloat16()
+        return down.view(t, k, self.latent)
+
+    def __call__(self, x: Tensor, weights: Tensor, ids: Tensor, w13: tuple[Tensor, Tensor], w2: tuple[Tensor, Tensor],
+                 aligned: dict[str, tuple[Tensor, Tensor, Tensor]] | None = None) -> Tensor:
+        """The routed output [tokens, latent]: each (token, expert) row weighted and summed."""
+        down = self.rows(x, weights, ids, w13, w2, aligned)
+        return weighted_sum(down, weights)
+
+
+def weighted_sum(down: Tensor, weights: Tensor) -> Tensor:
+    """Each token's expert rows [T, k, L] weighted and summed in fp32 (vLLM's ``moe_fused_mul_sum``)."""
+    return (down.float() * weights[..., None]).sum(1).bfloat16()
 
 
 # ---- the stock kernels as opaque ops the compiled graph calls --------------------------------
 @torch.library.custom_op("k3stock::humming_moe", mutates_args=())
 def humming_moe(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor,
-                w2_scale: Tensor, beta: float | None, linear_beta: float | None, layout: str, inter_live: int) -> Tensor:
-    """``k3f::routed_experts_mxfp4``'s signature on Humming's MoE (registered by ``lower``)."""
-    runner = _runners[(w13.shape[0], w13.shape[-1], w13.shape[-2], w2.shape[-1])]
-    return runner(x_latent, weights, ids, (w13, w13_scale), (w2, w2_scale))
+                w2_scale: Tensor, sorted13: Tensor, experts13: Tensor, total13: Tensor, sorted2: Tensor,
+                experts2: Tensor, total2: Tensor) -> Tensor:
+    """Humming's three kernels over aligned rows (the runner ``lower`` made): [T, k, latent]."""
+    runner = _runners[_runner_key(w13, w2)]
+    return runner.rows(x_latent, weights, ids, (w13, w13_scale), (w2, w2_scale),
+                       {"w13": (sorted13, experts13, total13), "w2": (sorted2, experts2, total2)})
 
 
 @humming_moe.register_fake
-def _(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, layout, inter_live):
-    return x_latent.new_empty(x_latent.shape)
+def _(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, *aligned):
+    return x_latent.new_empty((*ids.shape, x_latent.shape[-1]))
+
+
+def _runner_key(w13: Tensor, w2: Tensor) -> tuple[int, int, int, int]:
+    return (w13.shape[0], w13.shape[-1], w13.shape[-2], w2.shape[-1])
+
+
+def humming_routed_experts(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w13_scale: Tensor,
+                           w2: Tensor, w2_scale: Tensor, experts: int, block13: int, block2: int) -> Tensor:
+    """``k3f::routed_experts_mxfp4`` as vLLM's sm_90 MoE runs it: the alignment and the weighted sum
+    in torch ops (traced, so Inductor compiles them), Humming between (opaque). Blocks: Humming's
+    picks for this shape."""
+    a13 = align_block_size(ids, experts, block13)
+    a2 = a13 if block2 == block13 else align_block_size(ids, experts, block2)
+    return weighted_sum(torch.ops.k3stock.humming_moe(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, *a13,
+                                                      *a2), weights)
+
+
+@torch.library.custom_op("k3stock::gemm_fp32_out", mutates_args=())
+def gemm_fp32_out(x: Tensor, weight: Tensor) -> Tensor:
+    """``linear(x.float(), weight.float())`` as one bf16 GEMM with fp32 output (cuBLAS)."""
+    return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+
+@gemm_fp32_out.register_fake
+def _(x, weight):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _widened(node: Any) -> Any:
+    """The bf16 source of ``node`` if it is ``src.float()``, else None."""
+    if isinstance(node, fx.Node) and node.op == "call_method" and node.target == "float":
+        src = node.args[0]
+        val = src.meta.get("val") if isinstance(src, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bfloat16:
+            return src
+    return None
+
+
+def _fp32_out_gemms(gm: fx.GraphModule) -> None:
+    """Each ``linear(x.float(), w.float())`` of bf16 ``x`` and ``w`` becomes ``gemm_fp32_out(x, w)``."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.nn.functional.linear and len(node.args) == 2:
+            x, w = (_widened(a) for a in node.args)
+            if x is not None and w is not None:
+                node.target, node.args = torch.ops.k3stock.gemm_fp32_out.default, (x, w)
+    gm.graph.eliminate_dead_code()
 
 
 @torch.library.custom_op("k3stock::fla_recurrent_step", mutates_args=("state",))
@@ -195,19 +257,25 @@ def lower(layer: torch.nn.Module, shape: Any) -> fx.GraphModule:
         rules.add(next(r for r in patterns.moe.RULES if r.name == "routed_experts_mxfp4"))
         if moe.act["beta"] is None:
             raise StockPathError("the vllm-stock MoE runs SiTU experts; this layer's are SiLU")
-        w13, w2 = routed.w13_weight, routed.w2_weight
-        _runners[(routed.experts, w13.shape[-1], w13.shape[-2], w2.shape[-1])] = HummingMoE(
+        runner = _runners[_runner_key(routed.w13_weight, routed.w2_weight)] = HummingMoE(
             humming_configs(routed), routed.experts, routed.inter, routed.latent, moe.act["beta"],
             moe.act["linear_beta"])
+        rows = shape.tokens * moe.top_k
+        blocks = (routed.experts, runner.block("w13", rows), runner.block("w2", rows))
     result = rewrite(trace(layer, shape), rules)
     if moe is not None and not any(m.rule == "routed_experts_mxfp4" for m in result.matches):
         raise StockPathError(f"the routed experts of layer {layer.layer_idx} did not match: "
                              + "; ".join(r.reason for r in result.refusals))
     gm = result.after.gm
-    retarget = {torch.ops.k3f.routed_experts_mxfp4.default: torch.ops.k3stock.humming_moe.default,
-                torch.ops.k3.kda_recurrent_step.default: torch.ops.k3stock.fla_recurrent_step.default}
+    retarget = {torch.ops.k3.kda_recurrent_step.default: torch.ops.k3stock.fla_recurrent_step.default,
+                torch.ops.k3.kda_conv_update.default: conv_update_batched}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in retarget:
+        if node.op != "call_function":
+            continue
+        if node.target in retarget:
             node.target = retarget[node.target]
+        elif node.target is torch.ops.k3f.routed_experts_mxfp4.default:
+            node.target, node.args = humming_routed_experts, (*node.args[:7], *blocks)
+    _fp32_out_gemms(gm)
     gm.recompile()
     return gm

@@ -161,7 +161,7 @@ def test_uneven_tokens_are_refused():
 def test_batched_kda_steps_equal_the_loops(q_len):
     """The CUDA implementations (batched, no host sync) give the loop references' values and
     states, padding rows included (slot 0 unowned, as vLLM's null block)."""
-    from rewriter.ops import _conv_update_batched, _recurrent_step_batched
+    from rewriter.ops import conv_update_batched, _recurrent_step_batched
 
     g = torch.Generator().manual_seed(q_len)
     idx = torch.tensor([3, -1, 5, 1], dtype=torch.int32)
@@ -169,7 +169,7 @@ def test_batched_kda_steps_equal_the_loops(q_len):
     x = torch.randn(t, c, generator=g).bfloat16()
     conv, w = torch.randn(slots, c, 3, generator=g).bfloat16(), torch.randn(c, 4, generator=g)
     a_conv, b_conv = conv.clone(), conv.clone()
-    assert torch.equal(torch.ops.k3.kda_conv_update(x, a_conv, w, idx), _conv_update_batched(x, b_conv, w, idx))
+    assert torch.equal(torch.ops.k3.kda_conv_update(x, a_conv, w, idx), conv_update_batched(x, b_conv, w, idx))
     assert torch.equal(a_conv, b_conv) and torch.equal(b_conv[0], conv[0])
     q, kk = torch.randn(t, h, k, generator=g), torch.randn(t, h, k, generator=g)
     v, decay = torch.randn(t, h, k, generator=g).bfloat16(), -torch.rand(t, h, k, generator=g)

@@ -8,6 +8,7 @@ import torch
 from conftest import on_gpu
 
 from rewriter.layers import build_layer
+from rewriter.ops import conv_update_batched
 from rewriter.shape import DecodeShape
 from rewriter.stock_path import StockPathError, align_block_size, lower
 
@@ -36,7 +37,23 @@ def test_lowering_puts_flas_decode_in_place_of_the_kda_step(k3):
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert torch.ops.k3stock.fla_recurrent_step.default in targets
     assert torch.ops.k3.kda_recurrent_step.default not in targets
-    assert torch.ops.k3.kda_conv_update.default in targets  # vLLM's Triton conv update: the reference's ops
+    # vLLM's Triton conv update: the reference's batched torch ops, traced for Inductor to fuse
+    assert conv_update_batched in targets and torch.ops.k3.kda_conv_update.default not in targets
+
+
+def test_lowering_runs_the_router_gate_as_one_bf16_gemm_with_fp32_output(k3):
+    """The reference widens x and the 12.8 MB gate weight to fp32 before its GEMM; vLLM runs one
+    bf16 GEMM with fp32 output, and so does the stock path (the experts kept as the reference's
+    ops here: the lowering of a bf16 layer stops at its refusal, so call the pass directly)."""
+    from rewriter.stock_path import _fp32_out_gemms
+    from rewriter.trace import trace
+
+    lg = trace(build_layer(k3, 1, tp=16, device="meta"), DecodeShape(batch=2, tp=16))
+    _fp32_out_gemms(lg.gm)
+    gemms = [n for n in lg.graph.nodes if n.target is torch.ops.k3stock.gemm_fp32_out.default]
+    assert len(gemms) == 1 and gemms[0].args[1].target == "block_sparse_moe.gate.weight"
+    assert not any(n.op == "call_method" and n.target == "float" and n.args[0].op == "get_attr"
+                   and n.args[0].target == "block_sparse_moe.gate.weight" for n in lg.graph.nodes)
 
 
 @pytest.mark.parametrize("layer_idx,experts,message", [
