@@ -233,6 +233,161 @@ def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, s
     return torch.empty_like(v)
 
 
+# ---- KDA: speculative verify steps (vLLM 0.33's multi-slot contract, docs/SPECULATIVE.md) ----
+def _verify_requests(num_tokens: int, spec_state_indices: Tensor, num_accepted: Tensor, op: str) -> tuple[int, int]:
+    """(requests, tokens per request) of a verify step, or an error naming what does not fit."""
+    if spec_state_indices.dim() != 2:
+        raise ValueError(f"{op}: spec_state_indices must be [requests, q], got {list(spec_state_indices.shape)}")
+    batch, q_len = spec_state_indices.shape
+    if num_tokens != batch * q_len:
+        raise ValueError(f"{op}: {num_tokens} tokens are not {batch} requests x {q_len}")
+    if tuple(num_accepted.shape) != (batch,):
+        raise ValueError(f"{op}: num_accepted must be [{batch}], got {list(num_accepted.shape)}")
+    return batch, q_len
+
+
+def _accepted(a: int, q_len: int, op: str) -> int:
+    if not 1 <= a <= q_len:
+        raise ValueError(f"{op}: num_accepted {a} outside 1..{q_len} (the previous step's accepted tokens + 1)")
+    return a
+
+
+@torch.library.custom_op("k3::kda_conv_verify", mutates_args=("conv_state",))
+def kda_conv_verify(x: Tensor, conv_state: Tensor, weight: Tensor, spec_state_indices: Tensor,
+                    num_accepted: Tensor) -> Tensor:
+    """The causal depthwise conv + SiLU over a verify step's q tokens per request, vLLM's way.
+
+    x: [B * q, C]; conv_state: [slots, C, W - 1 + k] (oldest first, k >= q - 1 speculative
+    rows); weight: [C, W]; spec_state_indices: [B, q], the conv state in column 0's slot;
+    num_accepted: [B], a = the previous step's accepted tokens + 1. The history is rows
+    a - 1 .. a + W - 3. Afterwards rows 0 .. W - 3 hold the old rows a .. a + W - 3 and rows
+    W - 2 .. W - 3 + q this step's inputs (as stored), so the next step, accepting a', finds the
+    history ending at its token a' - 1 in rows a' - 1 .. a' + W - 3. A slot <= 0 (padding) is
+    neither read nor written; its outputs are zero. Returns [B * q, C] in x's dtype.
+    """
+    op = "k3::kda_conv_verify"
+    batch, q_len = _verify_requests(x.shape[0], spec_state_indices, num_accepted, op)
+    hist = weight.shape[1] - 1
+    if conv_state.shape[-1] < hist - 1 + q_len:
+        raise ValueError(f"{op}: the conv state holds {conv_state.shape[-1]} rows; a verify of {q_len} tokens "
+                         f"needs {hist - 1 + q_len} (W - 2 + q)")
+    out = torch.zeros_like(x)
+    w = weight.float()
+    for b, (slot, a) in enumerate(zip(spec_state_indices[:, 0].tolist(), num_accepted.tolist())):
+        if slot <= 0:
+            continue
+        a = _accepted(a, q_len, op)
+        old = conv_state[slot].clone()  # [C, rows]
+        window = old[:, a - 1:a - 1 + hist].float()
+        for j in range(q_len):
+            t = b * q_len + j
+            full = torch.cat([window, x[t].float().unsqueeze(-1)], dim=-1)  # [C, W]
+            out[t] = torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype)
+            window = full[:, 1:].to(conv_state.dtype).float()
+        conv_state[slot, :, :hist - 1] = old[:, a:a + hist - 1]
+        conv_state[slot, :, hist - 1:hist - 1 + q_len] = x[b * q_len:(b + 1) * q_len].t().to(conv_state.dtype)
+    return out
+
+
+@kda_conv_verify.register_kernel("cuda")
+def conv_verify_batched(x: Tensor, conv_state: Tensor, weight: Tensor, spec_state_indices: Tensor,
+                        num_accepted: Tensor) -> Tensor:
+    """``kda_conv_verify`` for all requests at once (no host sync; accepted counts are not
+    checked here, they index on the device): padding rows write slot 0's own rows back."""
+    batch, q_len = _verify_requests(x.shape[0], spec_state_indices, num_accepted, "k3::kda_conv_verify")
+    hist = weight.shape[1] - 1
+    slots, valid = _slots(spec_state_indices[:, 0])
+    old = conv_state.index_select(0, slots)  # [B, C, rows]
+    first = (num_accepted.long().clamp(1, q_len) - 1).view(-1, 1, 1)
+
+    def rows(start: Tensor, n: int) -> Tensor:  # each request's rows start .. start + n - 1
+        return (start + torch.arange(n, device=x.device)).expand(batch, old.shape[1], n)
+
+    window, w = old.gather(2, rows(first, hist)).float(), weight.float()
+    xs = x.view(batch, q_len, -1)
+    outs = []
+    for j in range(q_len):
+        full = torch.cat([window, xs[:, j].float().unsqueeze(-1)], dim=-1)  # [B, C, W]
+        outs.append(torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype))
+        window = full[..., 1:].to(conv_state.dtype).float()
+    new = old.clone()
+    new[..., :hist - 1] = old.gather(2, rows(first + 1, hist - 1))
+    new[..., hist - 1:hist - 1 + q_len] = xs.transpose(1, 2).to(conv_state.dtype)
+    keep = valid.view(-1, 1, 1)
+    conv_state.index_copy_(0, slots, torch.where(keep, new, old))
+    return (torch.stack(outs, dim=1) * keep).view_as(x)
+
+
+@kda_conv_verify.register_fake
+def _(x: Tensor, conv_state: Tensor, weight: Tensor, spec_state_indices: Tensor, num_accepted: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("k3::kda_recurrent_verify", mutates_args=("state",))
+def kda_recurrent_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                         spec_state_indices: Tensor, num_accepted: Tensor) -> Tensor:
+    """The delta-rule recurrence over a verify step's q tokens per request, vLLM's way.
+
+    Shapes as ``kda_recurrent_step`` with T = B * q; spec_state_indices: [B, q] (each request's
+    q state slots); num_accepted: [B] (a). The state is read from slot column a - 1 (the state
+    after the last accepted token; <= 0: a padding row, outputs zero, nothing written) and token
+    t's state is written to column t (where that slot is > 0), so the next step continues from
+    any accepted length. Returns [B * q, H, V] in v's dtype.
+    """
+    op = "k3::kda_recurrent_verify"
+    batch, q_len = _verify_requests(q.shape[0], spec_state_indices, num_accepted, op)
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    for b, (slots, a) in enumerate(zip(spec_state_indices.tolist(), num_accepted.tolist())):
+        source = slots[_accepted(a, q_len, op) - 1]
+        if source <= 0:
+            continue
+        s = state[source].float()  # [H, V, K], read before column a - 1 is written
+        for j in range(q_len):
+            t = b * q_len + j
+            s = s * torch.exp(g[t].float()).unsqueeze(1)
+            kt = k[t].float()
+            delta = (v[t].float() - torch.einsum("hvk,hk->hv", s, kt)) * beta[t].float().unsqueeze(-1)
+            s = s + torch.einsum("hv,hk->hvk", delta, kt)
+            out[t] = torch.einsum("hvk,hk->hv", s, q[t].float()).to(v.dtype)
+            if slots[j] > 0:
+                state[slots[j]] = s.to(state.dtype)
+                s = state[slots[j]].float()  # the next token continues from the stored state
+    return out
+
+
+@kda_recurrent_verify.register_kernel("cuda")
+def recurrent_verify_batched(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                             spec_state_indices: Tensor, num_accepted: Tensor) -> Tensor:
+    """``kda_recurrent_verify`` for all requests at once (no host sync): every request's initial
+    state is gathered before any is written; a slot <= 0 writes slot 0's own state back."""
+    batch, q_len = _verify_requests(q.shape[0], spec_state_indices, num_accepted, "k3::kda_recurrent_verify")
+    first = (num_accepted.long().clamp(1, q_len) - 1).view(-1, 1)
+    source, valid = _slots(spec_state_indices.gather(1, first).view(-1))
+    targets, writes = _slots(spec_state_indices.flatten())
+    s = state.index_select(0, source).float()  # [B, H, V, K]
+    before = state.index_select(0, targets)  # what a padding column writes back
+    shape = (batch, q_len) + tuple(q.shape[1:])
+    qs, ks, gs = q.float().view(shape), k.float().view(shape), g.float().view(shape)
+    vs, bs = v.float().view((batch, q_len) + tuple(v.shape[1:])), beta.float().view(batch, q_len, -1)
+    outs, states = [], []
+    for j in range(q_len):
+        s = s * torch.exp(gs[:, j]).unsqueeze(2)
+        kt = ks[:, j]
+        delta = (vs[:, j] - torch.einsum("bhvk,bhk->bhv", s, kt)) * bs[:, j].unsqueeze(-1)
+        s = (s + torch.einsum("bhv,bhk->bhvk", delta, kt)).to(state.dtype).float()
+        outs.append(torch.einsum("bhvk,bhk->bhv", s, qs[:, j]).to(v.dtype))
+        states.append(s.to(state.dtype))
+    keep = (writes.view(batch, q_len) & valid.view(-1, 1)).flatten().view(-1, 1, 1, 1)
+    state.index_copy_(0, targets, torch.where(keep, torch.stack(states, dim=1).flatten(0, 1), before))
+    return (torch.stack(outs, dim=1) * valid.view(-1, 1, 1, 1)).view_as(v)
+
+
+@kda_recurrent_verify.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, spec_state_indices: Tensor,
+      num_accepted: Tensor) -> Tensor:
+    return torch.empty_like(v)
+
+
 # ---- MLA: latent cache insert and decode attention -------------------------------
 FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)  # vLLM keeps a per-tensor fp8 cache as uint8
 
