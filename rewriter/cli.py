@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 
 from rewriter.bench_cmd import add_bench_parser, run_bench
+from rewriter.decode_cmd import add_decode_parser, run_decode
 from rewriter.compile_cmd import add_compile_parser, run_compile
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
@@ -102,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="one row per layer of the model: kind, rewritten or why not, kernels (--layer ignored)")
     add_compile_parser(sub)
     add_bench_parser(sub)
+    add_decode_parser(sub)
     return p
 
 
@@ -167,7 +169,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"compile": run_compile, "bench": run_bench, "inspect": run_inspect}[args.command](args)
+        return {"compile": run_compile, "bench": run_bench, "inspect": run_inspect,
+                "decode": run_decode}[args.command](args)
     except (ConfigError, ShapeError, RuleError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
