@@ -210,8 +210,8 @@ def decode(cfg, *, layer_ids: list[int], batch: int, steps: int, tp: int, expert
         torch.cuda.current_stream().wait_stream(stream)
         del warm
         with torch.cuda.graph(graph):
-            out = static(tokens["rewritten"])
-        fns["rewritten"] = lambda t: (graph.replay(), out)[1]
+            captured = static(tokens["rewritten"])
+        fns["rewritten"] = lambda t: (graph.replay(), captured)[1]
     first = torch.randint(0, ref_model.embed.shape[0], (batch,), generator=torch.Generator().manual_seed(seed))
     for t in tokens.values():
         t.copy_(first)
