@@ -42,6 +42,18 @@ def test_a_drifting_error_fails_the_gate_and_a_flat_one_with_a_spike_passes():
     assert not gate([0.2] * 100)["passed"]  # above the ceiling throughout
     assert not gate([3e-2] * 100, bf16_errors=[1e-2] * 100)["passed"]  # 3x what bf16 itself costs
     assert gate([1.5e-2] * 100, bf16_errors=[1e-2] * 100)["passed"]
+    # exact early (the same math), then a routing tie broken once and carried by the cache: a
+    # rise that stays far below what bf16 itself costs against fp32 is not a failure
+    assert gate([0.0] * 10 + [5e-2] * 90, bf16_errors=[0.3] * 100)["passed"]
+    assert not gate([0.0] * 10 + [5e-2] * 90)["passed"]  # with no fp32 yardstick the floor decides
+
+
+def test_a_tp_shard_runs_as_one_ranks_sizes_with_no_collective(capsys):
+    assert main(["decode", "--model", "tiny", "--tp", "2", "--layers", "2", "--steps", "3", "--batch", "1",
+                 "--no-fp32", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["model"].endswith("rank-of-tp2") and result["tp"] == 1
+    assert all(r["logits_err"] == 0.0 for r in result["rows"])  # on a CPU the fused ops run the same math
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -461,3 +461,26 @@ def test_op_dispatches_to_the_kernels_in_a_cuda_graph(humming_experts):
     torch.cuda.synchronize()
     assert torch.isfinite(y).all()
     assert rel_err(y, humming_experts.reference(x2, weights, ids)[1]) <= TOL
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_kernels_at_the_tiny_configs_shapes(tokens):
+    """The tiny preset's experts (E 16, top-4, L 64, I 64: one CTA, no cluster, 4 K blocks a warp),
+    which the templates accept, against the op's own reference on the same tensors. The decode
+    gate (``python -m rewriter decode --model tiny``) saw the MXFP4 layer's logits differ by about
+    1x from step 1 on 2026-12-01; this pins it to the kernels or clears them."""
+    tiny = KimiK3Config.preset("tiny")
+    e, k, lat, inter = tiny.num_experts, tiny.num_experts_per_token, tiny.moe_hidden_size, tiny.moe_intermediate_size
+    experts = Experts(inter, inter, HUMMING, torch.Generator(device="cuda").manual_seed(3), experts=e, latent=lat)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, lat, generator=gen).bfloat16().cuda()
+    weights, ids = routing(tokens, gen, experts=e, top_k=k)
+    args = experts.args(x, weights, ids)
+    tpl, specs, fns = gpu_kernels(OP, args)
+    y = torch.full((tokens, lat), float("nan"), dtype=torch.bfloat16, device="cuda")
+    act = torch.full((tokens, k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tpl.launch(fns, specs, args, out=(y, act))
+    torch.cuda.synchronize()
+    ref = torch.ops.k3f.routed_experts_mxfp4(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
