@@ -64,8 +64,8 @@ class ExpertDownMxfp4:
         self.order, self.cluster, self.warps_per_slot = order, cluster, warps_per_slot
         self.slots_per_cta = top_k // cluster
         self.warps = self.slots_per_cta * warps_per_slot
-        if self.warps > 32:
-            raise ValueError(f"{self.warps} warps per CTA: at most 32")
+        if not 2 <= self.warps <= 32:
+            raise ValueError(f"{self.warps} warps per CTA: 2 to 32 (a thread per row of the {TILE}-row tile sums it)")
         self.tiles = rows // TILE
         self.share = TILE // cluster
 

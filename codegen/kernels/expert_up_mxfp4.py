@@ -131,13 +131,16 @@ class ExpertUpMxfp4:
                 sPart[i3 * 16 + r, wslice, half] = acc[0, i3]
                 sPart[i3 * 16 + 8 + r, wslice, half] = acc[2, i3]
         cute.arch.barrier()
-        if tidx < 2 * TILE:
-            row = tidx % TILE
-            h = tidx // TILE
-            total = sPart[row, 0, h]
-            for w in cutlass.range_constexpr(1, self.warps_per_tile):
-                total = total + sPart[row, w, h]
-            sTot[row, h] = total
+        # the (row, half) sums: 2 x 64 of them, more than the threads when warps_per_tile is 1
+        for j in cutlass.range_constexpr(-(-2 * TILE // (32 * self.warps))):
+            i = tidx + j * 32 * self.warps
+            if i < 2 * TILE:
+                row = i % TILE
+                h = i // TILE
+                total = sPart[row, 0, h]
+                for w in cutlass.range_constexpr(1, self.warps_per_tile):
+                    total = total + sPart[row, w, h]
+                sTot[row, h] = total
         cluster_barrier(C)
         if tidx < self.share:
             ch = rank * self.share + tidx
