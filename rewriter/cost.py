@@ -33,6 +33,8 @@ _VIEW_METHODS = {"view", "reshape", "transpose", "squeeze", "unsqueeze", "split"
 _STATE_ARGS = {  # leaf op -> positions of arguments that are decode state (read and written in place)
     k3.kda_conv_update.default: (1,),
     k3.kda_recurrent_step.default: (5,),
+    k3.kda_conv_verify.default: (1,),
+    k3.kda_recurrent_verify.default: (5,),
     k3.mla_cache_insert.default: (0,),
     k3.mla_decode.default: (1,),
 }
@@ -79,10 +81,13 @@ def _indexes_with_tensor(node: fx.Node) -> bool:
 def _state_bytes(node: fx.Node, shape: DecodeShape) -> int:
     """Decode-state traffic of a leaf op: only the rows of this step's requests."""
     target = node.target
-    if target == k3.kda_conv_update.default or target == k3.kda_recurrent_step.default:
+    if target in (k3.kda_conv_update.default, k3.kda_recurrent_step.default, k3.kda_conv_verify.default):
         state = _val(node.args[_STATE_ARGS[target][0]])
         per_slot = nbytes(state) // state.shape[0]
         return 2 * shape.batch * per_slot  # read and write back
+    if target == k3.kda_recurrent_verify.default:
+        state = _val(node.args[5])
+        return (1 + shape.q) * shape.batch * (nbytes(state) // state.shape[0])  # one slot read, q written
     if target == k3.mla_cache_insert.default:
         cache = _val(node.args[0])
         return shape.tokens * cache.shape[-1] * cache.element_size()  # write this step's entries

@@ -82,7 +82,8 @@ def trace(layer: KimiDecoderLayer, shape: DecodeShape) -> LayerGraph:
     if shape.dtype != layer_dtype:
         raise ShapeError(f"shape dtype {shape.dtype} differs from the layer's {layer_dtype}")
     inputs = decode_inputs(layer, shape, device="meta")
-    graph = trace_function(layer)
+    verify = layer.attention_kind == "kda" and shape.q > 1  # vLLM's multi-slot KDA verify contract
+    graph = trace_function(layer, None if verify else {"num_accepted": None})
     gm = fx.GraphModule(layer, graph, class_name=f"KimiK3Layer{layer.layer_idx}")
     propagate_meta(gm, list(inputs.values()))
     live = layer.live_fractions()
@@ -92,11 +93,21 @@ def trace(layer: KimiDecoderLayer, shape: DecodeShape) -> LayerGraph:
     return LayerGraph(gm=gm, config=layer.config, layer=layer.layer_idx, kind=layer.kind, shape=shape, module=layer)
 
 
-def trace_function(fn: torch.nn.Module | Any) -> fx.Graph:
+def trace_function(fn: torch.nn.Module | Any, absent: dict[str, None] | None = None) -> fx.Graph:
     """The fx graph of a module or plain function, as ``trace`` builds it, unused values dropped.
 
-    Patterns are traced with this too, so they have the same structure as the layers.
+    ``absent`` names optional arguments the traced step does not take (``num_accepted`` of a
+    KDA layer outside verify steps): traced as None, and their placeholders dropped, so the graph
+    is the one the function has without them. Patterns are traced with this too, so they have the
+    same structure as the layers.
     """
-    graph = _RegionTracer().trace(fn)
+    graph = _RegionTracer().trace(fn, concrete_args=absent)
+    if absent:
+        for node in list(graph.nodes):  # fx guards each specialized argument with an assert: drop both
+            if node.op == "call_function" and node.target is torch.fx._symbolic_trace._assert_is_none:
+                graph.erase_node(node)
+        for node in list(graph.nodes):
+            if node.op == "placeholder" and not node.users and node.target.rstrip("_0123456789") in absent:
+                graph.erase_node(node)
     graph.eliminate_dead_code()  # in-place state updates are impure and stay
     return graph

@@ -35,17 +35,11 @@ def _steps(layer, full, per_step):
     return stacked, state
 
 
-def test_kda_layer_steps_equal_full_sequence(tiny):
+def test_kda_attention_steps_equal_the_float64_recurrence(tiny):
+    """N one-token steps of the KDA attention against the float64 recurrence written from the
+    math over the whole sequence (a verify step of N tokens against N steps: test_verify_reference)."""
     layer = make_layer(tiny, 1, seed=31)
-    full = make_inputs(layer, batch=B, q=N, seed=4)
-    stepped, stepped_state = _steps(layer, full, lambda n: {})
-    whole_state = _clone(full)
-    whole = layer(**whole_state)
-    for a, b in zip(stepped, whole):
-        assert rel_err(a, b) < TOL
-    for name in ("conv_state", "recurrent_state"):
-        assert rel_err(stepped_state[name], whole_state[name]) < TOL
-    # and the attention against the float64 recurrence written from the math, over the whole sequence
+    full = make_inputs(layer, batch=B, seed=4)
     attn = layer.self_attn
     x = torch.randn(B * N, tiny.hidden_size, generator=torch.Generator().manual_seed(2))
     conv, rec = full["conv_state"].clone(), full["recurrent_state"].clone()
@@ -57,6 +51,7 @@ def test_kda_layer_steps_equal_full_sequence(tiny):
                        for n in range(N)], dim=1).flatten(0, 1)
     assert rel_err(got, expected) < TOL
     assert rel_err(s["recurrent_state"], rec) < TOL
+    assert rel_err(s["conv_state"], conv) < TOL
 
 
 @pytest.mark.parametrize("context", [0, 7])

@@ -39,7 +39,7 @@ def _kda_reference(layer, x, inputs):
     return out, conv, rec
 
 
-@pytest.mark.parametrize("batch,q", [(1, 1), (3, 1), (2, 3)])
+@pytest.mark.parametrize("batch,q", [(1, 1), (3, 1)])  # q > 1 is a verify step: test_verify_reference
 def test_kda_attention_matches_math(tiny, batch, q):
     layer = make_layer(tiny, 1, seed=batch * 7 + q)
     inputs = make_inputs(layer, batch=batch, q=q, seed=q)

@@ -163,3 +163,65 @@ def test_batched_verify_equals_the_loops(batch, q_len):
     o2 = recurrent_verify_batched(q, k, v, g, beta, state2, slots, accepted)
     assert torch.equal(y, y2) and torch.equal(conv, conv2)
     assert rel_err(o2, o) <= 1e-6 and torch.allclose(state2, state, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_kda_layer_verify_equals_single_token_steps_for_every_accepted_length(tiny, q_len):
+    """The whole KDA+MoE decoder layer (AttnRes, KDA, MoE) at a verify shape against q steps of one
+    token: outputs, every token's state column and the conv rows the next step reads."""
+    from conftest import make_inputs, make_layer
+
+    batch = 2
+    layer = make_layer(tiny, 1, seed=41)
+    for a in range(1, q_len + 1):
+        full = make_inputs(layer, batch=batch, q=q_len, seed=a)
+        full["num_accepted"].fill_(a)
+        verify = {k: v.clone() for k, v in full.items()}
+        out = layer(**verify)
+        slots = full["state_indices"].long()
+        conv = torch.stack([torch.zeros_like(full["conv_state"][0, :, :HIST])]
+                           + [full["conv_state"][slots[b, 0], :, a - 1:a - 1 + HIST] for b in range(batch)])
+        rec = torch.stack([torch.zeros_like(full["recurrent_state"][0])]
+                          + [full["recurrent_state"][slots[b, a - 1]] for b in range(batch)])
+        one = torch.arange(1, batch + 1, dtype=torch.int32)
+        for j in range(q_len):
+            rows = torch.arange(batch) * q_len + j
+            step = layer(full["hidden_states"][rows], full["prefix_sum"][rows], full["blocks"][rows].clone(),
+                         conv, rec, one)
+            for got, want in zip(step, out):
+                assert rel_err(got, want[rows]) <= 1e-5
+            for b in range(batch):
+                assert rel_err(verify["recurrent_state"][slots[b, j]], rec[b + 1]) <= 1e-5
+                # the inputs come from GEMMs over 2 or 2 q tokens: equal up to fp32 summation order
+                assert rel_err(verify["conv_state"][slots[b, 0], :, j:j + HIST], conv[b + 1]) <= 1e-5
+
+
+@pytest.mark.parametrize("layer_idx", [1, 3])
+def test_the_rewritten_verify_layer_equals_the_reference(tiny, layer_idx):
+    """A verify shape traced and rewritten (the KDA core keeps the reference's verify ops: the
+    fused kda_core rule is a one-token rule and does not match them) and run by its schedule."""
+    from conftest import make_inputs, make_layer
+
+    from rewriter.program import LayerRunner
+    from rewriter.rewrite import rewrite
+    from rewriter.schedule import build_schedule
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
+
+    layer = make_layer(tiny, layer_idx, seed=9, dtype=torch.bfloat16)
+    shape = DecodeShape(batch=2, q=4, context=5, block_size=4)
+    result = rewrite(trace(layer, shape))
+    targets = {n.target for n in result.after.graph.nodes if n.op == "call_function"}
+    if layer_idx == 1:
+        assert {k3.kda_conv_verify.default, k3.kda_recurrent_verify.default} <= targets
+        assert not any(m.rule == "kda_core" for m in result.matches)
+    assert result.matches  # the token-wise rules still take the layer's 8 tokens
+    runner = LayerRunner(result, build_schedule(result.after))
+    inputs = make_inputs(layer, batch=2, q=4, seed=3)
+    mine, theirs = ({k: v.clone() for k, v in inputs.items()} for _ in range(2))
+    got, want = runner(*mine.values()), layer(**theirs)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-2
+    for name in ("conv_state", "recurrent_state", "kv_cache"):
+        if name in mine:
+            assert rel_err(mine[name], theirs[name]) <= 1e-2

@@ -120,8 +120,11 @@ class KimiDecoderLayer(nn.Module):
 
 class KDADecoderLayer(KimiDecoderLayer):
     def forward(self, hidden_states: Tensor | None, prefix_sum: Tensor, blocks: Tensor, conv_state: Tensor,
-                recurrent_state: Tensor, state_indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self._forward(hidden_states, prefix_sum, blocks, (conv_state, recurrent_state, state_indices))
+                recurrent_state: Tensor, state_indices: Tensor, num_accepted: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """``num_accepted`` given: a speculative verify step (``state_indices`` [requests, q])."""
+        state = (conv_state, recurrent_state, state_indices)
+        return self._forward(hidden_states, prefix_sum, blocks, state if num_accepted is None else (*state, num_accepted))
 
 
 class MLADecoderLayer(KimiDecoderLayer):

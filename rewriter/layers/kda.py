@@ -46,17 +46,21 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = Weight((cfg.hidden_size, self.proj), dtype, ROW)
         self.shardings = {"dt_bias": COLUMN, "A_log": COLUMN}
 
-    def forward(self, x: Tensor, conv_state: Tensor, recurrent_state: Tensor, state_indices: Tensor) -> Tensor:
+    def forward(self, x: Tensor, conv_state: Tensor, recurrent_state: Tensor, state_indices: Tensor,
+                num_accepted: Tensor | None = None) -> Tensor:
+        """``num_accepted`` given: a speculative verify step (``state_indices`` [requests, q])."""
         mixed_qkv, g_out, f_a, beta = kda_in_proj(x, self.in_proj_qkvgfab.weight, self.split_sizes)
         o = kda_core(mixed_qkv, g_out, f_a, beta, self.f_b_proj.weight, self.conv1d.weight, self.A_log, self.dt_bias,
-                     self.o_norm.weight, conv_state, recurrent_state, state_indices, heads=self.heads,
+                     self.o_norm.weight, conv_state, recurrent_state, state_indices, num_accepted, heads=self.heads,
                      head_dim=self.head_dim, lower_bound=self.lower_bound, eps=self.norm_eps)
         return o_proj_all_reduce(o, self.o_proj.weight, self.tp_group, self.tp)
 
-    def state_shapes(self, slots: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shapes of the decode state vLLM keeps per slot (conv state dim-first, bf16; fp32 recurrent)."""
+    def state_shapes(self, slots: int, dtype: torch.dtype, spec_rows: int = 0
+                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes of the decode state vLLM keeps per slot (conv state dim-first, bf16, with
+        ``spec_rows`` more rows when it verifies that many drafted tokens; fp32 recurrent)."""
         return {
-            "conv_state": ((slots, 3 * self.proj, self.conv_size - 1), dtype),
+            "conv_state": ((slots, 3 * self.proj, self.conv_size - 1 + spec_rows), dtype),
             "recurrent_state": ((slots, self.heads, self.head_dim, self.head_dim), torch.float32),
         }
 
@@ -80,17 +84,26 @@ def kda_decay(g1: Tensor, a_log: Tensor, dt_bias: Tensor, heads: int, head_dim: 
 
 def kda_core(mixed_qkv: Tensor, g_out: Tensor, f_a: Tensor, beta: Tensor, f_b_weight: Tensor, conv_weight: Tensor,
              a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor, recurrent_state: Tensor,
-             state_indices: Tensor, *, heads: int, head_dim: int, lower_bound: float | None, eps: float) -> Tensor:
-    """f_b_proj, short conv, gates, delta-rule update and sigmoid-gated RMSNorm; states updated in place."""
+             state_indices: Tensor, num_accepted: Tensor | None = None, *, heads: int, head_dim: int,
+             lower_bound: float | None, eps: float) -> Tensor:
+    """f_b_proj, short conv, gates, delta-rule update and sigmoid-gated RMSNorm; states updated in
+    place. With ``num_accepted`` a verify step in vLLM's multi-slot contract (``k3::kda_*_verify``)."""
     with region("kda.f_b_proj"):
         g1 = torch.nn.functional.linear(f_a, f_b_weight)
     with region("kda.core"):
-        qkv = k3.kda_conv_update(mixed_qkv, conv_state, conv_weight.flatten(1), state_indices)
+        if num_accepted is None:
+            qkv = k3.kda_conv_update(mixed_qkv, conv_state, conv_weight.flatten(1), state_indices)
+        else:
+            qkv = k3.kda_conv_verify(mixed_qkv, conv_state, conv_weight.flatten(1), state_indices, num_accepted)
         q, k, v = qkv.view(-1, 3, heads, head_dim).unbind(1)
         q = l2_normalize(q) * head_dim**-0.5
         k = l2_normalize(k)
         decay = kda_decay(g1, a_log, dt_bias, heads, head_dim, lower_bound)
-        o = k3.kda_recurrent_step(q, k, v, decay, torch.sigmoid(beta.float()), recurrent_state, state_indices)
+        if num_accepted is None:
+            o = k3.kda_recurrent_step(q, k, v, decay, torch.sigmoid(beta.float()), recurrent_state, state_indices)
+        else:
+            o = k3.kda_recurrent_verify(q, k, v, decay, torch.sigmoid(beta.float()), recurrent_state, state_indices,
+                                        num_accepted)
         of = o.float()  # sigmoid-gated RMSNorm per head (FusedRMSNormGated, activation="sigmoid")
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
         gate = torch.sigmoid(g_out.float().view(-1, heads, head_dim))

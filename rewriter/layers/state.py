@@ -48,12 +48,18 @@ def decode_inputs(layer: KimiDecoderLayer, shape: DecodeShape, device: str | tor
     )
     attn = layer.self_attn
     if layer.attention_kind == "kda":
-        slots = batch + 1  # slot 0 stays unused, as vLLM reserves it
-        shapes = attn.state_shapes(slots, dtype)
+        q = shape.q  # q > 1: a verify step, q state slots per request and q - 1 more conv rows
+        slots = batch * q + 1  # slot 0 stays unused, as vLLM reserves it
+        shapes = attn.state_shapes(slots, dtype, spec_rows=q - 1)
         (conv_shape, conv_dtype), (rec_shape, rec_dtype) = shapes["conv_state"], shapes["recurrent_state"]
         inputs["conv_state"], inputs["recurrent_state"] = kda_state_pages(
             randn(*conv_shape, dt=conv_dtype), randn(*rec_shape, dt=rec_dtype, scale=0.1), shape.conv_layout)
-        inputs["state_indices"] = index(perm(batch) + 1)
+        if q == 1:
+            inputs["state_indices"] = index(perm(batch) + 1)
+        else:  # vLLM's spec_state_indices_tensor and num_accepted_tokens (previous step's accepted + 1)
+            inputs["state_indices"] = index((perm(batch * q) + 1).view(batch, q))
+            accepted = torch.ones(batch) if meta else torch.randint(1, q + 1, (batch,), generator=g)
+            inputs["num_accepted"] = index(accepted)
     else:
         bs, seq_len = shape.block_size, shape.seq_len
         pages = math.ceil(seq_len / bs)
