@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from rewriter.bench_cmd import add_bench_parser, run_bench
 from rewriter.decode_cmd import add_decode_parser, run_decode
+from rewriter.fuzz_cmd import add_fuzz_parser, run_fuzz
 from rewriter.compile_cmd import add_compile_parser, run_compile
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
@@ -104,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     add_compile_parser(sub)
     add_bench_parser(sub)
     add_decode_parser(sub)
+    add_fuzz_parser(sub)
     return p
 
 
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"compile": run_compile, "bench": run_bench, "inspect": run_inspect,
-                "decode": run_decode}[args.command](args)
+                "decode": run_decode, "fuzz": run_fuzz}[args.command](args)
     except (ConfigError, ShapeError, RuleError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

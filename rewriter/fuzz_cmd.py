@@ -1,0 +1,144 @@
+"""``python -m rewriter fuzz``: random decode steps, each rewritten and checked against the
+reference layer, or refused with its reason (issue #15).
+
+Every step draws a layer of the model, a batch (1..64 tokens in all), tokens per request (a KDA
+verify step of 2 or 4 where the tokens allow), a cached context and page size (the block table
+shuffled, as ``decode_inputs`` lays it out) and padding rows the way vLLM pads a FULL-graph batch
+(KDA state index 0, MLA slot -1 and sequence length 0). The step is traced, rewritten and run by
+its schedule (on a GPU with the kernels installed), then run again from the same inputs: each
+outcome is one of ``ok`` (within ``TOL`` of the reference, outputs and states, and bit-identical
+when repeated), ``refused`` (a named reason at trace or rewrite), ``mismatch``, ``nondeterministic``
+or ``error`` (anything raised while running); the table counts them.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+TOL = 2e-2  # bf16 layers
+OUTCOMES = ("ok", "refused", "mismatch", "nondeterministic", "error")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.norm() > 0 else float(a.norm())
+
+
+def _pad(inputs: dict[str, torch.Tensor], rows: int, q: int) -> None:
+    """Make the last ``rows`` requests padding rows, as vLLM pads a FULL-graph batch."""
+    if "state_indices" in inputs:
+        inputs["state_indices"][-rows:] = 0
+        if "num_accepted" in inputs:
+            inputs["num_accepted"][-rows:] = 1
+    if "seq_lens" in inputs:
+        inputs["seq_lens"][-rows:] = 0
+        inputs["slot_mapping"][-rows * q:] = -1
+
+
+def draw(rng: random.Random, cfg: Any) -> dict[str, Any]:
+    """One random step: layer, batch, q, context, block size, padding rows."""
+    layer = rng.randrange(cfg.num_hidden_layers)
+    kda = cfg.attention_kind(layer) == "kda"
+    q = rng.choice((1, 1, 2, 4)) if kda else 1
+    batch = rng.choice((1, 1, 2, 3, 5, 8, 13, 16, 31, 64)) // q or 1
+    return {"layer": layer, "batch": batch, "q": q, "context": rng.randrange(0, 40), "block_size": rng.choice((4, 16)),
+            "padding": rng.randrange(0, batch) if batch > 1 and rng.random() < 0.3 else 0,
+            "seed": rng.randrange(1 << 30)}
+
+
+def run_step(layers: dict[int, torch.nn.Module], step: dict[str, Any], device: str, arch: str) -> tuple[str, str]:
+    """(outcome, detail) of one drawn step."""
+    from rewriter.layers.state import decode_inputs
+    from rewriter.program import LayerRunner
+    from rewriter.rewrite import rewrite
+    from rewriter.schedule import build_schedule
+    from rewriter.shape import DecodeShape, ShapeError
+    from rewriter.trace import trace
+
+    layer = layers[step["layer"]]
+    try:
+        shape = DecodeShape(batch=step["batch"], q=step["q"], context=step["context"], block_size=step["block_size"],
+                            arch=arch)
+        result = rewrite(trace(layer, shape))
+    except (ShapeError, ValueError) as e:
+        return "refused", f"{type(e).__name__}: {e}"
+    runner = LayerRunner(result, build_schedule(result.after), device=device)
+    inputs = decode_inputs(layer, shape, device=device, seed=step["seed"])
+    if step["padding"]:
+        _pad(inputs, step["padding"], step["q"])
+    copies = [{k: v.clone() for k, v in inputs.items()} for _ in range(3)]
+    try:
+        want = layer(**copies[0])
+        got = runner(*copies[1].values())
+        again = runner(*copies[2].values())
+    except Exception as e:  # noqa: BLE001  (every failure is an outcome to count)
+        return "error", f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    pairs = list(zip(got, want)) + [(copies[1][k], copies[0][k]) for k in inputs if k in
+                                     ("conv_state", "recurrent_state", "kv_cache")]
+    worst = max(_rel(a, b) for a, b in pairs)
+    if worst > TOL:
+        return "mismatch", f"relative error {worst:.2e}"
+    if not all(torch.equal(a, b) for a, b in zip(got, again)):
+        return "nondeterministic", "a repeated run differs"
+    return "ok", f"{len(result.matches)} fused ops"
+
+
+def fuzz(cfg: Any, steps: int, seed: int, experts: str, device: str, arch: str, progress=lambda m: None
+         ) -> tuple[Counter, list[tuple[dict[str, Any], str, str]]]:
+    """``steps`` random steps; the outcome counts and every step that was not ok."""
+    from rewriter.layers import build_layer
+    from rewriter.layers.weights import init_random_
+
+    rng = random.Random(seed)
+    layers = {i: init_random_(build_layer(cfg, i, device=device, experts=experts), seed=seed + i)
+              for i in range(cfg.num_hidden_layers)}
+    counts, odd, t0 = Counter(), [], time.perf_counter()
+    for n in range(1, steps + 1):
+        step = draw(rng, cfg)
+        outcome, detail = run_step(layers, step, device, arch)
+        counts[outcome] += 1
+        if outcome != "ok":
+            odd.append((step, outcome, detail))
+        if n % 50 == 0 or n == steps:
+            progress(f"step {n}/{steps}: {dict(counts)} ({time.perf_counter() - t0:.0f} s)")
+    return counts, odd
+
+
+def add_fuzz_parser(subparsers) -> argparse.ArgumentParser:
+    f = subparsers.add_parser("fuzz", help="random decode steps, rewritten against the reference, or refused")
+    f.add_argument("--model", default="tiny", help="a preset or a config.json (default tiny)")
+    f.add_argument("--steps", type=int, default=500, help="steps to draw (default 500)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--experts", default="mxfp4", choices=("mxfp4", "bf16"), help="routed experts (default mxfp4)")
+    return f
+
+
+def run_fuzz(args: argparse.Namespace) -> int:
+    from rewriter.config import KimiK3Config
+    from rewriter.shape import ShapeError
+
+    if args.steps < 1:
+        raise ShapeError(f"bad value: --steps {args.steps}")
+    cfg = KimiK3Config.load(args.model)
+    device, arch = "cpu", "sm_90a"
+    if torch.cuda.is_available():
+        from codegen import bind
+
+        device, arch = "cuda", bind.device_arch() or "sm_90a"
+        bind.install_cuda_kernels(arch)
+    with torch.no_grad():
+        counts, odd = fuzz(cfg, args.steps, args.seed, args.experts, device, arch,
+                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"fuzz: {args.model}, {args.steps} steps, seed {args.seed}, {args.experts} experts, {device}")
+    for outcome in OUTCOMES:
+        print(f"  {outcome:<17}{counts[outcome]:>6}")
+    for step, outcome, detail in odd[:20]:
+        print(f"  {outcome}: layer {step['layer']} batch {step['batch']} q {step['q']} context {step['context']} "
+              f"block {step['block_size']} padding {step['padding']}: {detail}")
+    return 0 if counts["mismatch"] + counts["nondeterministic"] + counts["error"] == 0 else 1

@@ -1,0 +1,39 @@
+"""``python -m rewriter fuzz``: random steps (layers, batches, verify q, contexts, pages, padding
+rows) rewritten and checked against the reference; the outcomes it tells apart."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rewriter.cli import main
+from rewriter.config import KimiK3Config
+from rewriter.fuzz_cmd import draw, fuzz
+from rewriter.program import LayerRunner
+
+
+def test_random_steps_are_rewritten_and_match_the_reference(capsys):
+    assert main(["fuzz", "--model", "tiny", "--steps", "10", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ok                   10" in out and "mismatch              0" in out
+
+
+def test_the_draws_cover_the_step_space():
+    cfg, rng = KimiK3Config.preset("tiny"), random.Random(0)
+    steps = [draw(rng, cfg) for _ in range(300)]
+    assert {s["layer"] for s in steps} == set(range(cfg.num_hidden_layers))
+    assert {1, 2, 4} <= {s["q"] for s in steps} and any(s["padding"] for s in steps)
+    assert all(1 <= s["batch"] * s["q"] <= 64 for s in steps) and max(s["batch"] for s in steps) == 64
+    assert all(s["q"] == 1 for s in steps if cfg.attention_kind(s["layer"]) == "mla")
+
+
+@pytest.mark.parametrize("perturb,outcome", [
+    (lambda t: t * 1.1, "mismatch"),  # a wrong answer
+    (lambda t: t + 1e-4 * torch.randn_like(t) * t.abs().mean(), "nondeterministic"),  # a different one each run
+])
+def test_a_wrong_or_unrepeatable_program_is_counted_as_such(monkeypatch, perturb, outcome):
+    run = LayerRunner.run
+    monkeypatch.setattr(LayerRunner, "run", lambda self, *a, **k: tuple(perturb(t) for t in run(self, *a, **k)))
+    counts, odd = fuzz(KimiK3Config.preset("tiny"), 3, 1, "bf16", "cpu", "sm_90a")
+    assert counts[outcome] == 3 and all(o == outcome for _, o, _ in odd)
