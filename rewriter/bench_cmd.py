@@ -77,6 +77,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batches (default 1 8 64)")
     b.add_argument("--experts", default="mxfp4", choices=("mxfp4", "bf16"),
                    help="routed experts: the checkpoint's MXFP4 in Humming's layout (default), or bf16")
+    b.add_argument("--q", type=int, default=1,
+                   help="tokens per request: 2..8 is a speculative verify step (default 1)")
     b.add_argument("--context", type=int, default=4096,
                    help="tokens each request already holds in the MLA cache (default 4096)")
     b.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
@@ -94,6 +96,9 @@ def _check_args(args: argparse.Namespace) -> None:
     bad = [f"--tp {t}" for t in args.tp if t < 1] + [f"--batch {b}" for b in args.batch if b < 1]
     if args.context < 0:
         bad.append(f"--context {args.context}")
+    if not 1 <= args.q <= 8:
+        bad.append(f"--q {args.q} (1..8)")
+    bad += [f"--batch {b} x --q {args.q} = {b * args.q} tokens (at most 64)" for b in args.batch if b * args.q > 64]
     if args.copies is not None and args.copies < 1:
         bad.append(f"--copies {args.copies}")
     if args.reps < 3:
@@ -220,7 +225,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     from rewriter.shape import DecodeShape
     from rewriter.trace import trace
 
-    meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch, context=args.context,
+    meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch, q=args.q, context=args.context,
                              kv_cache_dtype=args.kv_cache_dtype)
     planned = rewrite(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape))
     floor, ref_floor = planned.served_floor_bytes(), planned.reference_floor_bytes()
@@ -386,12 +391,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 rows.extend(bench_shape(cfg, args, tp, batch, arch, log))
                 torch.cuda.empty_cache()  # the shape's layer copies are gone
     if args.json:
-        print(json.dumps({"device": device, "model": args.model, "layer": args.layer, "experts": args.experts,
+        print(json.dumps({"device": device, "model": args.model, "layer": args.layer, "q": args.q, "experts": args.experts,
                           "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
                           "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}, indent=1))
     else:
         kind = cfg.layer_kind(args.layer)
         mla = f", context {args.context}, {args.kv_cache_dtype} latent cache" if cfg.attention_kind(args.layer) == "mla" \
             else ""
-        print(render(rows, device, args.experts, f"layer {args.layer} ({kind}{mla}); "))
+        verify = f"verify steps of {args.q} tokens per request; " if args.q > 1 else ""
+        print(render(rows, device, args.experts, f"layer {args.layer} ({kind}{mla}); {verify}"))
     return 0

@@ -243,6 +243,9 @@ def lower(layer: torch.nn.Module, shape: Any) -> fx.GraphModule:
     from rewriter.rewrite import rewrite
     from rewriter.trace import trace
 
+    if shape.q > 1:
+        raise StockPathError(f"a verify step of {shape.q} tokens per request: vLLM's sm_90 verify kernels (the "
+                             "packed Triton KDA decode with accepted counts) have no runnable stand-in here yet")
     if layer.attention_kind == "mla":
         raise StockPathError(f"layer {layer.layer_idx} is an MLA layer: vLLM's MLA decode on sm_90 (FA3-MLA, "
                              "FlashMLA) cannot run without vllm on this machine, and a torch stand-in would flatter "

@@ -23,6 +23,8 @@ def test_table_gives_the_share_of_the_floor():
 @pytest.mark.parametrize("argv,message", [
     (["--tp", "0"], "--tp 0"),
     (["--batch", "0", "--reps", "2"], "--batch 0, --reps 2"),
+    (["--q", "9"], "--q 9 (1..8)"),
+    (["--q", "4", "--batch", "1", "32"], "--batch 32 x --q 4 = 128 tokens (at most 64)"),
 ])
 def test_bad_arguments_name_the_problem(capsys, argv, message):
     assert main(["bench", *argv]) == 2

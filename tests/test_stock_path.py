@@ -59,11 +59,13 @@ def test_lowering_runs_the_router_gate_as_one_bf16_gemm_with_fp32_output(k3):
 @pytest.mark.parametrize("layer_idx,experts,message", [
     (3, "mxfp4", "MLA layer: vLLM's MLA decode on sm_90"),
     (1, "bf16", "the experts must be mxfp4/humming, got bf16"),
+    (1, "verify", "a verify step of 4 tokens per request"),
 ])
 def test_what_the_stock_path_cannot_run_is_refused_by_name(k3, layer_idx, experts, message):
-    layer = build_layer(k3, layer_idx, tp=16, device="meta", experts=experts)
+    q = 4 if experts == "verify" else 1
+    layer = build_layer(k3, layer_idx, tp=16, device="meta", experts="mxfp4" if q > 1 else experts)
     with pytest.raises(StockPathError, match=message):
-        lower(layer, DecodeShape(batch=1, tp=16))
+        lower(layer, DecodeShape(batch=1, tp=16, q=q))
 
 
 @on_gpu
