@@ -464,6 +464,29 @@ def test_step_guard_on_the_real_decode_context(bf16):
         assert decide_step(B, {4}, True, context).reason == "PIECEWISE CUDA graph"
 
 
+# ---- bad weights, named at build ------------------------------------------------------------------------
+@pytest.mark.parametrize("corrupt,reason", [
+    (lambda w: torch.nn.Parameter(w[:-1].clone(), requires_grad=False), "self_attn.o_proj.weight is (63, "),
+    (lambda w: torch.nn.Parameter(w.half(), requires_grad=False), "torch.float16 in vLLM"),
+    (lambda w: torch.nn.Parameter(w.index_fill(0, torch.tensor([3]), float("nan")), requires_grad=False),
+     "self_attn.o_proj.weight holds NaN or infinite values"),
+])
+def test_a_bad_weight_in_vllms_model_is_named_at_build(bf16, corrupt, reason):
+    """A mis-shaped, mistyped or corrupted tensor in vLLM's loaded layer 1 keeps that layer on the
+    stock forward with a reason that names the tensor; the other layers build."""
+    attn = bf16.layers[1].self_attn
+    good = attn.o_proj.weight
+    attn.o_proj.weight = corrupt(good.data)
+    try:
+        programs = build_programs(bf16.layers, bf16.cfg, tp=1, rank=0, arch=ARCH, batches=(B,),
+                                  compile_fn=lambda result, rows: None, progress=_quiet)
+    finally:
+        attn.o_proj.weight = good
+    assert set(programs.fallbacks) == {1} and reason in programs.fallbacks[1]
+    assert programs.fallbacks[1].startswith("parameters do not match the reference layer")
+    assert {i for i, _ in programs.programs} == {0, 2, 3, 4, 5}
+
+
 # ---- per-layer fallback ---------------------------------------------------------------------------------
 def test_a_layer_whose_compile_fails_falls_back_alone(bf16):
     def compile_fn(result, rows):

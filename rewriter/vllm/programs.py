@@ -61,7 +61,9 @@ def served_batches(capture_sizes: Iterable[int] = ()) -> tuple[int, ...]:
 def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int, rank: int,
                dtype: torch.dtype = torch.bfloat16) -> KimiDecoderLayer:
     """A reference layer whose parameters ARE vLLM's loaded tensors, matched by name; its routed
-    experts in the format vLLM's MoE backend left them (``served_expert_format``)."""
+    experts in the format vLLM's MoE backend left them (``served_expert_format``). A tensor
+    missing, of another shape or dtype, or holding NaN or infinities is named in a
+    ``ProgramError`` (read once, at build), never met as a wrong answer in a step."""
     fmt = "bf16"
     moe = getattr(vllm_layer, "block_sparse_moe", None)
     if moe is not None and cfg.is_moe_layer(layer_idx):
@@ -79,6 +81,8 @@ def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int
         elif tuple(src.shape) != tuple(mine.shape) or src.dtype != mine.dtype:
             problems.append(f"{name} is {tuple(src.shape)} {src.dtype} in vLLM, the reference layer "
                             f"({ExpertFormat.parse(fmt).name} experts) takes {tuple(mine.shape)} {mine.dtype}")
+        elif src.is_floating_point() and src.device.type != "meta" and not bool(torch.isfinite(src).all()):
+            problems.append(f"{name} holds NaN or infinite values (a corrupted checkpoint tensor?)")
         else:
             owner, _, leaf = name.rpartition(".")
             setattr(ref.get_submodule(owner) if owner else ref, leaf, src)
