@@ -59,16 +59,16 @@ def rel(a: Tensor, b: Tensor) -> float:
 class DecodeModel(nn.Module):
     """The reference layers of ``layer_ids`` with an embedding, the final AttnRes and norm and an LM head."""
 
-    def __init__(self, cfg, layer_ids: list[int], tp: int, experts: str, dtype: torch.dtype, device: str, seed: int):
+    def __init__(self, cfg, layer_ids: list[int], experts: str, dtype: torch.dtype, device: str, seed: int):
         from rewriter.layers import build_layer
         from rewriter.layers.weights import init_random_
 
         super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.layers = nn.ModuleList(init_random_(build_layer(cfg, i, tp=tp, dtype=dtype, device=device,
+        self.cfg = cfg
+        self.layers = nn.ModuleList(init_random_(build_layer(cfg, i, dtype=dtype, device=device,
                                                              experts=experts), seed=seed + i) for i in layer_ids)
         g = torch.Generator(device=device).manual_seed(seed)
-        hidden, vocab = cfg.hidden_size, cfg.vocab_size // tp
+        hidden, vocab = cfg.hidden_size, cfg.vocab_size
 
         def param(*shape: int, scale: float, shift: float = 0.0) -> nn.Parameter:
             t = torch.randn(shape, generator=g, device=device) * scale + shift
@@ -91,7 +91,7 @@ class DecodeModel(nn.Module):
             routed = getattr(getattr(layer, "block_sparse_moe", None), "experts", None)
             routed = getattr(routed, "routed_experts", None)
             if routed is not None and routed.format.quantized:
-                dense = build_layer(self.cfg, layer.layer_idx, tp=self.tp, dtype=torch.float32,
+                dense = build_layer(self.cfg, layer.layer_idx, dtype=torch.float32,
                                     device=self.embed.device, experts="bf16")
                 params = dict(layer.named_parameters())
                 for name, p in dense.named_parameters():
@@ -184,15 +184,16 @@ def rewritten_runners(model: DecodeModel, shape: Any) -> list:
     return runners
 
 
-def decode(cfg, *, layer_ids: list[int], batch: int, steps: int, tp: int, experts: str, kv_cache_dtype: str,
+def decode(cfg, *, layer_ids: list[int], batch: int, steps: int, experts: str, kv_cache_dtype: str,
            device: str, arch: str, seed: int = 0, fp32: bool = True,
            progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """Decode ``steps`` tokens for ``batch`` requests through both paths; per-step errors."""
+    """Decode ``steps`` tokens for ``batch`` requests of ``cfg`` (a TP 1 model: one rank's sizes
+    come from ``cfg.one_rank_of``) through the paths; per-step errors."""
     from rewriter.rewrite import is_fused
     from rewriter.shape import DecodeShape
 
-    shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch, kv_cache_dtype=kv_cache_dtype)
-    ref_model = DecodeModel(cfg, layer_ids, tp, experts, torch.bfloat16, device, seed)
+    shape = DecodeShape(batch=batch, arch=arch, kv_cache_dtype=kv_cache_dtype)
+    ref_model = DecodeModel(cfg, layer_ids, experts, torch.bfloat16, device, seed)
     paths = {"reference": (ref_model, None)}
     paths["rewritten"] = (ref_model, rewritten_runners(ref_model, shape))
     notes = []
@@ -229,7 +230,7 @@ def decode(cfg, *, layer_ids: list[int], batch: int, steps: int, tp: int, expert
                 continue
             try:
                 out[name] = fn(tokens[name])
-            except RuntimeError as e:  # e.g. bf16 dequantized experts meeting fp32 activations
+            except RuntimeError as e:  # a layer the fp32 twin cannot run: reported, the run goes on
                 if name != "fp32":
                     raise
                 fp32_ok = False
@@ -249,7 +250,7 @@ def decode(cfg, *, layer_ids: list[int], batch: int, steps: int, tp: int, expert
         if n % 100 == 0 or n == steps:
             progress(f"step {n}/{steps}: logits error {rows[-1].logits_err:.2e} ({time.perf_counter() - t0:.0f} s)")
     fused = sum(1 for r in paths["rewritten"][1] for n in r.module.graph.nodes if is_fused(n))
-    return {"model": cfg.name, "batch": batch, "steps": steps, "tp": tp, "experts": experts, "kv_cache_dtype": kv_cache_dtype,
+    return {"model": cfg.name, "batch": batch, "steps": steps, "experts": experts, "kv_cache_dtype": kv_cache_dtype,
             "layers": layer_ids, "device": device, "fused_ops": fused, "first_disagreement": disagree, "notes": notes,
             "gate": gate([r.logits_err for r in rows], [r.fp32_logits_err for r in rows if r.fp32_logits_err is not None]),
             "rows": [asdict(r) for r in rows]}
@@ -277,7 +278,7 @@ def gate(errors: list[float], bf16_errors: list[float] | None = None) -> dict[st
 
 def render(result: dict[str, Any]) -> str:
     rows = result["rows"]
-    lines = [f"decode: {result['model']}, batch {result['batch']}, {result['steps']} steps, TP {result['tp']}, layers "
+    lines = [f"decode: {result['model']}, batch {result['batch']}, {result['steps']} steps, layers "
              f"{result['layers'][0]}..{result['layers'][-1]} ({result['fused_ops']} fused ops), {result['experts']} "
              f"experts, {result['kv_cache_dtype']} MLA cache, {result['device']}",
              f"{'step':>6} {'logits err':>11} {'hidden err':>11} {'KDA state err':>14} {'bf16 vs fp32 ref':>17}  tokens"]
@@ -339,7 +340,7 @@ def run_decode(args: argparse.Namespace) -> int:
     with torch.no_grad():
         for batch in args.batch:
             log(f"batch {batch}: building {len(layer_ids)} layers on {device}")
-            results.append(decode(cfg, layer_ids=layer_ids, batch=batch, steps=args.steps, tp=1,
+            results.append(decode(cfg, layer_ids=layer_ids, batch=batch, steps=args.steps,
                                   experts=args.experts, kv_cache_dtype=args.kv_cache_dtype, device=device, arch=arch,
                                   seed=args.seed, fp32=not args.no_fp32, progress=log))
             if not args.json:

@@ -52,7 +52,7 @@ def test_a_tp_shard_runs_as_one_ranks_sizes_with_no_collective(capsys):
     assert main(["decode", "--model", "tiny", "--tp", "2", "--layers", "2", "--steps", "3", "--batch", "1",
                  "--no-fp32", "--json"]) == 0
     (result,) = json.loads(capsys.readouterr().out)["results"]
-    assert result["model"].endswith("rank-of-tp2") and result["tp"] == 1
+    assert result["model"].endswith("rank-of-tp2")
     assert all(r["logits_err"] == 0.0 for r in result["rows"])  # on a CPU the fused ops run the same math
 
 
