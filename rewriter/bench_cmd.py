@@ -201,14 +201,13 @@ def _rewritten(case: _Case) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
     """(all copies, one copy, the rewrite of copy 0): each copy traced, rewritten and run by its schedule."""
     from rewriter.program import LayerRunner
     from rewriter.rewrite import rewrite
-    from rewriter.schedule import build_schedule
     from rewriter.trace import trace
 
     runners, first = [], None
     for layer in case.layers:
         result = rewrite(trace(layer, case.shape))
         first = first or result
-        runners.append(LayerRunner(result, build_schedule(result.after), device="cuda"))
+        runners.append(LayerRunner.of(result, "cuda"))
 
     def run():
         for runner, inputs in zip(runners, case.inputs):

@@ -173,15 +173,9 @@ def step_fn(model: DecodeModel, state: DecodeState, runners: list | None) -> Cal
 def rewritten_runners(model: DecodeModel, shape: Any) -> list:
     from rewriter.program import LayerRunner
     from rewriter.rewrite import rewrite
-    from rewriter.schedule import build_schedule
     from rewriter.trace import trace
 
-    device = model.embed.device
-    runners = []
-    for layer in model.layers:
-        result = rewrite(trace(layer, shape))
-        runners.append(LayerRunner(result, build_schedule(result.after), device=device))
-    return runners
+    return [LayerRunner.of(rewrite(trace(layer, shape)), model.embed.device) for layer in model.layers]
 
 
 def decode(cfg, *, layer_ids: list[int], batch: int, steps: int, experts: str, kv_cache_dtype: str,

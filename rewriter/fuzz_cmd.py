@@ -57,7 +57,6 @@ def run_step(layers: dict[int, torch.nn.Module], step: dict[str, Any], device: s
     from rewriter.layers.state import decode_inputs
     from rewriter.program import LayerRunner
     from rewriter.rewrite import rewrite
-    from rewriter.schedule import build_schedule
     from rewriter.shape import DecodeShape, ShapeError
     from rewriter.trace import trace
 
@@ -68,7 +67,7 @@ def run_step(layers: dict[int, torch.nn.Module], step: dict[str, Any], device: s
         result = rewrite(trace(layer, shape))
     except (ShapeError, ValueError) as e:
         return "refused", f"{type(e).__name__}: {e}"
-    runner = LayerRunner(result, build_schedule(result.after), device=device)
+    runner = LayerRunner.of(result, device)
     inputs = decode_inputs(layer, shape, device=device, seed=step["seed"])
     if step["padding"]:
         _pad(inputs, step["padding"], step["q"])

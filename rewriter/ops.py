@@ -115,6 +115,26 @@ def _(weight: Tensor, scale: Tensor, layout: str) -> Tensor:
     return weight.new_empty((*lead, n, k), dtype=torch.bfloat16)
 
 
+# ---- KDA: one token of each recurrence, shared by the loop references and the batched forms ----
+def _conv_step(window: Tensor, x_t: Tensor, weight: Tensor, state_dtype: torch.dtype,
+               out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The causal depthwise conv + SiLU of one token over its history ``window`` [..., C, W - 1]
+    (fp32): the output, and the next window as the state stores it (rounded to its dtype)."""
+    full = torch.cat([window, x_t.float().unsqueeze(-1)], dim=-1)  # [..., C, W]
+    return torch.nn.functional.silu((full * weight).sum(-1)).to(out_dtype), full[..., 1:].to(state_dtype).float()
+
+
+def _delta_step(s: Tensor, q_t: Tensor, k_t: Tensor, v_t: Tensor, g_t: Tensor, beta_t: Tensor
+                ) -> tuple[Tensor, Tensor]:
+    """One token of the gated delta rule on fp32 states [..., H, V, K]: S = S * exp(g);
+    S += beta (v - S k) k^T; o = S q. Returns the new state and o (fp32)."""
+    s = s * torch.exp(g_t.float()).unsqueeze(-2)
+    k_t = k_t.float()
+    delta = (v_t.float() - torch.einsum("...vk,...k->...v", s, k_t)) * beta_t.float().unsqueeze(-1)
+    s = s + torch.einsum("...v,...k->...vk", delta, k_t)
+    return s, torch.einsum("...vk,...k->...v", s, q_t.float())
+
+
 # ---- KDA: short convolution decode step ----------------------------------------------
 @torch.library.custom_op("k3::kda_conv_update", mutates_args=("conv_state",))
 def kda_conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices: Tensor) -> Tensor:
@@ -133,10 +153,8 @@ def kda_conv_update(x: Tensor, conv_state: Tensor, weight: Tensor, state_indices
         window = conv_state[slot].float()  # [C, K-1]
         for j in range(q_len):
             t = b * q_len + j
-            full = torch.cat([window, x[t].float().unsqueeze(-1)], dim=-1)  # [C, K]
-            out[t] = torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype)
             # the state holds the stored (rounded) inputs, as a bf16 conv state does
-            window = full[:, 1:].to(conv_state.dtype).float()
+            out[t], window = _conv_step(window, x[t], w, conv_state.dtype, x.dtype)
         conv_state[slot] = window.to(conv_state.dtype)
     return out
 
@@ -164,9 +182,8 @@ def conv_update_batched(x: Tensor, conv_state: Tensor, weight: Tensor, state_ind
     xs = x.view(batch, q_len, -1)
     outs = []
     for j in range(q_len):
-        full = torch.cat([window, xs[:, j].float().unsqueeze(-1)], dim=-1)  # [B, C, K]
-        outs.append(torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype))
-        window = full[..., 1:].to(conv_state.dtype).float()
+        y, window = _conv_step(window, xs[:, j], w, conv_state.dtype, x.dtype)
+        outs.append(y)
     keep = valid.view(-1, 1, 1)
     conv_state.index_copy_(0, slots, torch.where(keep, window.to(conv_state.dtype), old))
     return (torch.stack(outs, dim=1) * keep).view_as(x)
@@ -193,12 +210,8 @@ def kda_recurrent_step(
         s = state[slot].float()  # [H, V, K]
         for j in range(q_len):
             t = b * q_len + j
-            s = s * torch.exp(g[t].float()).unsqueeze(1)
-            kt = k[t].float()
-            pred = torch.einsum("hvk,hk->hv", s, kt)
-            delta = (v[t].float() - pred) * beta[t].float().unsqueeze(-1)
-            s = s + torch.einsum("hv,hk->hvk", delta, kt)
-            out[t] = torch.einsum("hvk,hk->hv", s, q[t].float()).to(v.dtype)
+            s, o = _delta_step(s, q[t], k[t], v[t], g[t], beta[t])
+            out[t] = o.to(v.dtype)
         state[slot] = s.to(state.dtype)
     return out
 
@@ -218,11 +231,8 @@ def _recurrent_step_batched(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     vs, bs = v.float().view((batch, q_len) + tuple(v.shape[1:])), beta.float().view(batch, q_len, -1)
     outs = []
     for j in range(q_len):
-        s = s * torch.exp(gs[:, j]).unsqueeze(2)
-        kt = ks[:, j]
-        delta = (vs[:, j] - torch.einsum("bhvk,bhk->bhv", s, kt)) * bs[:, j].unsqueeze(-1)
-        s = s + torch.einsum("bhv,bhk->bhvk", delta, kt)
-        outs.append(torch.einsum("bhvk,bhk->bhv", s, qs[:, j]).to(v.dtype))
+        s, o = _delta_step(s, qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j])
+        outs.append(o.to(v.dtype))
     keep = valid.view(-1, 1, 1, 1)
     state.index_copy_(0, slots, torch.where(keep, s.to(state.dtype), old))
     return (torch.stack(outs, dim=1) * keep.view(-1, 1, 1, 1)).view_as(v)
@@ -281,9 +291,7 @@ def kda_conv_verify(x: Tensor, conv_state: Tensor, weight: Tensor, spec_state_in
         window = old[:, a - 1:a - 1 + hist].float()
         for j in range(q_len):
             t = b * q_len + j
-            full = torch.cat([window, x[t].float().unsqueeze(-1)], dim=-1)  # [C, W]
-            out[t] = torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype)
-            window = full[:, 1:].to(conv_state.dtype).float()
+            out[t], window = _conv_step(window, x[t], w, conv_state.dtype, x.dtype)
         conv_state[slot, :, :hist - 1] = old[:, a:a + hist - 1]
         conv_state[slot, :, hist - 1:hist - 1 + q_len] = x[b * q_len:(b + 1) * q_len].t().to(conv_state.dtype)
     return out
@@ -307,9 +315,8 @@ def conv_verify_batched(x: Tensor, conv_state: Tensor, weight: Tensor, spec_stat
     xs = x.view(batch, q_len, -1)
     outs = []
     for j in range(q_len):
-        full = torch.cat([window, xs[:, j].float().unsqueeze(-1)], dim=-1)  # [B, C, W]
-        outs.append(torch.nn.functional.silu((full * w).sum(-1)).to(x.dtype))
-        window = full[..., 1:].to(conv_state.dtype).float()
+        y, window = _conv_step(window, xs[:, j], w, conv_state.dtype, x.dtype)
+        outs.append(y)
     new = old.clone()
     new[..., :hist - 1] = old.gather(2, rows(first + 1, hist - 1))
     new[..., hist - 1:hist - 1 + q_len] = xs.transpose(1, 2).to(conv_state.dtype)
@@ -344,11 +351,8 @@ def kda_recurrent_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         s = state[source].float()  # [H, V, K], read before column a - 1 is written
         for j in range(q_len):
             t = b * q_len + j
-            s = s * torch.exp(g[t].float()).unsqueeze(1)
-            kt = k[t].float()
-            delta = (v[t].float() - torch.einsum("hvk,hk->hv", s, kt)) * beta[t].float().unsqueeze(-1)
-            s = s + torch.einsum("hv,hk->hvk", delta, kt)
-            out[t] = torch.einsum("hvk,hk->hv", s, q[t].float()).to(v.dtype)
+            s, o = _delta_step(s, q[t], k[t], v[t], g[t], beta[t])
+            out[t] = o.to(v.dtype)
             if slots[j] > 0:
                 state[slots[j]] = s.to(state.dtype)
                 s = state[slots[j]].float()  # the next token continues from the stored state
@@ -371,11 +375,9 @@ def recurrent_verify_batched(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     vs, bs = v.float().view((batch, q_len) + tuple(v.shape[1:])), beta.float().view(batch, q_len, -1)
     outs, states = [], []
     for j in range(q_len):
-        s = s * torch.exp(gs[:, j]).unsqueeze(2)
-        kt = ks[:, j]
-        delta = (vs[:, j] - torch.einsum("bhvk,bhk->bhv", s, kt)) * bs[:, j].unsqueeze(-1)
-        s = (s + torch.einsum("bhv,bhk->bhvk", delta, kt)).to(state.dtype).float()
-        outs.append(torch.einsum("bhvk,bhk->bhv", s, qs[:, j]).to(v.dtype))
+        s, o = _delta_step(s, qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j])
+        s = s.to(state.dtype).float()  # the next token continues from the stored state
+        outs.append(o.to(v.dtype))
         states.append(s.to(state.dtype))
     keep = (writes.view(batch, q_len) & valid.view(-1, 1)).flatten().view(-1, 1, 1, 1)
     state.index_copy_(0, targets, torch.where(keep, torch.stack(states, dim=1).flatten(0, 1), before))

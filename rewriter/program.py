@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from rewriter.rewrite import RewriteResult
-from rewriter.schedule import Schedule
+from rewriter.schedule import Schedule, build_schedule
 
 
 class LayerRunner(fx.Interpreter):
@@ -40,6 +40,11 @@ class LayerRunner(fx.Interpreter):
         self._events: dict[str, torch.cuda.Event] = {}
         self._started: set[str] = set()
         self._made_on: dict[str, str] = {}
+
+    @classmethod
+    def of(cls, result: RewriteResult, device: torch.device | str = "cpu") -> LayerRunner:
+        """The runner of ``result`` on its own schedule."""
+        return cls(result, build_schedule(result.after), device=device)
 
     def __call__(self, *inputs: Any) -> Any:
         return self.run(*inputs)

@@ -204,7 +204,6 @@ def test_the_rewritten_verify_layer_equals_the_reference(tiny, layer_idx):
 
     from rewriter.program import LayerRunner
     from rewriter.rewrite import rewrite
-    from rewriter.schedule import build_schedule
     from rewriter.shape import DecodeShape
     from rewriter.trace import trace
 
@@ -216,7 +215,7 @@ def test_the_rewritten_verify_layer_equals_the_reference(tiny, layer_idx):
         assert {k3.kda_conv_verify.default, k3.kda_recurrent_verify.default} <= targets
         assert not any(m.rule == "kda_core" for m in result.matches)
     assert result.matches  # the token-wise rules still take the layer's 8 tokens
-    runner = LayerRunner(result, build_schedule(result.after))
+    runner = LayerRunner.of(result)
     inputs = make_inputs(layer, batch=2, q=4, seed=3)
     mine, theirs = ({k: v.clone() for k, v in inputs.items()} for _ in range(2))
     got, want = runner(*mine.values()), layer(**theirs)
