@@ -233,3 +233,15 @@ def test_every_match_and_refusal_is_recorded(k3):
 def test_rule_launches_must_be_a_positive_int():
     with pytest.raises(RuleError, match="launches must be an int >= 1"):
         Rule("zero", "moe", lambda ctx: [], common_guard, launches=0)
+
+
+def test_latent_tail_refuses_a_tp_that_does_not_split_the_up_projection(tiny):
+    """The tail reads 1/TP of the up projection's rows; a hidden size TP does not divide keeps
+    the replicated tail (its reference ops), the rest still fuses."""
+    from rewriter.layers import build_layer
+    layer = build_layer(tiny.replace(hidden_size=68), 1, tp=8, rank=3, dtype=torch.float32)
+    result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)))
+    refusals = {r.rule: r.reason for r in result.refusals}
+    assert refusals["latent_tail"] == "TP 8 does not divide the 68 rows of block_sparse_moe.routed_expert_up_proj.weight"
+    assert "routed_experts" in {m.rule for m in result.matches}
+    assert result.served_floor_bytes() < result.reference_floor_bytes()  # the router still splits its two
