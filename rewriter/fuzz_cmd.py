@@ -41,9 +41,9 @@ def _pad(inputs: dict[str, torch.Tensor], rows: int, q: int) -> None:
         inputs["slot_mapping"][-rows * q:] = -1
 
 
-def draw(rng: random.Random, cfg: Any) -> dict[str, Any]:
-    """One random step: layer, batch, q, context, block size, padding rows."""
-    layer = rng.randrange(cfg.num_hidden_layers)
+def draw(rng: random.Random, cfg: Any, layer_ids: list[int]) -> dict[str, Any]:
+    """One random step: layer (of ``layer_ids``), batch, q, context, block size, padding rows."""
+    layer = rng.choice(layer_ids)
     kda = cfg.attention_kind(layer) == "kda"
     q = rng.choice((1, 1, 2, 4)) if kda else 1
     batch = rng.choice((1, 1, 2, 3, 5, 8, 13, 16, 31, 64)) // q or 1
@@ -88,18 +88,19 @@ def run_step(layers: dict[int, torch.nn.Module], step: dict[str, Any], device: s
     return "ok", f"{len(result.matches)} fused ops"
 
 
-def fuzz(cfg: Any, steps: int, seed: int, experts: str, device: str, arch: str, progress=lambda m: None
-         ) -> tuple[Counter, list[tuple[dict[str, Any], str, str]]]:
-    """``steps`` random steps; the outcome counts and every step that was not ok."""
+def fuzz(cfg: Any, steps: int, seed: int, experts: str, device: str, arch: str, progress=lambda m: None,
+         layer_ids: list[int] | None = None) -> tuple[Counter, list[tuple[dict[str, Any], str, str]]]:
+    """``steps`` random steps over ``layer_ids`` (default all); the outcome counts and every
+    step that was not ok."""
     from rewriter.layers import build_layer
     from rewriter.layers.weights import init_random_
 
     rng = random.Random(seed)
-    layers = {i: init_random_(build_layer(cfg, i, device=device, experts=experts), seed=seed + i)
-              for i in range(cfg.num_hidden_layers)}
+    layer_ids = list(range(cfg.num_hidden_layers)) if layer_ids is None else layer_ids
+    layers = {i: init_random_(build_layer(cfg, i, device=device, experts=experts), seed=seed + i) for i in layer_ids}
     counts, odd, t0 = Counter(), [], time.perf_counter()
     for n in range(1, steps + 1):
-        step = draw(rng, cfg)
+        step = draw(rng, cfg, layer_ids)
         outcome, detail = run_step(layers, step, device, arch)
         counts[outcome] += 1
         if outcome != "ok":
@@ -112,6 +113,8 @@ def fuzz(cfg: Any, steps: int, seed: int, experts: str, device: str, arch: str, 
 def add_fuzz_parser(subparsers) -> argparse.ArgumentParser:
     f = subparsers.add_parser("fuzz", help="random decode steps, rewritten against the reference, or refused")
     f.add_argument("--model", default="tiny", help="a preset or a config.json (default tiny)")
+    f.add_argument("--layers", type=int, help="draw from the first N layers only (default all)")
+    f.add_argument("--tp", type=int, default=1, help="one TP rank's shard sizes, as a TP 1 model (default 1)")
     f.add_argument("--steps", type=int, default=500, help="steps to draw (default 500)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--experts", default="mxfp4", choices=("mxfp4", "bf16"), help="routed experts (default mxfp4)")
@@ -122,9 +125,14 @@ def run_fuzz(args: argparse.Namespace) -> int:
     from rewriter.config import KimiK3Config
     from rewriter.shape import ShapeError
 
-    if args.steps < 1:
-        raise ShapeError(f"bad value: --steps {args.steps}")
     cfg = KimiK3Config.load(args.model)
+    bad = [f"--{n} {v}" for n, v in (("steps", args.steps), ("tp", args.tp)) if v < 1]
+    if args.layers is not None and not 1 <= args.layers <= cfg.num_hidden_layers:
+        bad.append(f"--layers {args.layers} (1..{cfg.num_hidden_layers})")
+    if bad:
+        raise ShapeError(f"bad value: {', '.join(bad)}")
+    if args.tp > 1:
+        cfg = cfg.one_rank_of(args.tp)
     device, arch = "cpu", "sm_90a"
     if torch.cuda.is_available():
         from codegen import bind
@@ -133,10 +141,16 @@ def run_fuzz(args: argparse.Namespace) -> int:
         bind.install_cuda_kernels(arch)
     with torch.no_grad():
         counts, odd = fuzz(cfg, args.steps, args.seed, args.experts, device, arch,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"fuzz: {args.model}, {args.steps} steps, seed {args.seed}, {args.experts} experts, {device}")
+                           progress=lambda m: print(m, file=sys.stderr, flush=True),
+                           layer_ids=list(range(args.layers or cfg.num_hidden_layers)))
+    print(f"fuzz: {cfg.name}, {args.steps} steps, seed {args.seed}, {args.experts} experts, {device}")
     for outcome in OUTCOMES:
         print(f"  {outcome:<17}{counts[outcome]:>6}")
+    if device == "cuda":
+        from codegen import bind
+
+        ran = sorted(op for op, c in bind.stats().items() if c.get("reference", 0))
+        print(f"  fused ops that ran their reference at some shape (no kernel took it): {', '.join(ran) or 'none'}")
     for step, outcome, detail in odd[:20]:
         print(f"  {outcome}: layer {step['layer']} batch {step['batch']} q {step['q']} context {step['context']} "
               f"block {step['block_size']} padding {step['padding']}: {detail}")

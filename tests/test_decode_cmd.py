@@ -46,6 +46,13 @@ def test_a_drifting_error_fails_the_gate_and_a_flat_one_with_a_spike_passes():
     # rise that stays far below what bf16 itself costs against fp32 is not a failure
     assert gate([0.0] * 10 + [5e-2] * 90, bf16_errors=[0.3] * 100)["passed"]
     assert not gate([0.0] * 10 + [5e-2] * 90)["passed"]  # with no fp32 yardstick the floor decides
+    # a random model where bf16 itself is 0.2 from fp32: a late 0.16 is at that level (the
+    # ceiling follows it), unless the rewritten path is itself much further from fp32
+    level = [0.2] * 100
+    assert gate([0.16] * 100, bf16_errors=level, rewritten_fp32_errors=[0.22] * 100)["passed"]
+    verdict = gate([0.16] * 100, bf16_errors=level, rewritten_fp32_errors=[0.5] * 100)
+    assert not verdict["passed"] and "from fp32" in verdict["reasons"][0]
+    assert not gate([0.5] * 100, bf16_errors=level)["passed"]  # 2.5x bf16's own cost: above the ceiling too
 
 
 def test_a_tp_shard_runs_as_one_ranks_sizes_with_no_collective(capsys):

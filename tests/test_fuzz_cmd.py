@@ -19,9 +19,17 @@ def test_random_steps_are_rewritten_and_match_the_reference(capsys):
     assert "ok                   10" in out and "mismatch              0" in out
 
 
+def test_fuzz_draws_from_the_first_layers_at_one_ranks_sizes(capsys):
+    assert main(["fuzz", "--model", "tiny", "--layers", "2", "--tp", "2", "--steps", "4", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny/rank-of-tp2" in out and "ok                    4" in out
+    assert main(["fuzz", "--model", "tiny", "--layers", "99"]) != 0
+    assert "bad value: --layers 99 (1..6)" in capsys.readouterr().err
+
+
 def test_the_draws_cover_the_step_space():
     cfg, rng = KimiK3Config.preset("tiny"), random.Random(0)
-    steps = [draw(rng, cfg) for _ in range(300)]
+    steps = [draw(rng, cfg, list(range(cfg.num_hidden_layers))) for _ in range(300)]
     assert {s["layer"] for s in steps} == set(range(cfg.num_hidden_layers))
     assert {1, 2, 4} <= {s["q"] for s in steps} and any(s["padding"] for s in steps)
     assert all(1 <= s["batch"] * s["q"] <= 64 for s in steps) and max(s["batch"] for s in steps) == 64

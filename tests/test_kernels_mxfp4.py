@@ -469,10 +469,13 @@ def test_kernels_at_the_tiny_configs_shapes(tokens):
     """The tiny preset's experts (E 16, top-4, L 64, I 64: one CTA, no cluster, 4 K blocks a warp),
     which the templates accept, against the op's own reference on the same tensors. The decode
     gate (``python -m rewriter decode --model tiny``) saw the MXFP4 layer's logits differ by about
-    1x from step 1 on 2026-12-01; this pins it to the kernels or clears them."""
+    1x from step 1 on 2026-12-01; this pins it to the kernels or clears them. Humming itself pads
+    shapes this small (pad_shape_n 128, pad_shape_k 64, which ``served_expert_format`` refuses in
+    vLLM), so the tensors are laid out unpadded by ``ExpertFormat`` as the decode gate does."""
     tiny = KimiK3Config.preset("tiny")
     e, k, lat, inter = tiny.num_experts, tiny.num_experts_per_token, tiny.moe_hidden_size, tiny.moe_intermediate_size
-    experts = Experts(inter, inter, HUMMING, torch.Generator(device="cuda").manual_seed(3), experts=e, latent=lat)
+    experts = Experts(inter, inter, HUMMING, torch.Generator(device="cuda").manual_seed(3), experts=e, latent=lat,
+                      humming=False)
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, lat, generator=gen).bfloat16().cuda()
     weights, ids = routing(tokens, gen, experts=e, top_k=k)
