@@ -7,6 +7,8 @@
 - ``kda_core``: KDA after the projection. ``f_b_proj`` cannot join the projection
   kernel (it needs all of f_a first), but per head it is a 128x128 GEMV, so it runs in
   the head's core kernel with the conv update, gates, recurrent update and gated norm.
+  ``kda_core.verify``: the same for a speculative verify step (vLLM's multi-slot state:
+  ``state_indices`` [requests, q], ``num_accepted``), the q tokens walked in one kernel.
 - ``mla_q_front``: MLA's q/kv LoRA front: both norms, ``q_b_proj`` and the W_UK
   absorption are per head once q_c is known, and the latent cache insert rides along.
 """
@@ -58,6 +60,37 @@ def kda_core_op(mixed_qkv: Tensor, g_out: Tensor, f_a: Tensor, beta: Tensor, f_b
                 state_indices: Tensor, heads: int, head_dim: int, lower_bound: float | None, eps: float) -> Tensor:
     return kda_core(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state,
                     recurrent_state, state_indices, heads=heads, head_dim=head_dim, lower_bound=lower_bound, eps=eps)
+
+
+@fused_op("kda_core_verify", mutates_args=("conv_state", "recurrent_state"))
+def kda_core_verify_op(mixed_qkv: Tensor, g_out: Tensor, f_a: Tensor, beta: Tensor, f_b_weight: Tensor,
+                       conv_weight: Tensor, a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, conv_state: Tensor,
+                       recurrent_state: Tensor, state_indices: Tensor, num_accepted: Tensor, heads: int, head_dim: int,
+                       lower_bound: float | None, eps: float) -> Tensor:
+    return kda_core(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state,
+                    recurrent_state, state_indices, num_accepted, heads=heads, head_dim=head_dim,
+                    lower_bound=lower_bound, eps=eps)
+
+
+def _kda_core_verify_variants(ctx: RuleContext):
+    if ctx.layer.attention_kind != "kda":
+        return []
+    a = ctx.layer.self_attn
+    consts = dict(heads=a.heads, head_dim=a.head_dim, lower_bound=a.lower_bound, eps=a.norm_eps)
+
+    def pattern(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state,
+                recurrent_state, state_indices, num_accepted):
+        return kda_core(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight,
+                        conv_state, recurrent_state, state_indices, num_accepted, **consts)
+
+    def replacement(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state,
+                    recurrent_state, state_indices, num_accepted):
+        return torch.ops.k3f.kda_core_verify(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias,
+                                             norm_weight, conv_state, recurrent_state, state_indices, num_accepted,
+                                             consts["heads"], consts["head_dim"], consts["lower_bound"],
+                                             consts["eps"])
+
+    return [(pattern, replacement)]
 
 
 def _kda_core_variants(ctx: RuleContext):
@@ -115,6 +148,8 @@ RULES = [
          doc="attention input projection for 2..64 tokens: tensor-core GEMM"),
     Rule("kda_core", "attention_projection", _kda_core_variants, common_guard,
          doc="f_b_proj + short conv + gates + delta-rule update + gated RMSNorm, per head"),
+    Rule("kda_core.verify", "attention_projection", _kda_core_verify_variants, common_guard, kernel="kda_core",
+         doc="kda_core for a speculative verify step: q tokens per request over vLLM's multi-slot state"),
     Rule("mla_q_front", "attention_projection", _mla_q_front_variants, common_guard,
          doc="q/kv norms + q_b_proj + W_UK absorption + latent cache insert, per head"),
 ]

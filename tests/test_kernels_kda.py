@@ -72,7 +72,51 @@ def test_specs_at_kimi_k3_shapes(shape):
     ds = kda_spec("sm_90a", kda_args(heads=h, layout="DS"))
     assert ds.param_dict["conv_layout"] == "DS" and ds != spec
     assert kda_spec("sm_90a", kda_args(heads=h, layout=None)) == ds
-    assert template("kda_core").ops == ("k3f::kda_core",)
+    assert template("kda_core").ops == ("k3f::kda_core", "k3f::kda_core_verify")
+
+
+def verify_args(heads=6, requests=2, q=4, rows=None, slots=16, table_width=12, make=meta, layout="SD"):
+    """The 17 arguments of ``k3f::kda_core_verify`` as vLLM gives them: ``rows`` (default q + 2,
+    vLLM's 3 + k) conv rows per slot, the slots a [requests, q] slice of a wider block table."""
+    plain = list(kda_args(heads=heads, requests=requests, q=q, slots=slots, make=make, layout=None))
+    p = heads * D
+    conv, state = make(slots, 3 * p, q + 2 if rows is None else rows), plain[10]
+    if layout:
+        conv, state = kda_state_pages(conv, state, layout)
+    table = make(requests, table_width, dtype=torch.int32)[:, :q]
+    return (*plain[:9], conv, state, table, make(requests, dtype=torch.int32), *plain[12:])
+
+
+def test_verify_specs_at_kimi_k3_shapes():
+    """One spec per (q, conv rows, layout): the slot table's row stride, the batch and the pages
+    are runtime values."""
+    tpl, (spec,) = spec_for_call("k3f::kda_core_verify", "sm_90a", verify_args(q=8))
+    assert tpl is template("kda_core") and spec.op == "k3f::kda_core_verify"
+    assert spec.shape_dict == {"heads": 6, "head_dim": D, "q_len": 8, "conv_rows": 10}
+    assert spec.param_dict == {"lower_bound": LB, "eps": EPS, "conv_layout": "SD", "verify": True}
+    same = spec_for_call("k3f::kda_core_verify", "sm_90a", verify_args(q=8, requests=8, slots=80, table_width=40))
+    assert same[1] == (spec,)
+    ds = spec_for_call("k3f::kda_core_verify", "sm_90a", verify_args(q=8, layout="DS"))[1][0]
+    assert ds.param_dict["conv_layout"] == "DS" and ds != spec
+
+
+def _verify_replace(i, value, **kw):
+    args = list(verify_args(**kw))
+    args[i] = value
+    return tuple(args)
+
+
+@pytest.mark.parametrize("args,reason", [
+    (_verify_replace(11, meta(2, dtype=torch.int32)), "state_indices must be [requests, q]"),
+    (_verify_replace(11, meta(2, 8, dtype=torch.int32)[:, ::2]), "a request's slots must be contiguous"),
+    (_verify_replace(11, meta(2, 3, dtype=torch.int32)), "3 slots per request for 4 tokens"),
+    (_verify_replace(12, meta(3, dtype=torch.int32)), "num_accepted must be a contiguous [2]"),
+    (_verify_replace(12, meta(2, dtype=torch.int64)), "num_accepted is int64"),
+    (verify_args(q=4, rows=5), "the conv state holds 5 rows; a verify of 4 tokens needs 6"),
+])
+def test_verify_refusals_say_why(args, reason):
+    tpl, why = spec_for_call("k3f::kda_core_verify", "sm_90a", args)
+    assert tpl is None and reason in why, why
 
 
 def _strided_state(i, view):
@@ -120,6 +164,7 @@ COMPILES = {  # name -> (arch, heads, q, lower_bound)
     **{("tp16_q1", a): (a, 6, 1, LB) for a in ARCHS},
     ("tp8_q4_unbounded", "sm_90a"): ("sm_90a", 12, 4, None),
 }
+VERIFY_COMPILES = {("tp16_q8_SD", "sm_90a"): (6, 8, "SD"), ("tp8_q4_DS", "sm_100a"): (12, 4, "DS")}
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +173,12 @@ def compiled(tmp_path_factory):
 
     clear_memory_cache()
     cache = KernelCache(tmp_path_factory.mktemp("kda-kernel-cache"))
-    return {key: compile_kernel(kda_spec(arch, kda_args(heads=h, requests=2, q=q, lower_bound=lb)), cache=cache)
-            for key, (arch, h, q, lb) in COMPILES.items()}
+    out = {key: compile_kernel(kda_spec(arch, kda_args(heads=h, requests=2, q=q, lower_bound=lb)), cache=cache)
+           for key, (arch, h, q, lb) in COMPILES.items()}
+    for key, (h, q, layout) in VERIFY_COMPILES.items():
+        (spec,) = spec_for_call("k3f::kda_core_verify", key[1], verify_args(heads=h, q=q, layout=layout))[1]
+        out[key] = compile_kernel(spec, cache=cache)
+    return out
 
 
 def _count(ptx: str, instr: str) -> int:
@@ -179,6 +228,26 @@ def test_kda_core_ptx(compiled, key):
     assert _count(ptx, "ld.global.b16") == 1  # beta
     assert _count(ptx, "ld.global.s32") + _count(ptx, "ld.global.b32") == 3  # slot, A_log, dt_bias
     assert "st.global.b16" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("key", list(VERIFY_COMPILES))
+def test_kda_core_verify_ptx(compiled, key):
+    """A verify step in one kernel: the source state streamed in once, token t's state stored
+    after its update (8 x 128-bit per token), the conv rows rewritten (SD: 2 + q 128-bit rows;
+    DS: scalars), no local memory, PDL as for one-slot steps."""
+    k = compiled[key]
+    _, q, layout = VERIFY_COMPILES[key]
+    ptx = k.ptx
+    assert f".target {key[1]}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8  # state, f_b rows, conv taps
+    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
+    conv_rows = 2 + q if layout == "SD" else 0
+    assert _count128(ptx, "st.global") == 8 * q + conv_rows + 1 + 1  # states, conv rows, output, zero rows
+    if layout == "DS":
+        assert _count(ptx, "st.global.b16") == 8 * (2 + q)  # 8 channels x (2 + q) rows
+        assert _count(ptx, "ld.global.b16") == 1 + 24  # beta, 8 channels x 3 window taps
+    assert _count(ptx, "bar.sync") == 2
 
 
 @needs_cutedsl
@@ -232,6 +301,88 @@ def reference(cpu):
     return out, args[9], args[10]
 
 
+def verify_inputs(heads, requests, q, gen, extra_rows=0, pad=(), layout="SD"):
+    """A verify step's CPU inputs as vLLM lays them out: each request's q distinct slots a
+    row of a wider block table (padding rows: 0s, accepted 1), accepted counts 1..q, conv
+    rows q + 2 (+ ``extra_rows``), every state no request may read NaN: slots outside the
+    table and, of the table's, the recurrent states of columns other than a - 1 (written,
+    never read) and the conv states of columns past 0."""
+    p, t = heads * D, requests * q
+    slots = requests * q + 4
+
+    def rnd(*shape, scale=1.0, shift=0.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
+
+    table = torch.zeros(requests, q + 3, dtype=torch.int32)
+    table[:, :q] = (torch.randperm(slots - 1, generator=gen)[:t] + 1).view(requests, q).to(torch.int32)
+    accepted = torch.randint(1, q + 1, (requests,), generator=gen, dtype=torch.int32)
+    for r in pad:
+        table[r] = 0
+        accepted[r] = 1
+    idx = table[:, :q]
+    rows = q + 2 + extra_rows
+    conv = rnd(slots, 3 * p, rows)
+    state = rnd(slots, heads, D, D, scale=0.1, dtype=torch.float32)
+    conv_used = torch.zeros(slots, dtype=torch.bool)
+    conv_used[idx[:, 0].long()] = True
+    state_used = torch.zeros(slots, dtype=torch.bool)
+    state_used[idx.gather(1, (accepted.long() - 1).view(-1, 1)).view(-1).long()] = True
+    conv_used[0] = state_used[0] = False
+    conv[~conv_used] = float("nan")
+    state[~state_used] = float("nan")
+    written = torch.zeros(slots, dtype=torch.bool)
+    written[idx.flatten().long()] = True
+    written[0] = False
+    conv, state = kda_state_pages(conv, state, layout)
+    return [rnd(t, 3 * p), rnd(t, p), rnd(t, D), rnd(t, heads), rnd(p, D, scale=0.05),
+            rnd(3 * p, 1, 4, scale=0.3, dtype=torch.float32), rnd(heads, scale=0.2, dtype=torch.float32),
+            rnd(p, scale=0.5, shift=-3.0, dtype=torch.float32), rnd(D, scale=0.1, shift=1.0), conv, state, idx,
+            accepted, heads, D, LB, EPS], (~conv_used, ~written)
+
+
+def verify_to_gpu(cpu, layout):
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
+    gpu[9], gpu[10] = kda_state_pages(gpu[9], gpu[10], layout)
+    table = torch.zeros(cpu[11].shape[0], cpu[11].shape[1] + 3, dtype=torch.int32, device="cuda")
+    table[:, :cpu[11].shape[1]] = gpu[11]
+    gpu[11] = table[:, :cpu[11].shape[1]]  # a slice of a wider block table, as vLLM's is
+    return gpu
+
+
+def verify_reference(cpu):
+    args = list(cpu)
+    args[9], args[10] = cpu[9].clone(), cpu[10].clone()
+    out = torch.ops.k3f.kda_core_verify(*args)
+    return out, args[9], args[10]
+
+
+def run_kernel(op, gpu):
+    from codegen.compiler import compile_kernel
+
+    tpl, specs = spec_for_call(op, gpu_arch(), gpu)
+    assert tpl is not None, specs
+    assert tpl.runtime_check(gpu) is None
+    fns = tuple(compile_kernel(s).load() for s in specs)
+    out = torch.full_like(gpu[1], float("nan"))
+    assert tpl.launch(fns, specs, gpu, out=out) is out
+    torch.cuda.synchronize()
+    return out
+
+
+def check_verify(out, gpu, ref, cpu, unused, q):
+    ref_out, ref_conv, ref_state = ref
+    conv_untouched, state_untouched = unused
+    assert torch.isfinite(out).all() and rel_err(out, ref_out) <= TOL
+    padding = (cpu[11][:, 0] <= 0).repeat_interleave(q)
+    assert (out.cpu()[padding] == 0).all()
+    conv, state = gpu[9].cpu(), gpu[10].cpu()
+    assert torch.equal(conv[~conv_untouched], ref_conv[~conv_untouched])  # rows moved and inputs stored: exact
+    assert conv[conv_untouched].isnan().all()  # columns past 0 and the null block keep their conv pages
+    assert torch.isfinite(state[~state_untouched]).all()  # every column's state written
+    assert rel_err(state[~state_untouched], ref_state[~state_untouched]) <= STATE_TOL
+    assert state[state_untouched].isnan().all()
+
+
 def check(out, conv_state, state, ref, unused, idx, q):
     ref_out, ref_conv, ref_state = ref
     used = ~unused
@@ -277,6 +428,34 @@ class TestKdaCoreOnGpu:
         assert tpl.launch(fns, specs, gpu, out=out) is out
         torch.cuda.synchronize()
         check(out, gpu[9], gpu[10], ref, unused, cpu[11], q)
+
+    @pytest.mark.parametrize("requests,q,extra_rows,pad,layout", [
+        (1, 2, 0, (), "SD"),
+        (3, 4, 0, (1,), "SD"),  # a padding row (slots 0, accepted 1) in the middle
+        (8, 8, 0, (), "SD"),
+        (2, 8, 1, (), "SD"),  # more conv rows than this q needs
+        (4, 4, 0, (3,), "DS"),
+        (2, 8, 0, (), "DS"),
+    ])
+    @pytest.mark.parametrize("shape", list(HEADS))
+    def test_kda_core_verify(self, shape, requests, q, extra_rows, pad, layout):
+        """Two verify steps in a row (the second continues from the first's accepted length)
+        against the op's CPU reference, every accepted length 1..q drawn, vLLM's page-strided
+        states and its block-table slice of slots, every slot no request reads poisoned NaN."""
+        heads = HEADS[shape]
+        gen = torch.Generator().manual_seed(100 * heads + 10 * q + requests)
+        cpu, unused = verify_inputs(heads, requests, q, gen, extra_rows, pad, layout)
+        gpu = verify_to_gpu(cpu, layout)
+        for step in range(2):
+            if step:  # fresh activations and accepted counts; the states carry over
+                fresh, _ = verify_inputs(heads, requests, q, gen, extra_rows, pad, layout)
+                for i in (0, 1, 2, 3, 12):
+                    cpu[i] = fresh[i]
+                    gpu[i] = fresh[i].cuda()
+            ref = verify_reference(cpu)
+            out = run_kernel("k3f::kda_core_verify", gpu)
+            check_verify(out, gpu, ref, cpu, unused, q)
+            cpu[9], cpu[10] = ref[1], ref[2]  # the reference's states go on to the next step
 
     def test_op_dispatches_to_the_kernel_and_replays_in_a_cuda_graph(self):
         bind.install_cuda_kernels()

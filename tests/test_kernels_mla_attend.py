@@ -59,6 +59,15 @@ def test_specs_at_kimi_k3_shapes(shape, batch):
     assert template("mla_attend").ops == (OP,)
 
 
+@pytest.mark.parametrize("requests,q", [(1, 8), (2, 4), (8, 8)])
+def test_verify_specs(requests, q):
+    """A verify step of q tokens per request: the kernel's rows are the tokens (each its own
+    causal length), compiled per (tokens, q)."""
+    spec = attend_spec("sm_90a", attend_args(requests, 6, tokens=requests * q))
+    assert spec.shape_dict == {"batch": requests * q, "heads": 6, "q_len": q}
+    assert spec != attend_spec("sm_90a", attend_args(requests * q, 6))
+
+
 def _with(i, value, **kw):
     args = list(attend_args(**kw))
     args[i] = value
@@ -66,8 +75,10 @@ def _with(i, value, **kw):
 
 
 @pytest.mark.parametrize("args, reason", [
-    (attend_args(batch=2, tokens=4), "4 tokens for 2 requests: only one token per request"),
-    (attend_args(batch=65), "65 requests outside 1..64"),
+    (attend_args(batch=2, tokens=5), "5 tokens do not split evenly over 2 requests"),
+    (attend_args(batch=1, tokens=9), "9 tokens per request outside 1..8"),
+    (attend_args(batch=65), "65 tokens outside 1..64"),
+    (attend_args(batch=9, tokens=72), "72 tokens outside 1..64"),
     (attend_args(cache_dtype=torch.float16), "kv_cache is fp16"),
     (_with(1, meta(40, 64, 2 * E)[:, :, :E]), "kv_cache strides"),
     (_with(1, meta(40 * 64 * E + 4)[4:].view(40, 64, E).as_strided((40, 64, E), (64 * E + 4, E, 1))),
@@ -87,12 +98,13 @@ def test_refusals_say_why(args, reason):
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("batch, heads, cache", [(1, 6, torch.bfloat16), (64, 12, torch.bfloat16),
-                                                 (1, 12, torch.uint8), (64, 12, torch.uint8)])
-def test_compiles_without_spills(arch, batch, heads, cache, kcache):
+@pytest.mark.parametrize("batch, heads, cache, q", [(1, 6, torch.bfloat16, 1), (64, 12, torch.bfloat16, 1),
+                                                    (1, 12, torch.uint8, 1), (64, 12, torch.uint8, 1),
+                                                    (1, 6, torch.bfloat16, 8), (2, 12, torch.uint8, 4)])
+def test_compiles_without_spills(arch, batch, heads, cache, q, kcache):
     from codegen.compiler import compile_kernel
 
-    spec = attend_spec(arch, attend_args(batch, heads, cache_dtype=cache))
+    spec = attend_spec(arch, attend_args(batch, heads, cache_dtype=cache, tokens=batch * q))
     k = compile_kernel(spec, cache=kcache)
     registers, spilled = ptxas_usage(k.ptx, arch)
     assert spilled == 0 and registers <= 255, (spec.label(), registers, spilled)
@@ -106,9 +118,10 @@ def test_compiles_without_spills(arch, batch, heads, cache, kcache):
 
 # ---------------------------------------------------------------- on the GPU (marked gpu)
 
-def attend_inputs(batch, heads, seq_lens, *, fp8=False, block_size=64, seed=0, kv_scale=0.37):
+def attend_inputs(batch, heads, seq_lens, *, fp8=False, block_size=64, seed=0, kv_scale=0.37, q_len=1):
     """Fresh random inputs on the CPU: a paged cache whose blocks are handed out shuffled (as
-    vLLM's allocator does after a while), spare blocks full of values nobody may read."""
+    vLLM's allocator does after a while), spare blocks full of values nobody may read;
+    ``q_len`` tokens per request (a verify step: ``seq_lens`` count the step's own tokens)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per = [-(-s // block_size) for s in seq_lens]
     max_blocks = max(max(blocks_per), 1) + 1
@@ -125,9 +138,9 @@ def attend_inputs(batch, heads, seq_lens, *, fp8=False, block_size=64, seed=0, k
         cache = (cache / scale).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
         cache = cache.bfloat16()
-    q = (torch.randn(batch, heads, E, generator=gen) * 0.5).bfloat16()
+    q = (torch.randn(batch * q_len, heads, E, generator=gen) * 0.5).bfloat16()
     kv_b = (torch.randn(heads * 256, L, generator=gen) * L ** -0.5).bfloat16()
-    gate = torch.randn(batch, GATE_WIDTH, generator=gen).bfloat16()[:, GATE_AT:GATE_AT + heads * 128]
+    gate = torch.randn(batch * q_len, GATE_WIDTH, generator=gen).bfloat16()[:, GATE_AT:GATE_AT + heads * 128]
     return (q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), scale, kv_b, gate, SCALE, heads, 128, 128, L)
 
 
@@ -178,6 +191,39 @@ def test_mla_attend(case, shape, fp8):
     assert torch.equal(gpu[1], cache_before)  # the cache is only read
     # the barrier and scratch serve the next launch: the same result, bit for bit
     assert torch.equal(run(gpu), out)
+
+
+VERIFY_CASES = {  # (requests, q, sequence lengths with the step's q tokens): a padding request (0)
+    "b1-q8-4096": (1, 8, [4096]),
+    "b1-q8-first": (1, 8, [8]),  # token t sees t + 1 entries
+    "b3-q4-mixed": (3, 4, [700, 0, 66]),
+    "b8-q8": (8, 8, [4096, 9, 300, 64, 71, 2000, 129, 12]),
+}
+
+
+@on_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("case", list(VERIFY_CASES))
+def test_mla_attend_verify(case, fp8):
+    """q tokens per request, causal among them, against the op's reference (``k3::mla_decode``
+    at q > 1, itself checked against q single-token steps); the cache only read."""
+    requests, q, seq = VERIFY_CASES[case]
+    cpu = attend_inputs(requests, 6, seq, fp8=fp8, seed=len(case) + q, q_len=q)
+    ref = reference(cpu)
+    gpu = cuda(cpu)
+    cache_before = gpu[1].clone()
+    out = run(gpu)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOL, rel_err(out, ref)
+    if 0 in seq:
+        r = seq.index(0)
+        assert (out[r * q:(r + 1) * q] == 0).all()
+    assert torch.equal(gpu[1], cache_before)
+    # token t's row is the one-token result over the first seq - (q - 1 - t) entries
+    t = q - 2
+    single = (cpu[0][t:t + 1], cpu[1], cpu[2][:1], torch.tensor([seq[0] - 1], dtype=torch.int32), *cpu[4:6],
+              cpu[6][t:t + 1], *cpu[7:])
+    assert rel_err(out[t:t + 1].cpu(), reference(single)) <= TOL
 
 
 @on_gpu

@@ -89,10 +89,24 @@ def _reference(layer, inputs):
 def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts, cache):
     """``experts``: bf16, or the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90);
     ``cache``: the MLA latent cache, bf16 or fp8 E4M3 with its per-tensor scale."""
+    check_layer(layer_idx, tp, batch, experts, cache)
+
+
+@pytest.mark.parametrize("layer_idx,tp,batch,q,cache", [
+    (1, 16, 1, 4, "bf16"), (1, 16, 1, 8, "bf16"), (1, 8, 8, 4, "bf16"), (0, 16, 2, 8, "bf16"),
+    (3, 16, 1, 4, "bf16"), (3, 16, 1, 8, "fp8"), (3, 8, 8, 4, "bf16")])
+def test_rewritten_verify_layer_matches_the_reference(layer_idx, tp, batch, q, cache):
+    """A speculative verify step of q tokens per request (vLLM's multi-slot KDA state, random
+    accepted counts; MLA causal among the q tokens), MXFP4 experts, on its verify kernels."""
+    check_layer(layer_idx, tp, batch, "mxfp4" if layer_idx else None, cache, q)
+
+
+def check_layer(layer_idx, tp, batch, experts, cache, q=1):
     from codegen import bind
 
     layer = _layer(tp, experts or "bf16", layer_idx)
-    shape = DecodeShape(batch=batch, arch=bind.device_arch(), kv_cache_dtype=cache)
+    shape = DecodeShape(batch=batch, q=q, arch=bind.device_arch(), kv_cache_dtype=cache)
+    tokens = shape.tokens
     for seed in range(10):
         given = decode_inputs(layer, shape, device="cuda", seed=seed)
         if "conv_state" in given:
@@ -102,7 +116,7 @@ def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts, ca
         with torch.no_grad():
             ref_out, margin = _reference(layer, ref_inputs)
         clear = margin >= MARGIN  # tokens whose expert choice rounding cannot flip
-        if 2 * int(clear.sum()) >= batch:
+        if 2 * int(clear.sum()) >= tokens:
             break
     else:
         pytest.fail(f"no inputs with half the tokens' top-k margins >= {MARGIN} in 10 draws")

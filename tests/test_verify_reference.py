@@ -198,8 +198,8 @@ def test_kda_layer_verify_equals_single_token_steps_for_every_accepted_length(ti
 
 @pytest.mark.parametrize("layer_idx", [1, 3])
 def test_the_rewritten_verify_layer_equals_the_reference(tiny, layer_idx):
-    """A verify shape traced and rewritten (the KDA core keeps the reference's verify ops: the
-    fused kda_core rule is a one-token rule and does not match them) and run by its schedule."""
+    """A verify shape traced and rewritten (the KDA core by ``kda_core.verify``, the one-token
+    ``kda_core`` rule not matching it) and run by its schedule."""
     from conftest import make_inputs, make_layer
 
     from rewriter.program import LayerRunner
@@ -212,8 +212,9 @@ def test_the_rewritten_verify_layer_equals_the_reference(tiny, layer_idx):
     result = rewrite(trace(layer, shape))
     targets = {n.target for n in result.after.graph.nodes if n.op == "call_function"}
     if layer_idx == 1:
-        assert {k3.kda_conv_verify.default, k3.kda_recurrent_verify.default} <= targets
-        assert not any(m.rule == "kda_core" for m in result.matches)
+        assert torch.ops.k3f.kda_core_verify.default in targets
+        assert not {k3.kda_conv_verify.default, k3.kda_recurrent_verify.default} & targets
+        assert [m.rule for m in result.matches if m.rule.startswith("kda_core")] == ["kda_core.verify"]
     assert result.matches  # the token-wise rules still take the layer's 8 tokens
     runner = LayerRunner.of(result)
     inputs = make_inputs(layer, batch=2, q=4, seed=3)

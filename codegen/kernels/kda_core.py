@@ -17,6 +17,14 @@ in order (D = 128 channels per head, P = H * D):
 slot is <= 0 (vLLM's padding rows, slot 0 its null block) reads and writes no state and its
 output rows are 0.
 
+A verify step (``verify``; ``k3f::kda_core_verify``, vLLM's multi-slot contract in
+docs/SPECULATIVE.md) takes ``state_indices`` [B, q] (any row stride) and ``num_accepted`` [B]
+(a, clamped to 1..q): the conv state is column 0's slot with ``conv_rows`` >= q + 2 rows, its
+window rows a-1 .. a+1, rewritten as the old rows a, a+1 and then this step's q inputs; the
+recurrent state is read from column a - 1's slot and token t's state stored to column t's
+(where > 0) right after its update. A request whose column-0 slot or source slot is <= 0 is a
+padding row.
+
 The states are read where vLLM keeps them: one page per slot, so the slot stride of both is
 a runtime value (the page, 64-bit offsets); within a slot the recurrent state is
 [H, V, K] contiguous and the conv state [3, 3P] (``SD``, vLLM's default: tap-major) or
@@ -76,7 +84,8 @@ class KdaCore:
     (None: the softplus form), the gated norm's eps, the conv state's layout in a slot
     (``SD`` or ``DS``). head_dim is 128, conv width 4."""
 
-    def __init__(self, heads: int, q_len: int, lower_bound: float | None, eps: float, conv_layout: str = "SD"):
+    def __init__(self, heads: int, q_len: int, lower_bound: float | None, eps: float, conv_layout: str = "SD",
+                 verify: bool = False, conv_rows: int = CONV_WIDTH - 1):
         if heads < 1:
             raise ValueError(f"heads {heads} must be >= 1")
         if not 1 <= q_len <= MAX_Q:
@@ -89,13 +98,22 @@ class KdaCore:
         if conv_layout not in ("SD", "DS"):
             raise ValueError(f"conv_layout {conv_layout!r}: SD or DS")
         self.conv_layout = conv_layout
+        if verify and conv_rows < q_len + CONV_WIDTH - 2:
+            raise ValueError(f"a verify of {q_len} tokens needs {q_len + CONV_WIDTH - 2} conv rows, got {conv_rows}")
+        if not verify and conv_rows != CONV_WIDTH - 1:
+            raise ValueError(f"a one-slot step keeps {CONV_WIDTH - 1} conv rows, got {conv_rows}")
+        self.verify, self.conv_rows = verify, conv_rows
+        # taps held as [channel, tap] registers: SD's 128-bit rows, or the scalars a verify reads in DS
+        self.tap_major = conv_layout == "SD" or verify
 
     @cute.jit
     def __call__(self, mQKV: cute.Tensor, mGOut: cute.Tensor, mFa: cute.Tensor, mBeta: cute.Tensor,
                  mFbW: cute.Tensor, mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
                  mNormW: cute.Tensor, mConvS: cute.Tensor, mState: cute.Tensor, mIdx: cute.Tensor,
-                 mOut: cute.Tensor, stream: cuda.CUstream):
-        self.kernel(mQKV, mGOut, mFa, mBeta, mFbW, mConvW, mALog, mDtBias, mNormW, mConvS, mState, mIdx,
+                 mAcc: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+        """``mAcc``: num_accepted [B] of a verify step (unread otherwise: the launcher passes
+        state_indices)."""
+        self.kernel(mQKV, mGOut, mFa, mBeta, mFbW, mConvW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc,
                     mOut).launch(grid=[mIdx.shape[0], self.heads, 1], block=[THREADS, 1, 1], stream=stream,
                                  use_pdl=True)
 
@@ -103,7 +121,7 @@ class KdaCore:
     def kernel(self, mQKV: cute.Tensor, mGOut: cute.Tensor, mFa: cute.Tensor, mBeta: cute.Tensor,
                mFbW: cute.Tensor, mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
                mNormW: cute.Tensor, mConvS: cute.Tensor, mState: cute.Tensor, mIdx: cute.Tensor,
-               mOut: cute.Tensor):
+               mAcc: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         req, head, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -139,7 +157,17 @@ class KdaCore:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        slot = mIdx[req]
+        if const_expr(self.verify):
+            a = mAcc[req]
+            a = cutlass.select_(a < 1, Int32(1), a)
+            a = cutlass.select_(a > Q, Int32(Q), a)
+            conv_slot = mIdx[req, 0]
+            source = mIdx[req, a - 1]
+            slot = cutlass.select_(conv_slot > 0, source, Int32(0))  # the state's source: a live request
+        else:
+            a = Int32(1)
+            slot = mIdx[req]
+            conv_slot = slot
         if slot > 0:
             # 1. the head's state rows: every load issued before any other work
             ld_state = g2r_stream_atom(Float32)
@@ -150,7 +178,7 @@ class KdaCore:
 
             # 2. prologue: conv (48 threads), f_b_proj GEMV + decay (all), sigmoid(beta)
             if tidx < CONV_THREADS:
-                self.conv(mQKV, rConvW, mConvS, sQKV, slot, req, head, tidx, warp)
+                self.conv(mQKV, rConvW, mConvS, sQKV, conv_slot, a, req, head, tidx, warp)
             if const_expr(Q > 1):
                 self.load_fb(mFbW, rFbW, n, part)
             self.gate(mFa, rFbW, mALog, mDtBias, sG, req, head, n, row, part)
@@ -190,9 +218,12 @@ class KdaCore:
                     sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=4 << step)
                 if lane == 0:
                     sSq[warp, j] = sq
-            st_state = r2g_atom(Float32)
-            for u in cutlass.range_constexpr(ROW_VECS):
-                cute.copy(st_state, rS[None, u], cute.local_tile(gRow, (F32_VEC,), (u * 4 + part,)))
+                if const_expr(self.verify):  # token j's state into column j's slot
+                    target = mIdx[req, j]
+                    if target > 0:
+                        self.store_state(rS, mState[target, head, row, None], part)
+            if const_expr(not self.verify):
+                self.store_state(rS, gRow, part)
             cute.arch.barrier()
 
             # 4. sigmoid-gated RMSNorm: 16 threads per token, 8 channels each
@@ -208,28 +239,42 @@ class KdaCore:
                                           (head * OUT_THREADS + c8,)))
 
     # helpers, inlined into the kernel (dynamic ifs allowed: @cute.jit)
+    def store_state(self, rS, gRow, part):
+        """This thread's 32 state values of one row back: 8 128-bit stores."""
+        for u in range(ROW_VECS):
+            cute.copy(r2g_atom(Float32), rS[None, u], cute.local_tile(gRow, (F32_VEC,), (u * 4 + part,)))
+
     def conv_channel(self, head, tidx):
         """The first of conv thread ``tidx``'s 8 global channels: segment ``tidx // 16`` (q, k, v),
         channels [8c, 8c + 8) of the head, c = ``tidx % 16``."""
         return tidx // 16 * self.proj + head * HEAD_DIM + tidx % 16 * CONV_CH
 
     @cute.jit
-    def conv(self, mQKV, rW, mConvS, sQKV, slot, req, head, tidx, warp):
+    def conv(self, mQKV, rW, mConvS, sQKV, slot, a, req, head, tidx, warp):
         """Thread ``tidx`` < 48: channels [8c, 8c + 8) of segment ``seg`` (q, k, v) of the head
         (conv taps ``rW``, loaded before the wait): the causal conv + SiLU of the q tokens, the
         conv state written back, q and k L2-normalized (warp 0: lanes 0-15 q, 16-31 k), results
-        to ``sQKV[:, seg, token]``."""
+        to ``sQKV[:, seg, token]``. A verify step's window starts at row ``a - 1``."""
         Q, D = self.q_len, HEAD_DIM
         seg = tidx // 16
         c8 = tidx % 16
         ch0 = self.conv_channel(head, tidx)  # first global channel
         # the 8 channels' conv state, 3 x 128 bits: SD, tap u's 8 channels at u * 3P + ch0; DS,
-        # 24 contiguous bf16 (channel-major, oldest first)
+        # 24 contiguous bf16 (channel-major, oldest first); a verify step in DS, 24 scalars
         rCS = cute.make_rmem_tensor((VEC, 3), BFloat16)
         gCS = mConvS[slot, None]
-        for u in cutlass.range_constexpr(3):
-            cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
-                      rCS[None, u])
+        if const_expr(self.verify and self.conv_layout == "DS"):
+            for c in cutlass.range_constexpr(CONV_CH):
+                for u in cutlass.range_constexpr(3):
+                    rCS[c, u] = gCS[(ch0 + c) * self.conv_rows + a - 1 + u]
+        elif const_expr(self.verify):
+            for u in cutlass.range_constexpr(3):
+                cute.copy(g2r_atom(BFloat16, invariant=False),
+                          cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, a - 1 + u),)), rCS[None, u])
+        else:
+            for u in cutlass.range_constexpr(3):
+                cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
+                          rCS[None, u])
         rX = cute.make_rmem_tensor((VEC, Q), BFloat16)
         for j in cutlass.range_constexpr(Q):
             cute.copy(g2r_atom(BFloat16), cute.local_tile(mQKV[req * Q + j, None], (VEC,), (ch0 // VEC,)),
@@ -257,27 +302,50 @@ class KdaCore:
             for half in cutlass.range_constexpr(CONV_CH // F32_VEC):
                 cute.copy(st_s, cute.local_tile(rY, (F32_VEC,), (half,)),
                           cute.local_tile(sQKV[None, seg, j], (F32_VEC,), (c8 * 2 + half,)))
-        rOut = cute.make_rmem_tensor((VEC, 3), BFloat16)
-        for c in cutlass.range_constexpr(CONV_CH):
-            for i in cutlass.range_constexpr(3):
-                self.set_conv_tap(rOut, c, i, window[c][i])
-        for u in cutlass.range_constexpr(3):
-            cute.copy(r2g_atom(BFloat16), rOut[None, u], cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)))
+        if const_expr(self.verify):
+            self.write_verify_conv(gCS, rCS, rX, ch0)
+        else:
+            rOut = cute.make_rmem_tensor((VEC, 3), BFloat16)
+            for c in cutlass.range_constexpr(CONV_CH):
+                for i in cutlass.range_constexpr(3):
+                    self.set_conv_tap(rOut, c, i, window[c][i])
+            for u in cutlass.range_constexpr(3):
+                cute.copy(r2g_atom(BFloat16), rOut[None, u],
+                          cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)))
+
+    def write_verify_conv(self, gCS, rCS, rX, ch0):
+        """A verify step's conv rows: 0, 1 the old rows a, a + 1 (the window's newer two taps),
+        2 .. q + 1 this step's inputs; SD by 128-bit rows, DS by scalars."""
+        Q = self.q_len
+        if self.conv_layout == "SD":
+            for u in range(2):
+                cute.copy(r2g_atom(BFloat16), rCS[None, u + 1],
+                          cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)))
+            for j in range(Q):
+                cute.copy(r2g_atom(BFloat16), rX[None, j], cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, 2 + j),)))
+        else:
+            for c in range(CONV_CH):
+                base = (ch0 + c) * self.conv_rows
+                gCS[base] = rCS[c, 1]
+                gCS[base + 1] = rCS[c, 2]
+                for j in range(Q):
+                    gCS[base + 2 + j] = rX[c, j]
 
     def conv_vector(self, ch0, u):
-        """Which 128-bit vector of a slot's conv state is the ``u``-th of channels [ch0, ch0 + 8)."""
+        """Which 128-bit vector of a slot's conv state is row (tap) ``u`` of channels [ch0, ch0 + 8)
+        (SD; DS one-slot steps: the ``u``-th of their 24 contiguous values)."""
         if const_expr(self.conv_layout == "SD"):
             return u * (3 * self.proj // VEC) + ch0 // VEC
         return ch0 // CONV_CH * 3 + u
 
     def conv_tap(self, r, c, i):
         """Tap ``i`` (oldest first) of channel ``c`` in the 3 loaded vectors ``r``."""
-        if const_expr(self.conv_layout == "SD"):
+        if const_expr(self.tap_major):
             return r[c, i]
         return r[(3 * c + i) % VEC, (3 * c + i) // VEC]
 
     def set_conv_tap(self, r, c, i, value):
-        if const_expr(self.conv_layout == "SD"):
+        if const_expr(self.tap_major):
             r[c, i] = value
         else:
             r[(3 * c + i) % VEC, (3 * c + i) // VEC] = value
@@ -341,7 +409,9 @@ def build(spec) -> tuple[KdaCore, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     s, p = spec.shape_dict, spec.param_dict
     h, q = s["heads"], s["q_len"]
-    kernel = KdaCore(h, q, p["lower_bound"], p["eps"], p["conv_layout"])
+    verify = bool(p.get("verify", False))
+    rows = s.get("conv_rows", CONV_WIDTH - 1)
+    kernel = KdaCore(h, q, p["lower_bound"], p["eps"], p["conv_layout"], verify=verify, conv_rows=rows)
     d, pr = HEAD_DIM, h * HEAD_DIM
     tokens, requests, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()  # runtime sizes
     conv_page, state_page = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=F32_VEC)  # slot strides
@@ -358,9 +428,11 @@ def build(spec) -> tuple[KdaCore, tuple]:
             t(Float32, (h,), (1,), 4),  # A_log
             t(Float32, (pr,), (1,), 4),  # dt_bias
             t(BFloat16, (d,), (1,)),  # norm_weight
-            t(BFloat16, (slots, 3 * pr * (CONV_WIDTH - 1)), (conv_page, 1)),  # conv_state, a slot's page flat
+            t(BFloat16, (slots, 3 * pr * rows), (conv_page, 1)),  # conv_state, a slot's page flat
             t(Float32, (slots, h, d, d), (state_page, d * d, d, 1)),  # recurrent_state
-            t(Int32, (requests,), (1,), 4),  # state_indices
+            # state_indices: [B] or a verify's [B, q] (a slice of vLLM's block table: any row stride)
+            t(Int32, (requests, q), (cute.sym_int32(), 1), 4) if verify else t(Int32, (requests,), (1,), 4),
+            t(Int32, (requests,), (1,), 4),  # num_accepted (a verify; else state_indices again)
             t(BFloat16, (tokens, pr), (pr, 1)),  # out
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return kernel, args

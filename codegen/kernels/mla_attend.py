@@ -1,5 +1,5 @@
 """``mla_attend``: MLA decode attention over vLLM's paged latent cache, W_UV and the sigmoid
-output gate in one kernel (``k3f::mla_attend``; one token per request).
+output gate in one kernel (``k3f::mla_attend``; one token per request, or q of a verify step).
 
 The math is ``rewriter/layers/mla.py:mla_attend`` (``k3::mla_decode`` then W_UV and the gate),
 per request ``b`` with ``n = seq_lens[b]`` cached entries (the current token's included), head
@@ -8,6 +8,10 @@ per request ``b`` with ``n = seq_lens[b]`` cached entries (the current token's i
     lat    = bf16(softmax(s) @ e[:, :L])           (0 for a padding request, n = 0)
     o      = bf16(lat @ W_UV[h]^T)                 (W_UV[h]: rows h*256+128 .. h*256+256 of kv_b)
     out    = bf16(o * bf16(sigmoid(gate[b, h*128 : (h+1)*128])))
+
+A verify step (``q_len`` q > 1) takes q tokens per request, causal among them: token t of
+request r = t // q sees the first ``seq_lens[r] - (q - 1 - t % q)`` entries of r's block table
+row (its own insert the last), so each token is a row of its own below, "request" meaning token.
 
 Work split: a grid of ``B x S`` CTAs (S context splits per request, ``B x S <= 128`` so that the
 whole grid is resident at once on any Hopper or Blackwell part: the launcher checks the SM
@@ -80,9 +84,12 @@ class MlaAttend:
     """Compile-time configuration: requests B (= tokens), heads H, the cache dtype (bf16 or
     fp8), the softmax scale, the gate's row stride."""
 
-    def __init__(self, batch: int, heads: int, cache: str, scale: float, gate_stride: int):
+    def __init__(self, batch: int, heads: int, cache: str, scale: float, gate_stride: int, q_len: int = 1):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch {batch} outside 1..{MAX_BATCH}")
+        if q_len < 1 or batch % q_len:
+            raise ValueError(f"{batch} tokens are not whole requests of {q_len}")
+        self.q_len = q_len
         if cache not in CACHE_DTYPES:
             raise ValueError(f"cache {cache!r}: bf16 or fp8_e4m3")
         if not 1 <= heads <= MAX_HEADS:
@@ -236,7 +243,10 @@ class MlaAttend:
         if const_expr(self.cache == "fp8_e4m3"):
             s_scale = s_scale * mKvScale[0]
 
-        n = mSeq[b]
+        req = b // self.q_len  # the token's request: its sequence length and block table row
+        n = mSeq[req]
+        if const_expr(self.q_len > 1):  # causal among the step's tokens
+            n = cutlass.max(n - (self.q_len - 1 - b % self.q_len), Int32(0))
         per = (n + self.splits - 1) // self.splits
         per = (per + TILE - 1) // TILE * TILE
         start = cutlass.min(split * per, n)
@@ -247,7 +257,7 @@ class MlaAttend:
         rNext = cute.make_rmem_tensor((self.per_vec, self.loads if const_expr(self.cache != "bf16") else 1),
                                       self.dtype)
         if tiles > 0:
-            self.load_tile(mCache, mBT, rNext, sK, 0, b, start, end, tidx)
+            self.load_tile(mCache, mBT, rNext, sK, 0, req, start, end, tidx)
         cute.arch.cp_async_commit_group()
         cute.arch.barrier()  # sQ, sP, sStat written
 
@@ -269,7 +279,7 @@ class MlaAttend:
             cute.arch.barrier()  # the previous tile's sK stage, sP and corrections are no longer read
             if const_expr(self.cache == "bf16"):
                 if tile + 1 < tiles:  # the next tile into the other stage, in flight during this one
-                    self.load_tile(mCache, mBT, rNext, sK, 1 - stage, b, base + TILE, end, tidx)
+                    self.load_tile(mCache, mBT, rNext, sK, 1 - stage, req, base + TILE, end, tidx)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)  # this tile's copies (this thread's) landed
             else:
@@ -277,7 +287,7 @@ class MlaAttend:
             cute.arch.barrier()
             if const_expr(self.cache != "bf16"):
                 if tile + 1 < tiles:
-                    self.load_tile(mCache, mBT, rNext, sK, 0, b, base + TILE, end, tidx)
+                    self.load_tile(mCache, mBT, rNext, sK, 0, req, base + TILE, end, tidx)
             k_addr = sK_addr + stage * (TILE * ROW * 2)
 
             # scores: (16 heads) x (entries [32 nh, +32)) over entry values [144 kq, +144)
@@ -429,8 +439,8 @@ class MlaAttend:
 def build(spec) -> tuple[MlaAttend, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     s, d, p = spec.shape_dict, spec.dtype_dict, spec.param_dict
-    b, h = s["batch"], s["heads"]
-    kernel = MlaAttend(b, h, d["cache"], p["scale"], p["gate_stride"])
+    b, h, q = s["batch"], s["heads"], s.get("q_len", 1)
+    kernel = MlaAttend(b, h, d["cache"], p["scale"], p["gate_stride"], q)
     blocks, block_size, max_blocks = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     block_stride = cute.sym_int64(divisibility=16)
 
@@ -439,8 +449,8 @@ def build(spec) -> tuple[MlaAttend, tuple]:
 
     args = (t(BFloat16, (b, h, E), (h * E, E, 1)),  # mqa_q
             t(kernel.dtype, (blocks, block_size, E), (block_stride, E, 1)),  # kv_cache
-            t(Int32, (b, max_blocks), (max_blocks, 1), 4),  # block_table
-            t(Int32, (b,), (1,), 4),  # seq_lens
+            t(Int32, (b // q, max_blocks), (max_blocks, 1), 4),  # block_table, a row per request
+            t(Int32, (b // q,), (1,), 4),  # seq_lens
             t(Float32, (1,), (1,), 4),  # kv_scale
             t(BFloat16, (h * HEAD_ROWS, L), (L, 1)),  # kv_b_proj weight
             t(BFloat16, (b, h * V_DIM), (kernel.gate_stride, 1), 2),  # gate

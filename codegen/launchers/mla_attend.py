@@ -14,7 +14,8 @@ from codegen.template import Template, aligned, dtype_name, shape_is
 from rewriter.ops import cache_is_fp8
 
 MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels/mla_attend.py
-MLA_MAX_BATCH = 64
+MLA_MAX_BATCH = 64  # tokens (requests x q)
+MLA_MAX_Q = 8  # tokens per request of a verify step
 MLA_MAX_CTAS = 128  # the grid: requests x context splits
 
 
@@ -38,10 +39,13 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
         return f"seq_lens must be int32 [requests], got {dtype_name(seq_lens.dtype)} {tuple(seq_lens.shape)}"
     b = seq_lens.shape[0]
-    if t != b:
-        return f"{t} tokens for {b} requests: only one token per request (verify steps have no template yet)"
-    if not 1 <= b <= MLA_MAX_BATCH:
-        return f"{b} requests outside 1..{MLA_MAX_BATCH}"
+    if b < 1 or t % b:
+        return f"{t} tokens do not split evenly over {b} requests"
+    q = t // b
+    if q > MLA_MAX_Q:
+        return f"{q} tokens per request outside 1..{MLA_MAX_Q}"
+    if not 1 <= t <= MLA_MAX_BATCH:
+        return f"{t} tokens outside 1..{MLA_MAX_BATCH}"
     reason = (shape_is("mqa_q", mqa_q, (t, h, e)) or shape_is("kv_b_weight", kv_b_weight, (h * 256, MLA_LATENT))
               or shape_is("gate", gate, (t, h * MLA_V_DIM)))
     if reason:
@@ -65,7 +69,7 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
                f"{tuple(block_table.shape)}"
     if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
         return f"kv_scale must be one fp32 value, got {dtype_name(kv_scale.dtype)} {tuple(kv_scale.shape)}"
-    return (KernelSpec.make("mla_attend", op, arch, shapes={"batch": b, "heads": h},
+    return (KernelSpec.make("mla_attend", op, arch, shapes={"batch": t, "heads": h, **({"q_len": q} if q > 1 else {})},
                             dtypes={"q": "bf16", "cache": "fp8_e4m3" if fp8 else "bf16", "weight": "bf16"},
                             params={"scale": float(scale), "gate_stride": gate.stride(0)}),)
 
