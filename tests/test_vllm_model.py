@@ -2,7 +2,8 @@
 the loaded ``KimiLinearForCausalLM`` with bf16 and MXFP4 routed experts, vLLM's own KV cache and
 KDA state as its CPU model runner allocates and binds them, and decode metadata from vLLM's own
 builders. Binding by name, per-layer programs, one decode step against the reference layers,
-binding and layout refusals, the step guard, per-layer fallback and TP agreement.
+one speculative verify step (3 tokens drafted) against q one-token steps of them, binding and
+layout refusals, the step guard, per-layer fallback and TP agreement.
 
 vLLM's stock layer forward cannot run on a CPU (Triton kernels): where a test needs a layer on
 the stock path to compute, that vLLM layer's ``forward`` is stood in for by its bound reference
@@ -26,6 +27,7 @@ pytest.importorskip("vllm")
 
 from conftest import rel_err  # noqa: E402
 from vllm_model import (  # noqa: E402
+    VERIFY_NUM_BLOCKS,
     DecodeBatch,
     bind_caches,
     build_loaded,
@@ -42,7 +44,7 @@ from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noq
 from rewriter.vllm.guard import KV_CACHE_DTYPES, decide_step  # noqa: E402
 from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
 from rewriter.vllm.runtime import run_layers, stage_inputs  # noqa: E402
-from rewriter.vllm.state import layer_name, state_inputs  # noqa: E402
+from rewriter.vllm.state import cache_tensors, layer_name, state_inputs  # noqa: E402
 
 B = 4  # the decode batch: vllm_model.SEQ_LENS, one new token per request
 ARCH = "sm_90a"
@@ -681,35 +683,212 @@ def test_two_pipeline_stages_of_two_tp_ranks_equal_the_reference_over_all_layers
         assert r["finite"] and r["rel_err"]["output"] < TOL, r["rel_err"]
 
 
-# ---- speculative decoding configured: refused at startup, and no program reads its conv rows ----------
-def test_speculative_decoding_is_refused_and_its_conv_rows_are_never_read_as_one_token_state():
-    """vLLM's real model with 3 speculative tokens a step: vLLM keeps 3 + 3 conv rows per KDA slot
-    (its SD layout, read from vLLM's own flag, not guessed from the shape) and every decode step is
-    a verify step. Startup names speculative decoding among the refusals; a program built anyway is
-    dropped once the caches are bound, naming the rows, so no one-token program reads them."""
+# ---- speculative decoding: verify steps of q = k + 1 tokens per request ------------------------------
+VERIFY_Q = 4  # 3 speculative tokens a step
+ACCEPTED = (1, 4, 2, 3)  # each request's previous accepted drafts + 1: every accepted length of a 4-token verify
+
+
+@pytest.fixture(scope="module")
+def verify() -> Served:
+    """vLLM's real tiny model with 3 speculative tokens a step: its caches bound by vLLM (3 + 3 conv
+    rows and 4 state slots per KDA request) and a verify step's metadata from vLLM's builders."""
+    model, vc = build_loaded(None, speculative_tokens=VERIFY_Q - 1)
+    runner = bind_caches(model, vc, num_blocks=VERIFY_NUM_BLOCKS)
+    return Served(None, model, vc, text_config(vc), decoder_layers(model), runner,
+                  prepare_decode(runner, q=VERIFY_Q, num_accepted=ACCEPTED))
+
+
+def _group_blocks(served: Served, layer) -> list[list[int]]:
+    """Each request's blocks in the layer's cache group, as the step's requests were given them."""
+    groups = served.runner.kv_cache_config.kv_cache_groups
+    (gid,) = [g for g, group in enumerate(groups) if layer_name(layer.self_attn) in group.layer_names]
+    return served.batch.block_ids[gid]
+
+
+def _fill_verify_caches(served: Served, seed: int) -> None:
+    """Seeded random values in every state slot and conv row the verify step's requests hold (all
+    1 + k slots, all 3 + k rows: the step reads the ones its accepted counts pick) and in their MLA
+    blocks."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in served.layers:
+        held = torch.tensor([b for ids in _group_blocks(served, layer) for b in ids])
+        for view in _views(layer):
+            scale = 0.1 if view.dtype == torch.float32 else 1.0
+            view[held] = (scale * torch.randn(view[held].shape, generator=g)).to(view.dtype)
+
+
+def _one_token_steps(served: Served, refs: list[KimiDecoderLayer], x: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """The verify step as q one-token steps of the bound reference layers, its state read from the
+    step's block ids and accepted counts (not from vLLM's metadata): token j of request r runs from
+    the state after its token j - 1 (token 0: from slot a - 1, the last accepted token's) and
+    leaves its state in slot j; the conv window starts at rows a - 1 .. a + 1 and moves token by
+    token in a 3-row copy; token j attends to positions 0 .. L - q + j and is inserted at its own
+    slot. Returns (hidden, prefix sum, blocks) with request r's token j in row r * q + j, and each
+    KDA layer's conv state as the verify leaves it (rows a, a + 1, then the q tokens' inputs)."""
+    q, requests = served.batch.q, len(served.batch.seq_lens)
+    steps, convs, windows = [], {}, {}
+    for j in range(q):
+        prefix = x[j::q]
+        blocks = prefix.new_empty(requests, served.num_attn_res_blocks, prefix.shape[1])
+        hidden = None
+        for layer, ref in zip(served.layers, refs):
+            if _is_kda(layer):
+                conv, recurrent = cache_tensors(layer)["conv_state"], layer.self_attn.kv_cache[1]
+                slots = torch.tensor(_group_blocks(served, layer))  # [requests, q]
+                window = windows.setdefault(layer.layer_idx, torch.zeros(conv.shape[:2] + (3,), dtype=conv.dtype))
+                for r, a in enumerate(served.batch.num_accepted):
+                    if j == 0:
+                        window[slots[r, 0]] = conv[slots[r, 0], :, a - 1:a + 2]
+                        recurrent[slots[r, 0]] = recurrent[slots[r, a - 1]]
+                    else:
+                        window[slots[r, j]] = window[slots[r, j - 1]]
+                        recurrent[slots[r, j]] = recurrent[slots[r, j - 1]]
+                state = (window, recurrent, slots[:, j].int())
+            else:
+                kv = layer.self_attn.kv_cache
+                size = kv.shape[1]
+                ids = _group_blocks(served, layer)
+                table = torch.zeros(requests, max(map(len, ids)), dtype=torch.int32)
+                for r, row in enumerate(ids):
+                    table[r, :len(row)] = torch.tensor(row)
+                pos = torch.tensor(served.batch.seq_lens) - q + j
+                slot = table[torch.arange(requests), pos // size].long() * size + pos % size
+                state = (kv, table, (pos + 1).int(), slot, layer.self_attn._k_scale.reshape(1))
+            hidden, prefix, blocks = ref(hidden if hidden is not None else prefix, prefix, blocks, *state)
+            if _is_kda(layer):  # this token's conv input, as the window stored it
+                convs.setdefault(layer.layer_idx, []).append(window[slots[:, j]][..., -1])
+        steps.append((hidden, prefix, blocks))
+    out = tuple(torch.stack([s[i] for s in steps], dim=1).flatten(0, 1) for i in range(3))
+    final = {}
+    for layer in served.layers:
+        if _is_kda(layer):
+            conv = cache_tensors(layer)["conv_state"]  # as before the step: only the copies moved
+            final[layer.layer_idx] = after = conv.clone()
+            slots = torch.tensor(_group_blocks(served, layer))[:, 0]
+            for r, a in enumerate(served.batch.num_accepted):
+                after[slots[r], :, :2] = conv[slots[r], :, a:a + 2]
+            after[slots, :, 2:] = torch.stack(convs[layer.layer_idx], dim=-1)
+    return (*out, final)
+
+
+def test_a_verify_step_on_vllms_metadata_equals_q_one_token_steps_of_the_reference_layers(verify):
+    """Programs built at q = 4 on vLLM's real model run one verify step on the state vLLM laid out
+    and the metadata its builders made (``spec_state_indices_tensor``, ``num_accepted_tokens``,
+    MLA decodes of 4 tokens each), read by ``state_inputs``; the step guard takes it. Outputs and
+    every state written equal the reference layers run as 4 one-token steps from the state the
+    accepted counts pick (all four accepted lengths, one per request), and nothing else changes."""
+    from vllm.config import CUDAGraphMode
+
+    from rewriter.vllm.guard import StepDecision
+
+    q, T = VERIFY_Q, B * VERIFY_Q
+    for layer in verify.layers:  # vLLM's verify metadata, as its builders made it
+        md = verify.batch.attn_metadata[layer_name(layer.self_attn)]
+        if _is_kda(layer):
+            assert (md.num_prefills, md.num_decodes, md.num_spec_decodes, md.num_spec_decode_tokens) == (0, 0, B, T)
+            assert md.non_spec_state_indices_tensor is None
+            assert md.spec_state_indices_tensor.tolist() == _group_blocks(verify, layer)
+            assert md.num_accepted_tokens.tolist() == list(ACCEPTED)
+        else:
+            assert (md.num_prefills, md.num_decodes, md.num_decode_tokens) == (0, B, T)
+    programs = build_programs(verify.layers, verify.cfg, tp=1, rank=0, arch=ARCH, batches=(B,), q=q,
+                              compile_fn=_no_compile, progress=_quiet)
+    assert programs.fallbacks == {} and programs.q == q
+    assert sorted(programs.programs) == [(layer.layer_idx, T) for layer in verify.layers]
+    with decode_context(verify.vllm_config, verify.batch, mode=CUDAGraphMode.FULL) as context:
+        assert decide_step(T, set(programs.token_counts), True, context, q) == \
+            StepDecision(True, "uniform verify (4 tokens per request)")
+        kda = next(layer for layer in verify.layers if _is_kda(layer))
+        conv, recurrent, slots, accepted = state_inputs(kda, context, T, q)
+        assert conv.data_ptr() == cache_tensors(kda)["conv_state"].data_ptr() and conv.shape[-1] == 3 + q - 1
+        assert slots.shape == (B, q) and accepted.tolist() == list(ACCEPTED)
+
+    _fill_verify_caches(verify, seed=21)
+    before = _snapshot(verify)
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with decode_context(verify.vllm_config, verify.batch) as context:
+        got = run_layers(verify.layers, programs, verify.batch.positions,
+                         *stage_inputs(verify.model.model, x.clone(), None), context)
+    after_programs = _snapshot(verify)
+    _restore(verify, before)
+    with torch.inference_mode():
+        *want, want_conv = _one_token_steps(verify, verify.bind(), x.clone())
+    after_reference = _snapshot(verify)
+
+    written = _written_blocks(verify.cfg, len(verify.layers))
+    for name, a, b in (("hidden", got[0], want[0]), ("prefix sum", got[1], want[1]),
+                       ("AttnRes blocks", got[2][:, written], want[2][:, written])):
+        assert torch.isfinite(a).all() and b.abs().max() > 0, name
+        assert rel_err(a, b) < TOL, (name, rel_err(a, b))
+    free = torch.ones(verify.runner.kv_cache_config.num_blocks, dtype=torch.bool)  # blocks no request holds
+    free[[b for group in verify.batch.block_ids for ids in group for b in ids]] = False
+    for layer, was, now, ref in zip(verify.layers, before, after_programs, after_reference):
+        i = layer.layer_idx
+        if _is_kda(layer):
+            slots = torch.tensor(_group_blocks(verify, layer))  # [requests, q]
+            conv_now = now[0].transpose(-1, -2)  # vLLM's SD [slots, rows, C] as the programs' [slots, C, rows]
+            assert rel_err(conv_now[slots[:, 0]], want_conv[i][slots[:, 0]]) < TOL, i
+            assert not torch.equal(now[0][slots[:, 0]], was[0][slots[:, 0]]), i
+            assert torch.equal(now[0][slots[:, 1:]], was[0][slots[:, 1:]]), i  # conv rows live in column 0's slot
+            for j in range(q):  # token j's state in column j, for every accepted length
+                assert not torch.equal(now[1][slots[:, j]], was[1][slots[:, j]]), (i, j)
+                assert rel_err(now[1][slots[:, j]], ref[1][slots[:, j]]) < TOL, (i, j, rel_err(now[1], ref[1]))
+        else:
+            size = now[0].shape[1]
+            entries = verify.batch.slot_mapping[layer_name(layer.self_attn)][:T].long()
+            block, offset = entries // size, entries % size
+            assert not torch.equal(now[0][block, offset], was[0][block, offset]), i
+            assert rel_err(now[0][block, offset], ref[0][block, offset]) < TOL, i
+            keep = torch.ones(now[0].shape[:2], dtype=torch.bool)
+            keep[block, offset] = False
+            mine = torch.tensor([b for ids in _group_blocks(verify, layer) for b in ids])
+            assert torch.equal(now[0][mine][keep[mine]], was[0][mine][keep[mine]]), i  # its blocks' other entries
+        assert all(torch.equal(a[free], b[free]) for a, b in zip(now, was)), i
+
+
+def test_speculative_decoding_is_served_at_q_4_and_a_conv_rows_count_the_programs_do_not_read_is_refused():
+    """At the smallest sizes the KDA+MoE templates take, vLLM's real model with 3 speculative tokens
+    a step: startup refuses nothing about it; programs built for verify steps of 4 tokens (their KDA
+    graphs take vLLM's 4 state slots per request and its accepted counts) keep their KDA layers
+    once vLLM binds its 3 + 3 conv rows per slot (its SD layout, read from vLLM's own flag, not
+    guessed from the shape), the kernels asked about that state; programs built for
+    one-token steps or for 2 tokens per request are dropped, naming the rows."""
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
+
     from rewriter.vllm.guard import deployment_refusals
     from rewriter.vllm.programs import check_cache_layouts
-    from rewriter.vllm.state import cache_tensors
 
-    model, vc = build_loaded(None, speculative_tokens=3)
+    model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG, speculative_tokens=VERIFY_Q - 1)
     layers, cfg = decoder_layers(model), text_config(vc)
-    assert any(r.startswith("speculative decoding (ngram, 3 tokens)") for r in deployment_refusals(vc, (9, 0)))
-    programs = build_programs(layers, cfg, tp=1, rank=0, arch=ARCH, batches=(B,), compile_fn=_no_compile,
+    kda = [layer for layer in layers if cfg.layer_kind(layer.layer_idx) == "kda"]
+    assert not [r for r in deployment_refusals(vc, (9, 0)) if "speculative" in r or "verify" in r]
+
+    def programs(q):
+        return build_programs(layers, cfg, tp=1, rank=0, arch=ARCH, batches=(B,), q=q, compile_fn=_no_compile,
                               progress=_quiet)
-    bind_caches(model, vc)
-    kda = [layer for layer in layers if _is_kda(layer)]
+
+    verify, one_token, two_tokens = programs(VERIFY_Q), programs(1), programs(2)
+    for layer in kda:  # verify programs: vLLM's q state slots per request and its accepted counts
+        inputs = {n.name: tuple(n.meta["val"].shape) for n in
+                  verify.get(layer.layer_idx, B * VERIFY_Q).runner.module.graph.nodes if n.op == "placeholder"}
+        assert inputs["state_indices"] == (B, VERIFY_Q) and inputs["num_accepted"] == (B,), inputs
+        assert inputs["conv_state"][-1] == 6, inputs
+    bind_caches(model, vc, num_blocks=VERIFY_NUM_BLOCKS)
     raw = kda[0].self_attn.kv_cache[0]
     conv = cache_tensors(kda[0])["conv_state"]
     assert raw.shape[1:] == (6, conv.shape[1]) and conv.shape[2] == 6  # vLLM's [slots, rows, C] -> [slots, C, rows]
-    check_cache_layouts(programs, layers, ARCH)
+    check_cache_layouts(verify, layers, ARCH)
     for layer in kda:
-        assert programs.fallbacks[layer.layer_idx] == ("vLLM keeps 6 conv state rows per slot (3 + 3 speculative "
-                                                       "tokens): the programs serve one-token decode steps; "
-                                                       "speculative verify steps have none yet")
-        assert programs.get(layer.layer_idx, B) is None
-    for layer in layers:  # the MLA layers keep no conv state (the tiny model's shapes are refused by other templates)
-        if not _is_kda(layer):
-            assert "conv state rows" not in programs.fallbacks.get(layer.layer_idx, ""), layer.layer_idx
+        assert layer.layer_idx not in verify.fallbacks, verify.fallbacks[layer.layer_idx]
+        assert verify.get(layer.layer_idx, B * VERIFY_Q) is not None
+    for built, q, what in ((one_token, 1, "one-token decode steps, which read 3"),
+                           (two_tokens, 2, "verify steps of 2 tokens per request, which read 4")):
+        check_cache_layouts(built, layers, ARCH)
+        for layer in kda:
+            assert built.fallbacks[layer.layer_idx] == ("vLLM keeps 6 conv state rows per slot (3 + 3 speculative "
+                                                        f"tokens): the programs are built for {what}")
+            assert built.get(layer.layer_idx, B * q) is None
 
 
 # ---- the kernels asked about vLLM's state layout, before any step ------------------------------

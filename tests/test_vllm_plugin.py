@@ -94,7 +94,7 @@ def _config(tp=8, **model_changes):
                             enable_sleep_mode=False)
     return SimpleNamespace(parallel_config=real.parallel_config, cache_config=real.cache_config,
                            compilation_config=real.compilation_config, lora_config=None, model_config=model,
-                           use_v2_model_runner=True, additional_config={})
+                           use_v2_model_runner=True, additional_config={}, speculative_config=None)
 
 
 def test_a_supported_deployment_has_no_refusals():
@@ -148,6 +148,41 @@ def test_model_dtype_and_graph_mode_refusals():
     assert any("no FULL decode CUDA graphs" in r for r in reasons)
 
 
+def _speculative(k):
+    """vLLM's real speculative config, k tokens drafted a step (n-gram: no draft model to load)."""
+    from vllm.config import SpeculativeConfig
+    return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+def test_speculative_decoding_of_up_to_seven_tokens_is_served(k):
+    from rewriter.vllm.guard import tokens_per_request
+    cfg = _config()
+    cfg.speculative_config = _speculative(k)
+    assert deployment_refusals(cfg, capability=(9, 0)) == []
+    assert tokens_per_request(cfg) == k + 1
+    assert tokens_per_request(_config()) == 1
+
+
+def test_speculative_settings_the_verify_programs_do_not_serve_are_refused_by_name():
+    cfg = _config()
+    cfg.speculative_config = _speculative(8)
+    assert deployment_refusals(cfg, capability=(9, 0)) == [
+        "speculative decoding (ngram) of 8 tokens a step: the verify programs take at most 8 tokens per request "
+        "(num_speculative_tokens 1..7)"]
+    cfg = _config()
+    cfg.speculative_config = _speculative(3)
+    cfg.cache_config.use_replayssm = True  # --use-replayssm: vLLM then sets use_kda_recoverssm for Kimi K3
+    (reason,) = deployment_refusals(cfg, capability=(9, 0))
+    assert reason.startswith("RecoverSSM speculative decoding (--use-replayssm): it keeps one KDA state slot"), reason
+    cfg = _config()
+    cfg.speculative_config = _speculative(3)
+    cfg.speculative_config.enable_adaptive_verification = True  # DSpark's: ragged FULL graphs
+    (reason,) = deployment_refusals(cfg, capability=(9, 0))
+    assert reason.startswith("adaptive verification (enable_adaptive_verification): its FULL CUDA graphs replay any "
+                             "mix of 1..4 tokens per request"), reason
+
+
 # ---- step guard on real forward contexts and metadata ---------------------------------------
 def _kda_md(prefills=0, decodes=4, spec=0):
     return KimiK3KDAMetadata(num_prefills=prefills, num_prefill_tokens=prefills * 7, num_decodes=decodes,
@@ -166,10 +201,38 @@ def _mla_md(prefills=0, decodes=4, table=None, seq_lens=None, slots=None):
                              num_decodes=decodes, num_decode_tokens=decodes, num_prefills=prefills, decode=decode)
 
 
-def _decide(metadata, tokens=4, mode=CUDAGraphMode.FULL, capturing=True, built=(1, 2, 4, 8)):
+def _kda_verify_md(requests=4, q=4, padded=None, tokens=None, decodes=0, prefills=0):
+    """KDA metadata of a verify step as vLLM's builder makes it (pure verify: every row a spec row,
+    the FULL-graph padding rows staged as null state rows); ``tokens``: the spec rows' tokens
+    (requests x q when uniform)."""
+    padded = padded or requests
+    slots = torch.arange(1, padded * q + 1, dtype=torch.int32).view(padded, q)
+    slots[requests:] = 0
+    tokens = requests * q if tokens is None else tokens
+    return KimiK3KDAMetadata(num_prefills=prefills, num_prefill_tokens=prefills * 7, num_decodes=decodes,
+                             num_decode_tokens=decodes, num_spec_decodes=requests, num_spec_decode_tokens=tokens,
+                             num_actual_tokens=padded * q, spec_state_indices_tensor=slots,
+                             num_accepted_tokens=torch.ones(padded, dtype=torch.int32),
+                             non_spec_state_indices_tensor=torch.arange(decodes, dtype=torch.int32) if decodes
+                             else None)
+
+
+def _mla_verify_md(requests=4, q=4, tokens=None, prefills=0):
+    """MLA metadata of a verify step: every request a decode of its q tokens (padding included, as
+    vLLM's split counts zero-length padding rows as decodes of a uniform batch)."""
+    decode = MLACommonDecodeMetadata(block_table=torch.zeros(requests, 2, dtype=torch.int32),
+                                     seq_lens=torch.full((requests,), 9), dcp_tot_seq_lens=None)
+    tokens = requests * q if tokens is None else tokens
+    return MLACommonMetadata(num_reqs=requests + prefills, max_query_len=7 if prefills else q, max_seq_len=9,
+                             num_actual_tokens=tokens + prefills * 7, query_start_loc=torch.arange(requests + 1) * q,
+                             slot_mapping=torch.arange(tokens), num_decodes=requests, num_decode_tokens=tokens,
+                             num_prefills=prefills, decode=decode)
+
+
+def _decide(metadata, tokens=4, mode=CUDAGraphMode.FULL, capturing=True, built=(1, 2, 4, 8), q=1):
     cfg = _vllm_config()
     with set_forward_context(metadata, cfg, num_tokens=tokens, cudagraph_runtime_mode=mode):
-        return decide_step(tokens, set(built), capturing, get_forward_context())
+        return decide_step(tokens, set(built), capturing, get_forward_context(), q)
 
 
 def test_step_guard_decisions():
@@ -181,8 +244,8 @@ def test_step_guard_decisions():
                     "model.layers.3.self_attn": _mla_md(prefills=2, decodes=0)},
         "mixed batch (prefill and decode rows)": {"model.layers.1.self_attn": _kda_md(prefills=1, decodes=3),
                                                   "model.layers.3.self_attn": _mla_md(prefills=1, decodes=3)},
-        "speculative verify step (not supported yet)": {"model.layers.1.self_attn": _kda_md(decodes=0, spec=2),
-                                                         "model.layers.3.self_attn": _mla_md()},
+        "speculative verify step: no verify programs built": {"model.layers.1.self_attn": _kda_md(decodes=0, spec=2),
+                                                              "model.layers.3.self_attn": _mla_md()},
     }
     for reason, md in cases.items():
         d = _decide(md)
@@ -191,6 +254,41 @@ def test_step_guard_decisions():
     assert _decide(decode, capturing=False).reason.startswith("not captured as a CUDA graph")
     assert _decide(decode, tokens=5).reason == "5 tokens: no program built for this batch size"
     assert decide_step(4, {4}, True, None).reason == "no forward context"
+
+
+def test_step_guard_on_verify_steps():
+    """Programs built for q = 4 (k = 3) take a uniform verify step of 4 tokens per request, padded
+    or not, and nothing else: a ragged step (DSpark's adaptive verification), a uniform step of
+    another q whose token count was built, a verify step with prefill or plain decode rows, a
+    one-token decode step; programs for one-token steps take no verify step."""
+    def step(kda, mla):
+        return {"model.layers.1.self_attn": kda, "model.layers.3.self_attn": mla}
+
+    built = {4, 8, 16}  # 1, 2, 4 requests of 4 tokens
+    uniform = step(_kda_verify_md(), _mla_verify_md())
+    d = _decide(uniform, tokens=16, built=built, q=4)
+    assert d.rewritten and d.reason == "uniform verify (4 tokens per request)"
+    padded = step(_kda_verify_md(requests=3, padded=4), _mla_verify_md(requests=4))  # 3 requests in a 4-request graph
+    assert _decide(padded, tokens=16, built=built, q=4).rewritten
+    ragged = "non-uniform verify step (requests verify different numbers of tokens, as DSpark's adaptive " \
+             "verification schedules them)"
+    cases = {
+        ragged: step(_kda_verify_md(tokens=11), _mla_verify_md(tokens=16)),
+        "verify step of 2 tokens per request: the programs verify 4": step(_kda_verify_md(requests=8, q=2),
+                                                                          _mla_verify_md(requests=8, q=2)),
+        "mixed batch (prefill and decode rows)": step(_kda_verify_md(requests=3, prefills=1),
+                                                      _mla_verify_md(requests=3, prefills=1)),
+        "one-token decode step: the programs verify 4 tokens per request": step(
+            _kda_md(decodes=16), _mla_md(decodes=16)),
+    }
+    for reason, md in cases.items():
+        d = _decide(md, tokens=16, built=built, q=4)
+        assert not d.rewritten and d.reason == reason, (reason, d.reason)
+    spec_and_plain = step(_kda_verify_md(requests=3, decodes=4), _mla_verify_md(requests=4, tokens=16))
+    assert _decide(spec_and_plain, tokens=16, built=built, q=4).reason == ragged
+    assert _decide(uniform, tokens=16, built={1, 2, 4, 8, 16}, q=1).reason == \
+        "speculative verify step: no verify programs built"
+    assert _decide(uniform, tokens=12, built=built, q=4).reason == "12 tokens: no program built for this batch size"
 
 
 def test_step_log_summary():
@@ -263,3 +361,9 @@ def test_in_tree_check_is_stood_down_only_while_building():
 def test_served_batches():
     assert served_batches([1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]) == (
         1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+    # vLLM's default sizes up to 72 with 3 speculative tokens (VllmConfig._set_cudagraph_sizes: 1, 2, 4,
+    # multiples of 8, and n x 4 for request counts n): the V2 runner rounds each up to whole requests
+    assert served_batches([1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 128], q=4) == (1, 2, 4, 6, 8, 10, 12, 14, 16)
+    assert served_batches([1, 2, 4, 12, 128], q=4) == (1, 3)
+    assert served_batches([1, 2, 4, 8], q=3) == (1, 2)  # 9 tokens would pass the largest capture size
+    assert served_batches([], q=2) == ()

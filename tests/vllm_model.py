@@ -17,7 +17,10 @@ manager active only where it is needed:
   kernel for an fp8 cache and refuses to pick a backend; the layer keeps its fp8 cache
   dtype, so vLLM still allocates the uint8 cache and ``_k_scale`` a GPU would get;
 - ``attn_res_in_torch`` (only where the last pipeline stage's final AttnRes runs): vLLM's op is
-  a Triton kernel; its math in torch.
+  a Triton kernel; its math in torch;
+- ``mla_verify_rows_as_decodes`` (only with speculative decoding, while the caches are bound):
+  vLLM's CPU MLA builder takes one-token queries only and would count a verify step's rows as
+  prefills; it is given the GPU builders' declaration.
 
 vLLM's stock layer forward cannot run on a CPU (its ops are Triton kernels); the plugin's
 programs and the reference layers can, on vLLM's tensors and caches.
@@ -64,6 +67,7 @@ QUANT_CONFIGS: dict[str | None, dict | None] = {None: None, "mxfp4": {"quant_met
 SEQ_LENS = (700, 33, 1000, 257)  # cached tokens + 1 per request of the decode step
 MAX_MODEL_LEN = 1024
 NUM_BLOCKS = 40  # one pool shared by every cache group, block 0 the null block
+VERIFY_NUM_BLOCKS = 80  # the same with 3 speculative tokens: each request holds 4 state blocks per KDA group
 
 
 # ---- patches ----------------------------------------------------------------------------
@@ -147,6 +151,17 @@ def attn_res_in_torch() -> contextlib.AbstractContextManager:
         return out
 
     return _patched(module, "attn_res", attn_res)
+
+
+def mla_verify_rows_as_decodes() -> contextlib.AbstractContextManager:
+    """Why: vLLM's CPU MLA builder (AMX_MLA) declares single-token queries only, so its decode
+    threshold stays 1 and a verify step's q-token rows would be prefills; the GPU builders
+    (FlashMLA, Triton MLA: UNIFORM) raise the threshold to k + 1 at construction and build them as
+    decodes, the metadata a GPU's verify step gets."""
+    from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAMetadataBuilder
+
+    return _patched(AMXMLAMetadataBuilder, "query_len_support", QueryLenSupport.UNIFORM)
 
 
 def _moe_patch(quant: str | None) -> contextlib.AbstractContextManager:
@@ -334,7 +349,8 @@ def bind_caches(model: torch.nn.Module, vc: VllmConfig, num_blocks: int = NUM_BL
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    with set_current_vllm_config(vc):
+    verify = mla_verify_rows_as_decodes() if vc.speculative_config is not None else contextlib.nullcontext()
+    with set_current_vllm_config(vc), verify:
         current_platform.update_block_size_for_backend(vc)  # what the executor does after load_model
         runner = CPUModelRunner(vc, torch.device("cpu"))
         runner.model = model
@@ -353,21 +369,26 @@ def bind_caches(model: torch.nn.Module, vc: VllmConfig, num_blocks: int = NUM_BL
 
 @dataclass
 class DecodeBatch:
-    """A pure decode step as vLLM's runner prepares it: one new token per request."""
+    """A decode step as vLLM's runner prepares it: q new tokens per request (q > 1: a verify step),
+    ``seq_lens`` counting them."""
 
     seq_lens: tuple[int, ...]
     block_ids: list[list[list[int]]]  # [cache group][request] -> block ids
     attn_metadata: dict[str, Any]  # layer name -> metadata (vLLM's builders)
     slot_mapping: dict[str, torch.Tensor]  # layer name -> slots (what set_forward_context gets)
     padded_tokens: int  # the step's tokens with the padding rows of a FULL CUDA graph
+    q: int = 1
+    num_accepted: tuple[int, ...] = ()  # verify: each request's previous accepted tokens + 1
 
     @property
     def num_tokens(self) -> int:
-        return len(self.seq_lens)
+        return len(self.seq_lens) * self.q
 
     @property
     def positions(self) -> torch.Tensor:
-        return torch.tensor(self.seq_lens, dtype=torch.int64) - 1
+        """Each token's position, request by request."""
+        last = torch.tensor(self.seq_lens, dtype=torch.int64).repeat_interleave(self.q)
+        return last - self.q + torch.arange(self.q).repeat(len(self.seq_lens))
 
     @property
     def positions_padded(self) -> torch.Tensor:
@@ -376,17 +397,23 @@ class DecodeBatch:
 
 
 def prepare_decode(runner: Any, seq_lens: tuple[int, ...] = SEQ_LENS, seed: int = 0,
-                   padded_to: int | None = None) -> DecodeBatch:
+                   padded_to: int | None = None, q: int = 1, num_accepted: tuple[int, ...] = ()) -> DecodeBatch:
     """Fill the runner's persistent input buffers for a decode step (as ``_prepare_inputs`` does),
     with shuffled block ids drawn without replacement from the one pool every cache group shares,
     then vLLM's ``_get_slot_mappings`` and ``_build_attention_metadata`` (its real builders).
     ``padded_to``: the step padded to that many requests of one token, as for a FULL CUDA graph
-    (vLLM's builders give the padding rows the null block and its slot mapping PAD_SLOT_ID)."""
+    (vLLM's builders give the padding rows the null block and its slot mapping PAD_SLOT_ID).
+    ``q`` > 1: a verify step of q tokens per request (k = q - 1 drafts each, every request a spec
+    row) after the previous step accepted ``num_accepted`` - 1 drafts per request, as the runner
+    hands the KDA builder its ``num_accepted_tokens`` and ``num_decode_draft_tokens``. (vLLM pads a
+    FULL-graph verify step by staging on the GPU, a Triton kernel: verify steps here are unpadded.)"""
     from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import MambaSpec
 
     B = len(seq_lens)
     P = padded_to or B
+    assert q == 1 or (P == B and len(num_accepted) == B), "a verify step: unpadded, num_accepted per request"
+    T = B * q
     pool = (torch.randperm(runner.kv_cache_config.num_blocks - 1, generator=torch.Generator().manual_seed(seed))
             + 1).tolist()
     block_ids = []
@@ -400,27 +427,34 @@ def prepare_decode(runner: Any, seq_lens: tuple[int, ...] = SEQ_LENS, seed: int 
         batch.block_table.add_row(tuple(ids[r] for ids in block_ids), r)
     batch.block_table.commit_block_table(B)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    batch.num_computed_tokens_cpu_tensor[:B] = lens - 1
+    batch.num_computed_tokens_cpu_tensor[:B] = lens - q
     batch.num_prompt_tokens_cpu_tensor[:B] = 1
     runner.query_start_loc.np[0] = 0
-    runner.query_start_loc.np[1:P + 1] = range(1, P + 1)
-    runner.query_start_loc.np[P + 1:] = P
+    runner.query_start_loc.np[1:P + 1] = range(q, P * q + 1, q)
+    runner.query_start_loc.np[P + 1:] = P * q
     runner.query_start_loc.copy_to_gpu()
     runner.optimistic_seq_lens_cpu[:B], runner.optimistic_seq_lens_cpu[B:] = lens, 0
     runner.seq_lens[:B], runner.seq_lens[B:] = lens, 0
-    runner.positions[:B], runner.positions[B:P] = (lens - 1).to(torch.int64), 0
+    step = DecodeBatch(tuple(seq_lens), block_ids, {}, {}, P * q, q, tuple(num_accepted))
+    runner.positions[:T], runner.positions[T:P * q] = step.positions, 0
+    if q > 1:
+        runner.num_accepted_tokens.gpu[:B] = torch.tensor(num_accepted, dtype=torch.int32)
+        runner.num_decode_draft_tokens.cpu[:B], runner.num_decode_draft_tokens.cpu[B:] = q - 1, -1
     for gid in range(len(block_ids)):
         table = batch.block_table[gid]
         if table.slot_mapping_mode.name == "TOKEN_TO_KV_SLOT":
             # BlockTable.compute_slot_mapping is a Triton kernel; its arithmetic (DCP 1) in torch
-            pos = runner.positions[:B]
-            blocks = table.block_table.gpu[torch.arange(B), pos // table.block_size].to(torch.int64)
-            table.slot_mapping.gpu[:B] = blocks * table.block_size + pos % table.block_size
+            pos = runner.positions[:T]
+            blocks = table.block_table.gpu[torch.arange(B).repeat_interleave(q), pos // table.block_size]
+            table.slot_mapping.gpu[:T] = blocks.to(torch.int64) * table.block_size + pos % table.block_size
     with set_current_vllm_config(runner.vllm_config):
-        by_group, by_layer = runner._get_slot_mappings(num_tokens_padded=P, num_reqs_padded=P, num_tokens_unpadded=B)
-        metadata, _ = runner._build_attention_metadata(num_tokens=B, num_reqs=B, max_query_len=1,
-                                                       num_tokens_padded=P, num_reqs_padded=P, slot_mappings=by_group)
-    return DecodeBatch(tuple(seq_lens), block_ids, metadata, by_layer, P)
+        by_group, by_layer = runner._get_slot_mappings(num_tokens_padded=P * q, num_reqs_padded=P,
+                                                       num_tokens_unpadded=T)
+        metadata, _ = runner._build_attention_metadata(num_tokens=T, num_reqs=B, max_query_len=q,
+                                                       num_tokens_padded=P * q, num_reqs_padded=P,
+                                                       slot_mappings=by_group, use_spec_decode=q > 1)
+    step.attn_metadata, step.slot_mapping = metadata, by_layer
+    return step
 
 
 @contextlib.contextmanager

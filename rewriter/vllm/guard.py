@@ -2,10 +2,11 @@
 
 - ``deployment_refusals``: settings the rewriter does not serve. Startup stops with ONE
   error listing every reason at once (vLLM's own check stops at the first).
-- ``decide_step``: per forward, whether this step takes the rewritten path. Only pure
-  decode steps of a built batch size that are being captured as FULL CUDA graphs do; the
-  decision is made from the forward context alone, so every TP rank of every pipeline stage
-  makes the same one, and it is baked into the captured graph.
+- ``decide_step``: per forward, whether this step takes the rewritten path. Only steps of
+  the kind the programs were built for (pure decode, or with speculative decoding a uniform
+  verify step of q = k + 1 tokens per request) of a built size that are being captured as
+  FULL CUDA graphs do; the decision is made from the forward context alone, so every TP rank
+  of every pipeline stage makes the same one, and it is baked into the captured graph.
 ``StepLog`` counts the steps each path took, with their reasons, and logs a summary at
 shutdown. With FULL CUDA graphs vLLM replays graphs without calling ``forward``, so the
 counts are of forward calls: captures plus the steps that run outside FULL graphs.
@@ -22,6 +23,7 @@ import torch
 
 from rewriter.config import ConfigError, KimiK3Config
 from rewriter.vllm.experts import moe_backend_refusal
+from rewriter.vllm.programs import MAX_Q
 
 log = logging.getLogger("rewriter.vllm")
 
@@ -49,6 +51,13 @@ def model_refusals(hf_text_config: Any, tp: int) -> list[str]:
     return [f"a model that is not Kimi K3 shaped ({r})" for r in cfg.unsupported_for_reference()]
 
 
+def tokens_per_request(vllm_config: Any) -> int:
+    """q of every decode step: 1, or k + 1 with k speculative tokens (then every decode step is a
+    verify step, vLLM's KDA metadata counting each decode row as a spec row)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+
+
 def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = None) -> list[str]:
     """Every setting of this deployment the rewriter does not serve (empty: all served)."""
     from vllm.config import CompilationMode, CUDAGraphMode
@@ -67,9 +76,17 @@ def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = N
     if getattr(par, "use_ubatching", False):
         reasons.append("dual-batch overlap (DBO)")
     spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None and getattr(spec, "num_speculative_tokens", 0):
-        reasons.append(f"speculative decoding ({getattr(spec, 'method', None)}, {spec.num_speculative_tokens} "
-                       "tokens): every decode step is then a verify step, which has no programs yet")
+    q = tokens_per_request(vllm_config)
+    if q > MAX_Q:
+        reasons.append(f"speculative decoding ({spec.method}) of {q - 1} tokens a step: the verify programs take "
+                       f"at most {MAX_Q} tokens per request (num_speculative_tokens 1..{MAX_Q - 1})")
+    if q > 1 and getattr(spec, "enable_adaptive_verification", False):
+        reasons.append("adaptive verification (enable_adaptive_verification): its FULL CUDA graphs replay any mix "
+                       f"of 1..{q} tokens per request; the verify programs take exactly {q}")
+    if getattr(cache, "use_replayssm", False):
+        reasons.append("RecoverSSM speculative decoding (--use-replayssm): it keeps one KDA state slot per request "
+                       "and commits the accepted tokens after sampling; the verify programs keep vLLM's k + 1 slots "
+                       "per request")
     if getattr(par, "decode_context_parallel_size", 1) != 1:
         reasons.append(f"decode context parallelism ({par.decode_context_parallel_size})")
     if vllm_config.lora_config is not None:
@@ -122,8 +139,37 @@ class StepDecision:
     reason: str
 
 
-def decide_step(num_tokens: int, built: frozenset[int] | set[int], capturing: bool, context: Any) -> StepDecision:
-    """Whether a step with ``num_tokens`` rows takes the rewritten path, and why (not)."""
+def _is_kda(md: Any) -> bool:
+    return hasattr(md, "num_spec_decodes")
+
+
+def _verifies(md: Any) -> bool:
+    """Whether a layer's metadata holds verify rows (KDA: spec decodes; MLA: decodes of more than one token)."""
+    return bool(md.num_spec_decodes) if _is_kda(md) else md.num_decode_tokens != md.num_decodes
+
+
+def uniform_verify_q(md: Any, num_tokens: int) -> int | None:
+    """The q of a uniform verify step of ``num_tokens`` graph rows, every request q tokens, as vLLM's
+    own specialized decode tests it (``is_uniform_verify``; FULL graphs pad whole requests: KDA
+    stages null state rows, MLA zero-length decodes); None: not uniform."""
+    if md.num_prefills:
+        return None
+    if _is_kda(md):
+        rows = md.spec_state_indices_tensor
+        if md.num_decodes or rows is None or not rows.shape[0] or num_tokens % rows.shape[0]:
+            return None
+        q = num_tokens // rows.shape[0]
+        return q if md.num_spec_decode_tokens == md.num_spec_decodes * q else None
+    if not md.num_decodes or num_tokens % md.num_decodes or md.num_decode_tokens != num_tokens:
+        return None
+    return num_tokens // md.num_decodes
+
+
+def decide_step(num_tokens: int, built: frozenset[int] | set[int], capturing: bool, context: Any, q: int = 1
+                ) -> StepDecision:
+    """Whether a step with ``num_tokens`` rows takes the rewritten path, and why (not), for programs
+    of ``q`` tokens per request (``built``: their token counts): q = 1 takes pure decode steps,
+    q > 1 uniform verify steps of exactly q tokens per request."""
     from vllm.config import CUDAGraphMode
 
     if context is None:
@@ -140,15 +186,27 @@ def decide_step(num_tokens: int, built: frozenset[int] | set[int], capturing: bo
     rows = list(metadata.values()) if isinstance(metadata, dict) else []
     if not rows:
         return StepDecision(False, "no attention metadata")
-    if any(getattr(md, "num_spec_decodes", 0) for md in rows):
-        return StepDecision(False, "speculative verify step (not supported yet)")
-    prefills = max(getattr(md, "num_prefills", 0) for md in rows)
-    decodes = max(getattr(md, "num_decodes", 0) for md in rows)
-    if prefills and decodes:
+    verify = any(_verifies(md) for md in rows)
+    prefills = max(md.num_prefills for md in rows)
+    decodes = max(md.num_decodes for md in rows)
+    if prefills and (decodes or verify):
         return StepDecision(False, "mixed batch (prefill and decode rows)")
     if prefills:
         return StepDecision(False, "prefill")
-    return StepDecision(True, "pure decode")
+    if not verify:
+        if q > 1:
+            return StepDecision(False, f"one-token decode step: the programs verify {q} tokens per request")
+        return StepDecision(True, "pure decode")
+    if q == 1:
+        return StepDecision(False, "speculative verify step: no verify programs built")
+    for md in rows:
+        step_q = uniform_verify_q(md, num_tokens)
+        if step_q is None:
+            return StepDecision(False, "non-uniform verify step (requests verify different numbers of tokens, "
+                                       "as DSpark's adaptive verification schedules them)")
+        if step_q != q:
+            return StepDecision(False, f"verify step of {step_q} tokens per request: the programs verify {q}")
+    return StepDecision(True, f"uniform verify ({q} tokens per request)")
 
 
 class StepLog:

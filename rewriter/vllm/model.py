@@ -8,8 +8,9 @@ With ``auto`` it is vLLM's class unchanged. With ``latency_specialized`` it
   claims the same knob and would refuse Hopper before our path is even considered;
 - builds its programs once the weights are loaded (in the V2 runner's model state), and checks
   them against the KV cache and KDA state once vLLM binds them;
-- routes each forward: pure decode steps of a built batch size being captured as FULL
-  CUDA graphs run the programs, every other step runs vLLM's stock forward;
+- routes each forward: pure decode steps (with speculative decoding of k tokens: uniform
+  verify steps of k + 1 tokens per request) of a built size being captured as FULL CUDA
+  graphs run the programs, every other step runs vLLM's stock forward;
 - with pipeline parallelism, each stage builds programs for its own layers and runs its part
   of the step: it takes the previous stage's ``IntermediateTensors`` and hands its own on
   (``runtime.run_stage``), the first stage embeds, the last applies the final AttnRes.
@@ -27,7 +28,8 @@ from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 
 from rewriter.config import KimiK3Config
 from rewriter.program_cache import ProgramCache
-from rewriter.vllm.guard import KV_CACHE_DTYPES, StepDecision, StepLog, arch_of, check_deployment, decide_step
+from rewriter.vllm.guard import (KV_CACHE_DTYPES, StepDecision, StepLog, arch_of, check_deployment, decide_step,
+                                 tokens_per_request)
 from rewriter.vllm.experts import select_moe_backend
 from rewriter.vllm.knob import REWRITER, decode_backend
 from rewriter.vllm.programs import (ProgramSet, build_programs, check_cache_layouts, compile_with_codegen,
@@ -67,14 +69,15 @@ class RewriterDecode:
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         capture = self.vllm_config.compilation_config.cudagraph_capture_sizes or ()
         arch = arch_of(torch.cuda.get_device_capability())
+        q = tokens_per_request(self.vllm_config)  # k + 1 with k speculative tokens: every decode step verifies
         self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
-                                       batches=served_batches(capture), compile_fn=compile_with_codegen(arch),
+                                       batches=served_batches(capture, q), compile_fn=compile_with_codegen(arch),
                                        group=group.cpu_group, conv_layout=get_conv_state_layout(),
                                        kv_cache_dtype=KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype],
-                                       program_cache=ProgramCache())
+                                       program_cache=ProgramCache(), q=q)
         rewritten = len(layers) - len(self.programs.fallbacks)
-        log.info("rewriter: %d of %d layers rewritten for batch sizes %s; %d keep the stock forward",
-                 rewritten, len(layers), list(self.programs.batches), len(self.programs.fallbacks))
+        log.info("rewriter: %d of %d layers rewritten for batch sizes %s of %d tokens per request; %d keep the "
+                 "stock forward", rewritten, len(layers), list(self.programs.batches), q, len(self.programs.fallbacks))
 
     def check_caches(self, model: "RewrittenKimiLinearForCausalLM") -> None:
         """Once vLLM has bound its caches: drop the programs whose kernels refuse the state as vLLM
@@ -97,7 +100,7 @@ class RewriterDecode:
             return StepDecision(False, "no layer program built")
         context = get_forward_context() if is_forward_context_available() else None
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        return decide_step(num_tokens, set(self.programs.batches), capturing, context)
+        return decide_step(num_tokens, set(self.programs.token_counts), capturing, context, self.programs.q)
 
     def run(self, model: "RewrittenKimiLinearForCausalLM", input_ids: torch.Tensor | None,
             positions: torch.Tensor, inputs_embeds: torch.Tensor | None, intermediate_tensors: Any = None) -> Any:

@@ -2,10 +2,12 @@
 
 For each layer of the loaded vLLM backbone: bind vLLM's parameter tensors to a reference
 layer by name (no copies; routed experts in the format vLLM's MoE backend left them), trace
-it, rewrite it and compile its kernels for every batch size served. A layer whose program
-cannot be built (a parameter that is not what the kernels take, a missing kernel, a compile
-failure) keeps vLLM's stock forward, with the reason logged. Then every TP rank adopts the union of all ranks' fallbacks, so all ranks
-take the same path before any program's collective runs.
+it, rewrite it and compile its kernels for every batch size served: one-token decode steps,
+or with speculative decoding (k tokens drafted a step) verify steps of q = k + 1 tokens per
+request, the only decode steps vLLM then runs. A layer whose program cannot be built (a
+parameter that is not what the kernels take, a missing kernel, a compile failure) keeps
+vLLM's stock forward, with the reason logged. Then every TP rank adopts the union of all
+ranks' fallbacks, so all ranks take the same path before any program's collective runs.
 
 Graphs depend only on a layer's structure (attention kind, dense or MoE, its AttnRes
 position), not on its weights, so each distinct structure is traced and rewritten once
@@ -38,6 +40,8 @@ from rewriter.vllm.state import cache_tensors
 log = logging.getLogger("rewriter.vllm")
 
 SERVED_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+MAX_TOKENS = 64  # the most tokens a step of the programs takes (batch x q)
+MAX_Q = 8  # the most tokens per request a verify program takes (k + 1 <= 8)
 
 
 class ProgramError(Exception):
@@ -53,9 +57,17 @@ def use_tp_group(group: Any) -> None:
     register_group("tp", group.device_group)
 
 
-def served_batches(capture_sizes: Iterable[int] = ()) -> tuple[int, ...]:
-    """1..8, 16, 32, 64 and vLLM's CUDA graph capture sizes up to 64."""
-    return tuple(sorted({*SERVED_BATCHES, *(s for s in capture_sizes if 1 <= s <= 64)}))
+def served_batches(capture_sizes: Iterable[int] = (), q: int = 1) -> tuple[int, ...]:
+    """Requests a step for which to build programs. One-token steps (q = 1): 1..8, 16, 32, 64 and
+    vLLM's CUDA graph capture sizes up to 64. Verify steps of q tokens per request: the request
+    counts of the uniform FULL graphs vLLM's V2 runner captures (``CudaGraphManager._init_candidates``:
+    each capture size rounded up to whole requests of q tokens, none past the largest capture size),
+    up to 64 tokens; no other verify step is ever captured."""
+    capture_sizes = [s for s in capture_sizes if s >= 1]
+    if q == 1:
+        return tuple(sorted({*SERVED_BATCHES, *(s for s in capture_sizes if s <= MAX_TOKENS)}))
+    ceiling = min(MAX_TOKENS, max(capture_sizes, default=0))
+    return tuple(sorted({-(-s // q) for s in capture_sizes if -(-s // q) * q <= ceiling}))
 
 
 def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int, rank: int,
@@ -175,12 +187,24 @@ class LayerProgram:
 
 @dataclass
 class ProgramSet:
-    programs: dict[tuple[int, int], LayerProgram] = field(default_factory=dict)
+    programs: dict[tuple[int, int], LayerProgram] = field(default_factory=dict)  # by (layer, tokens a step)
     fallbacks: dict[int, str] = field(default_factory=dict)  # layer -> why it keeps the stock forward
-    batches: tuple[int, ...] = ()
+    batches: tuple[int, ...] = ()  # requests a step
+    q: int = 1  # tokens per request: 1, or k + 1 for verify steps of k speculative tokens
 
-    def get(self, layer_idx: int, batch: int) -> LayerProgram | None:
-        return self.programs.get((layer_idx, batch))
+    @property
+    def token_counts(self) -> tuple[int, ...]:
+        """Tokens of the steps served (what a forward sees as its ``num_tokens``)."""
+        return tuple(b * self.q for b in self.batches)
+
+    def get(self, layer_idx: int, num_tokens: int) -> LayerProgram | None:
+        return self.programs.get((layer_idx, num_tokens))
+
+    def drop(self, layer_idx: int, reason: str) -> None:
+        """Layer ``layer_idx`` loses its programs for every batch and keeps vLLM's stock forward."""
+        self.fallbacks[layer_idx] = reason
+        for tokens in self.token_counts:
+            self.programs.pop((layer_idx, tokens), None)
 
 
 CompileFn = Callable[[RewriteResult, list[dict]], None]  # (rewrite, its kernel plan): compile or raise
@@ -190,34 +214,36 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
                    batches: Iterable[int], compile_fn: CompileFn = require_cuda_kernels,
                    group: Any = None, progress: Callable[[str], None] | None = None,
                    conv_layout: str = "SD", kv_cache_dtype: str = "bf16",
-                   program_cache: ProgramCache | None = None) -> ProgramSet:
+                   program_cache: ProgramCache | None = None, q: int = 1) -> ProgramSet:
     """Programs for every (layer, batch), traced on KDA state in ``conv_layout`` (vLLM's
-    ``get_conv_state_layout()``) and an MLA cache of ``kv_cache_dtype`` (bf16 or fp8); layers
-    that fail on any rank fall back on all. ``program_cache``: rewritten graphs read from (and
-    stored to) disk, as a warm server start does; None rewrites every one."""
+    ``get_conv_state_layout()``) and an MLA cache of ``kv_cache_dtype`` (bf16 or fp8), for steps
+    of ``q`` tokens per request (q > 1: speculative verify, ``DecodeShape.q``); layers that fail
+    on any rank fall back on all. ``program_cache``: rewritten graphs read from (and stored to)
+    disk, as a warm server start does; None rewrites every one."""
     batches = tuple(sorted(set(batches)))
+    if not 1 <= q <= MAX_Q or any(b * q > MAX_TOKENS for b in batches):
+        raise ValueError(f"programs take 1..{MAX_Q} tokens per request and at most {MAX_TOKENS} tokens a step; "
+                         f"asked for batches {list(batches)} of {q}")
     progress = progress or (lambda line: log.info("%s", line))
-    out = ProgramSet(batches=batches)
-    built: dict[tuple, tuple[RewriteResult, Schedule, frozenset] | ProgramError] = {}  # per (structure, batch)
+    out = ProgramSet(batches=batches, q=q)
+    built: dict[tuple, tuple[RewriteResult, Schedule, frozenset] | ProgramError] = {}  # per (structure, batch, q)
     start = time.perf_counter()
     for i, vllm_layer in enumerate(vllm_layers):
         idx = getattr(vllm_layer, "layer_idx", i)
         try:
             ref = bind_layer(vllm_layer, cfg, idx, tp, rank)
             for b in batches:
-                shape = DecodeShape(batch=b, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout,
+                shape = DecodeShape(batch=b, q=q, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout,
                                     kv_cache_dtype=kv_cache_dtype)
                 result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn, program_cache)
-                gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}")
+                gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}Q{q}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
                 device = next(ref.parameters()).device
-                out.programs[(idx, b)] = LayerProgram(idx, b, LayerRunner(rooted, schedule, device),
-                                                      len(schedule.kernels), rooted, ref.structure, specs)
+                out.programs[(idx, shape.tokens)] = LayerProgram(idx, b, LayerRunner(rooted, schedule, device),
+                                                                 len(schedule.kernels), rooted, ref.structure, specs)
         except Exception as e:  # noqa: BLE001  (any failure keeps this one layer on the stock forward)
             reason = str(e) if isinstance(e, ProgramError) else f"{type(e).__name__}: {e}"
-            out.fallbacks[idx] = reason
-            for b in batches:
-                out.programs.pop((idx, b), None)
+            out.drop(idx, reason)
             log.warning("rewriter: layer %d keeps the stock forward: %s", idx, reason)
         progress(f"rewriter: layer {i + 1}/{len(vllm_layers)} built ({time.perf_counter() - start:.1f} s)")
     agree_across_ranks(out, [getattr(m, "layer_idx", i) for i, m in enumerate(vllm_layers)], group)
@@ -228,7 +254,7 @@ def _built(cache: dict, structure: tuple, ref: KimiDecoderLayer, shape: DecodeSh
            program_cache: ProgramCache | None) -> tuple[RewriteResult, Schedule, frozenset]:
     """Trace, rewrite, schedule and compile once per layer structure and batch; later layers
     of the same structure reuse the graph (re-rooted on their own weights) and its kernels."""
-    key = (structure, shape.batch)
+    key = (structure, shape.batch, shape.q)
     if key not in cache:
         result = rewrite_cached(ref, shape, program_cache)
         schedule = build_schedule(result.after)
@@ -254,16 +280,16 @@ def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch
     for i, layer in enumerate(vllm_layers):
         idx = getattr(layer, "layer_idx", i)
         states = cache_tensors(layer)
-        rows = speculative_conv_rows(layer, states)
+        rows = speculative_conv_rows(layer, states, programs.q)
         if rows:
             _keep_stock(programs, idx, rows)
             continue
         layout = tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in sorted(states.items()))
-        for b in programs.batches:
-            program = programs.get(idx, b)
+        for tokens in programs.token_counts:
+            program = programs.get(idx, tokens)
             if program is None:
                 continue
-            key = (program.structure, b, layout)
+            key = (program.structure, tokens, layout)
             if key not in checked:
                 checked[key] = program.state_refusal(states, arch)
             if checked[key]:
@@ -274,22 +300,21 @@ def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch
 
 def _keep_stock(programs: ProgramSet, idx: int, reason: str) -> None:
     """Layer ``idx`` drops its programs for every batch and keeps vLLM's stock forward, the reason logged."""
-    programs.fallbacks[idx] = reason
-    for batch in programs.batches:
-        programs.programs.pop((idx, batch), None)
+    programs.drop(idx, reason)
     log.warning("rewriter: layer %d keeps the stock forward: %s", idx, reason)
 
 
-def speculative_conv_rows(vllm_layer: nn.Module, states: dict[str, torch.Tensor]) -> str | None:
+def speculative_conv_rows(vllm_layer: nn.Module, states: dict[str, torch.Tensor], q: int = 1) -> str | None:
     """Why a KDA layer's programs cannot serve this conv state: vLLM keeps ``K - 1 + k`` rows per
-    slot when it verifies ``k`` speculative tokens a step, and the programs serve one-token steps
-    over ``K - 1`` (None: they can)."""
+    slot with ``k`` speculative tokens a step, and programs built for ``q`` tokens per request read
+    ``K - 2 + q`` (None: the two agree)."""
     conv = states.get("conv_state")
     width = getattr(vllm_layer.self_attn, "conv_size", None)
-    if conv is None or width is None or conv.shape[-1] == width - 1:
+    if conv is None or width is None or conv.shape[-1] == width - 2 + q:
         return None
+    built = "one-token decode steps" if q == 1 else f"verify steps of {q} tokens per request"
     return (f"vLLM keeps {conv.shape[-1]} conv state rows per slot ({width - 1} + {conv.shape[-1] - width + 1} "
-            "speculative tokens): the programs serve one-token decode steps; speculative verify steps have none yet")
+            f"speculative tokens): the programs are built for {built}, which read {width - 2 + q}")
 
 
 def agree_across_ranks(programs: ProgramSet, layer_ids: list[int], group: Any) -> None:
@@ -302,6 +327,4 @@ def agree_across_ranks(programs: ProgramSet, layer_ids: list[int], group: Any) -
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     for i, flag in zip(layer_ids, failed.tolist()):
         if flag and i not in programs.fallbacks:
-            programs.fallbacks[i] = "its program failed to build on another TP rank"
-            for b in programs.batches:
-                programs.programs.pop((i, b), None)
+            programs.drop(i, "its program failed to build on another TP rank")

@@ -36,7 +36,7 @@ def run_layers(layers: list[nn.Module], programs: ProgramSet, positions: torch.T
                                            prefix_sum=prefix)
         else:
             inputs = (prefix if hidden is None else hidden, prefix, blocks,
-                      *state_inputs(layer, context, tokens))
+                      *state_inputs(layer, context, tokens, programs.q))
             hidden, prefix, blocks = program(*inputs)
     return hidden, prefix, blocks
 

@@ -35,18 +35,29 @@ def cache_tensors(vllm_layer: nn.Module) -> dict[str, torch.Tensor]:
     return {"kv_cache": attention.kv_cache, "kv_scale": scale.reshape(1)}
 
 
-def kda_state(vllm_layer: nn.Module, metadata: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
-    """(conv_state, recurrent_state, state_indices [B]) from vLLM's state and metadata."""
-    indices = metadata.non_spec_state_indices_tensor
-    if indices is None:
-        raise ValueError(f"{layer_name(vllm_layer.self_attn)}: KDA metadata has no decode state indices")
+def kda_state(vllm_layer: nn.Module, metadata: Any, num_tokens: int, q: int = 1) -> tuple[torch.Tensor, ...]:
+    """(conv_state, recurrent_state, state_indices [B]) from vLLM's state and metadata; for a verify
+    step of ``q`` tokens per request (B = num_tokens // q requests) also ``num_accepted`` [B], with
+    ``state_indices`` [B, q] each request's q state slots (``spec_state_indices_tensor``)."""
     caches = cache_tensors(vllm_layer)
-    return caches["conv_state"], caches["recurrent_state"], indices[:num_tokens]
+    if q == 1:
+        indices = metadata.non_spec_state_indices_tensor
+        if indices is None:
+            raise ValueError(f"{layer_name(vllm_layer.self_attn)}: KDA metadata has no decode state indices")
+        return caches["conv_state"], caches["recurrent_state"], indices[:num_tokens]
+    slots, accepted = metadata.spec_state_indices_tensor, metadata.num_accepted_tokens
+    if slots is None or accepted is None:
+        raise ValueError(f"{layer_name(vllm_layer.self_attn)}: KDA metadata of a verify step has no "
+                         "spec_state_indices_tensor or num_accepted_tokens")
+    requests = num_tokens // q
+    return caches["conv_state"], caches["recurrent_state"], slots[:requests], accepted[:requests]
 
 
 def mla_state(vllm_layer: nn.Module, metadata: Any, slot_mapping: torch.Tensor, num_tokens: int
               ) -> tuple[torch.Tensor, ...]:
-    """(kv_cache, block_table, seq_lens, slot_mapping, kv_scale) from vLLM's cache and metadata."""
+    """(kv_cache, block_table, seq_lens, slot_mapping, kv_scale) from vLLM's cache and metadata: the
+    decode part's rows (one per request; a verify step's requests are decodes too, their seq_lens
+    counting the step's tokens) and a slot per token."""
     decode = metadata.decode
     if decode is None:
         raise ValueError(f"{layer_name(vllm_layer.self_attn)}: MLA metadata has no decode part")
@@ -54,10 +65,11 @@ def mla_state(vllm_layer: nn.Module, metadata: Any, slot_mapping: torch.Tensor, 
     return caches["kv_cache"], decode.block_table, decode.seq_lens, slot_mapping[:num_tokens], caches["kv_scale"]
 
 
-def state_inputs(vllm_layer: nn.Module, context: Any, num_tokens: int) -> tuple[torch.Tensor, ...]:
+def state_inputs(vllm_layer: nn.Module, context: Any, num_tokens: int, q: int = 1) -> tuple[torch.Tensor, ...]:
+    """The state inputs of a layer's program for a step of ``num_tokens`` tokens, ``q`` per request."""
     attention = vllm_layer.self_attn
     name = layer_name(attention)
     metadata = context.attn_metadata[name]
     if hasattr(metadata, "non_spec_state_indices_tensor"):
-        return kda_state(vllm_layer, metadata, num_tokens)
+        return kda_state(vllm_layer, metadata, num_tokens, q)
     return mla_state(vllm_layer, metadata, context.slot_mapping[name], num_tokens)
