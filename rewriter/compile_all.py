@@ -72,7 +72,7 @@ def run_compile_all(args: argparse.Namespace) -> int:
     from rewriter.vllm.programs import served_batches
 
     cfg = KimiK3Config.load(args.model)
-    batches = tuple(sorted(set(args.batches))) if args.batches else served_batches()
+    batches = tuple(sorted(set(args.batches))) if args.batches else served_batches(q=args.q)
     if any(b < 1 for b in batches):
         raise ShapeError(f"--batches must be positive, got {list(batches)}")
     if args.jobs is not None and args.jobs < 1:

@@ -466,6 +466,15 @@ def test_compile_all_layers_plans_every_structure_and_compiles_each_kernel_once(
     assert warm["compiled"] == cold["kernels"] and warm["cache_misses"] == 0
 
 
+def test_compile_all_layers_for_verify_steps_plans_the_served_request_counts(capsys, tmp_path):
+    """``--q 4`` without ``--batches``: the request counts whose 4-token verify steps the server
+    serves (the one-token token counts rounded up to whole requests, at most 64 tokens)."""
+    assert main(["compile", "--all-layers", "--model", "tiny", "--q", "4", "--arch", "sm_90a", "--jobs", "2",
+                 "--cache-dir", str(tmp_path), "--json", "--dry-run"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["batches"] == [1, 2, 4, 8, 16] and report["plans"] == 6 * 5
+
+
 def test_compile_batches_and_jobs_need_all_layers(capsys):
     assert main(["compile", "--model", "tiny", "--layer", "1", "--jobs", "2", "--dry-run"]) == 2
     assert "--batches and --jobs go with --all-layers" in capsys.readouterr().err

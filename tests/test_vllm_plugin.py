@@ -366,4 +366,4 @@ def test_served_batches():
     assert served_batches([1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 128], q=4) == (1, 2, 4, 6, 8, 10, 12, 14, 16)
     assert served_batches([1, 2, 4, 12, 128], q=4) == (1, 3)
     assert served_batches([1, 2, 4, 8], q=3) == (1, 2)  # 9 tokens would pass the largest capture size
-    assert served_batches([], q=2) == ()
+    assert served_batches([], q=4) == (1, 2, 4, 8, 16)  # ahead of a server: the one-token token counts

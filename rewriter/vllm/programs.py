@@ -62,8 +62,11 @@ def served_batches(capture_sizes: Iterable[int] = (), q: int = 1) -> tuple[int, 
     vLLM's CUDA graph capture sizes up to 64. Verify steps of q tokens per request: the request
     counts of the uniform FULL graphs vLLM's V2 runner captures (``CudaGraphManager._init_candidates``:
     each capture size rounded up to whole requests of q tokens, none past the largest capture size),
-    up to 64 tokens; no other verify step is ever captured."""
+    up to 64 tokens; no other verify step is ever captured. Without capture sizes (a build ahead
+    of the server, ``compile --all-layers``) the token counts of one-token steps stand for them."""
     capture_sizes = [s for s in capture_sizes if s >= 1]
+    if q > 1 and not capture_sizes:
+        capture_sizes = list(SERVED_BATCHES)
     if q == 1:
         return tuple(sorted({*SERVED_BATCHES, *(s for s in capture_sizes if s <= MAX_TOKENS)}))
     ceiling = min(MAX_TOKENS, max(capture_sizes, default=0))
