@@ -45,3 +45,23 @@ def test_a_wrong_or_unrepeatable_program_is_counted_as_such(monkeypatch, perturb
     monkeypatch.setattr(LayerRunner, "run", lambda self, *a, **k: tuple(perturb(t) for t in run(self, *a, **k)))
     counts, odd = fuzz(KimiK3Config.preset("tiny"), 3, 1, "bf16", "cpu", "sm_90a")
     assert counts[outcome] == 3 and all(o == outcome for _, o, _ in odd)
+
+
+def test_the_routers_topk_gaps_are_recorded_for_the_comparison():
+    """``recorded_topk_margins``: one gap per token of an MoE layer's router (k-th minus (k+1)-th
+    selection score, >= 0), none for the dense layer; the router is itself again afterwards."""
+    from rewriter.layers import build_layer, moe
+    from rewriter.layers.state import decode_inputs
+    from rewriter.layers.weights import init_random_
+    from rewriter.shape import DecodeShape
+
+    cfg = KimiK3Config.preset("tiny")
+    real = moe.route
+    for index, calls in ((1, 1), (0, 0)):
+        layer = init_random_(build_layer(cfg, index, device="cpu"), seed=index)
+        inputs = decode_inputs(layer, DecodeShape(batch=5), device="cpu", seed=1)
+        with torch.no_grad(), moe.recorded_topk_margins() as margins:
+            layer(**inputs)
+        assert len(margins) == calls and moe.route is real
+        if calls:
+            assert margins[0].shape == (5,) and (margins[0] >= 0).all() and (margins[0] > 0).any()

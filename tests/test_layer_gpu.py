@@ -24,7 +24,7 @@ import torch
 from conftest import GPU_MARKS, rel_err
 from rewriter.config import KimiK3Config
 from rewriter.layers import build_layer
-from rewriter.layers import moe as moe_module
+from rewriter.layers.moe import recorded_topk_margins
 from rewriter.layers.state import conv_layout_of, decode_inputs, kda_state_pages
 from rewriter.layers.weights import init_random_
 from rewriter.program import LayerRunner
@@ -61,19 +61,8 @@ def _copy(inputs: dict) -> list:
 
 def _reference(layer, inputs):
     """The reference layer's outputs and each token's top-k selection margin in its router."""
-    margins = []
-    real_route = moe_module.route
-
-    def route(logits, bias, *, top_k, renormalize, scaling):
-        ranked = (torch.sigmoid(logits) + bias).topk(top_k + 1, dim=-1).values
-        margins.append(ranked[:, top_k - 1] - ranked[:, top_k])
-        return real_route(logits, bias, top_k=top_k, renormalize=renormalize, scaling=scaling)
-
-    moe_module.route = route
-    try:
+    with recorded_topk_margins() as margins:
         out = layer(*inputs)
-    finally:
-        moe_module.route = real_route
     (margin,) = margins or [torch.ones(inputs[0].shape[0], device=inputs[0].device)]  # the dense layer: no router
     return out, margin
 

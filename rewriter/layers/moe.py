@@ -12,7 +12,9 @@ Routed experts are bf16 or MXFP4 (the released checkpoint's), in a layout named 
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -185,6 +187,28 @@ def route(logits: Tensor, bias: Tensor, *, top_k: int, renormalize: bool, scalin
         if renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * scaling, ids
+
+
+@contextlib.contextmanager
+def recorded_topk_margins() -> Iterator[list[Tensor]]:
+    """While the block runs eagerly, each ``route`` call's per-token gap between its k-th and
+    (k+1)-th selection scores, appended to the list yielded. Where a gap is below rounding, two
+    correct bf16 paths may pick different experts (routing is discrete), so comparisons of MoE
+    outputs keep to the tokens with clear gaps (tests, ``fuzz``)."""
+    global route
+    margins: list[Tensor] = []
+    real = route
+
+    def recording(logits, bias, *, top_k, renormalize, scaling):
+        ranked = (torch.sigmoid(logits) + bias).topk(top_k + 1, dim=-1).values
+        margins.append(ranked[:, top_k - 1] - ranked[:, top_k])
+        return real(logits, bias, top_k=top_k, renormalize=renormalize, scaling=scaling)
+
+    route = recording
+    try:
+        yield margins
+    finally:
+        route = real
 
 
 def expert_rows(weight: Tensor, scale: Tensor | None, ids: Tensor, layout: str) -> Tensor:
