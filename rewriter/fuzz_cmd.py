@@ -1,9 +1,10 @@
 """``python -m rewriter fuzz``: random decode steps, each rewritten and checked against the
 reference layer, or refused with its reason (issue #15).
 
-Every step draws a layer of the model, a batch (1..64 tokens in all), tokens per request (a KDA
-verify step of 2 or 4 where the tokens allow), a cached context and page size (the block table
-shuffled, as ``decode_inputs`` lays it out) and padding rows the way vLLM pads a FULL-graph batch
+Every step draws a layer of the model, a batch (1..64 tokens in all), tokens per request (a
+verify step of 2, 4 or 8 where the tokens allow, KDA and MLA layers alike), a cached context
+and page size (the block table shuffled, as ``decode_inputs`` lays it out) and padding rows the
+way vLLM pads a FULL-graph batch
 (KDA state index 0, MLA slot -1 and sequence length 0). The step is traced, rewritten and run by
 its schedule (on a GPU with the kernels installed), then run again from the same inputs: each
 outcome is one of ``ok`` (within ``TOL`` of the reference, outputs and states, and bit-identical
@@ -46,8 +47,7 @@ def _pad(inputs: dict[str, torch.Tensor], rows: int, q: int) -> None:
 def draw(rng: random.Random, cfg: Any, layer_ids: list[int]) -> dict[str, Any]:
     """One random step: layer (of ``layer_ids``), batch, q, context, block size, padding rows."""
     layer = rng.choice(layer_ids)
-    kda = cfg.attention_kind(layer) == "kda"
-    q = rng.choice((1, 1, 2, 4)) if kda else 1
+    q = rng.choice((1, 1, 1, 2, 4, 8))
     batch = rng.choice((1, 1, 2, 3, 5, 8, 13, 16, 31, 64)) // q or 1
     return {"layer": layer, "batch": batch, "q": q, "context": rng.randrange(0, 40), "block_size": rng.choice((4, 16)),
             "padding": rng.randrange(0, batch) if batch > 1 and rng.random() < 0.3 else 0,

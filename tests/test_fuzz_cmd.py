@@ -31,9 +31,9 @@ def test_the_draws_cover_the_step_space():
     cfg, rng = KimiK3Config.preset("tiny"), random.Random(0)
     steps = [draw(rng, cfg, list(range(cfg.num_hidden_layers))) for _ in range(300)]
     assert {s["layer"] for s in steps} == set(range(cfg.num_hidden_layers))
-    assert {1, 2, 4} <= {s["q"] for s in steps} and any(s["padding"] for s in steps)
+    assert {1, 2, 4, 8} <= {s["q"] for s in steps} and any(s["padding"] for s in steps)
     assert all(1 <= s["batch"] * s["q"] <= 64 for s in steps) and max(s["batch"] for s in steps) == 64
-    assert all(s["q"] == 1 for s in steps if cfg.attention_kind(s["layer"]) == "mla")
+    assert any(s["q"] > 1 for s in steps if cfg.attention_kind(s["layer"]) == "mla")  # MLA verify too
 
 
 @pytest.mark.parametrize("perturb,outcome", [
