@@ -4,6 +4,7 @@ They are the oracle every rewrite is checked against and the module the tracer r
 so they favour plain, traceable math over speed: no data-dependent Python control
 flow, decode state touched only through the leaf ops in ``rewriter.ops``.
 """
+import rewriter.ops  # noqa: F401  (registers the k3:: leaf ops the layers call)
 from rewriter.layers.decoder import KimiDecoderLayer, build_layer
 
 __all__ = ["KimiDecoderLayer", "build_layer"]
