@@ -82,7 +82,8 @@ QK_EPS = 1e-6  # rewriter.layers.common.l2_normalize
 class KdaCore:
     """Compile-time configuration: heads H, tokens per request q, the decay's lower bound
     (None: the softplus form), the gated norm's eps, the conv state's layout in a slot
-    (``SD`` or ``DS``). head_dim is 128, conv width 4."""
+    (``SD`` or ``DS``), and for a speculative verify step (``verify``) the conv rows a slot keeps
+    (3 + k). head_dim is 128, conv width 4."""
 
     def __init__(self, heads: int, q_len: int, lower_bound: float | None, eps: float, conv_layout: str = "SD",
                  verify: bool = False, conv_rows: int = CONV_WIDTH - 1):
