@@ -72,11 +72,19 @@ def kda_core_verify_op(mixed_qkv: Tensor, g_out: Tensor, f_a: Tensor, beta: Tens
                     lower_bound=lower_bound, eps=eps)
 
 
-def _kda_core_verify_variants(ctx: RuleContext):
+def _kda_consts(ctx: RuleContext) -> dict | None:
+    """The KDA core's constants of a KDA layer (heads, head_dim, lower_bound, eps, in the ops'
+    order), or None for another attention kind."""
     if ctx.layer.attention_kind != "kda":
-        return []
+        return None
     a = ctx.layer.self_attn
-    consts = dict(heads=a.heads, head_dim=a.head_dim, lower_bound=a.lower_bound, eps=a.norm_eps)
+    return dict(heads=a.heads, head_dim=a.head_dim, lower_bound=a.lower_bound, eps=a.norm_eps)
+
+
+def _kda_core_verify_variants(ctx: RuleContext):
+    consts = _kda_consts(ctx)
+    if consts is None:
+        return []
 
     def pattern(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state,
                 recurrent_state, state_indices, num_accepted):
@@ -87,17 +95,15 @@ def _kda_core_verify_variants(ctx: RuleContext):
                     recurrent_state, state_indices, num_accepted):
         return torch.ops.k3f.kda_core_verify(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias,
                                              norm_weight, conv_state, recurrent_state, state_indices, num_accepted,
-                                             consts["heads"], consts["head_dim"], consts["lower_bound"],
-                                             consts["eps"])
+                                             *consts.values())
 
     return [(pattern, replacement)]
 
 
 def _kda_core_variants(ctx: RuleContext):
-    if ctx.layer.attention_kind != "kda":
+    consts = _kda_consts(ctx)
+    if consts is None:
         return []
-    a = ctx.layer.self_attn
-    consts = dict(heads=a.heads, head_dim=a.head_dim, lower_bound=a.lower_bound, eps=a.norm_eps)
 
     def pattern(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state,
                 recurrent_state, state_indices):
@@ -107,8 +113,7 @@ def _kda_core_variants(ctx: RuleContext):
     def replacement(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state,
                     recurrent_state, state_indices):
         return torch.ops.k3f.kda_core(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias,
-                                      norm_weight, conv_state, recurrent_state, state_indices, consts["heads"],
-                                      consts["head_dim"], consts["lower_bound"], consts["eps"])
+                                      norm_weight, conv_state, recurrent_state, state_indices, *consts.values())
 
     return [(pattern, replacement)]
 

@@ -267,10 +267,7 @@ def kda_inputs(heads, requests, q, gen, lower_bound=LB, skip=(), layout="SD"):
     vLLM does, or -1), the states in vLLM's pages (``layout``), every slot no request uses
     (the null block 0 included) filled with NaN (the kernel must neither read nor write it)."""
     p, t, slots = heads * D, requests * q, requests + 4
-
-    def rnd(*shape, scale=1.0, shift=0.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
-
+    rnd = _randn(gen)
     idx = (torch.randperm(slots - 1, generator=gen)[:requests] + 1).to(torch.int32)
     for n, r in enumerate(skip):
         idx[r] = -(n % 2)  # 0, vLLM's padding, then -1
@@ -280,10 +277,23 @@ def kda_inputs(heads, requests, q, gen, lower_bound=LB, skip=(), layout="SD"):
     unused[idx[idx > 0].long()] = False
     conv_state[unused] = float("nan")
     state[unused] = float("nan")
-    return (rnd(t, 3 * p), rnd(t, p), rnd(t, D), rnd(t, heads), rnd(p, D, scale=0.05),
+    return (*_activations_and_weights(rnd, heads, t), conv_state, state, idx, heads, D, lower_bound, EPS), unused
+
+
+def _randn(gen):
+    def rnd(*shape, scale=1.0, shift=0.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
+
+    return rnd
+
+
+def _activations_and_weights(rnd, heads, tokens):
+    """The op's first 9 arguments for ``tokens`` tokens, at realistic magnitudes (gates away from
+    saturation): mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, A_log, dt_bias, norm_weight."""
+    p = heads * D
+    return (rnd(tokens, 3 * p), rnd(tokens, p), rnd(tokens, D), rnd(tokens, heads), rnd(p, D, scale=0.05),
             rnd(3 * p, 1, 4, scale=0.3, dtype=torch.float32), rnd(heads, scale=0.2, dtype=torch.float32),
-            rnd(p, scale=0.5, shift=-3.0, dtype=torch.float32), rnd(D, scale=0.1, shift=1.0), conv_state, state, idx,
-            heads, D, lower_bound, EPS), unused
+            rnd(p, scale=0.5, shift=-3.0, dtype=torch.float32), rnd(D, scale=0.1, shift=1.0))
 
 
 def to_gpu(cpu, layout):
@@ -293,11 +303,11 @@ def to_gpu(cpu, layout):
     return gpu
 
 
-def reference(cpu):
+def reference(cpu, op=torch.ops.k3f.kda_core):
     """The op's CPU reference on copies of the states: (out, conv_state, recurrent_state)."""
     args = list(cpu)
     args[9], args[10] = cpu[9].clone(), cpu[10].clone()
-    out = torch.ops.k3f.kda_core(*args)
+    out = op(*args)
     return out, args[9], args[10]
 
 
@@ -309,10 +319,7 @@ def verify_inputs(heads, requests, q, gen, extra_rows=0, pad=(), layout="SD"):
     never read) and the conv states of columns past 0."""
     p, t = heads * D, requests * q
     slots = requests * q + 4
-
-    def rnd(*shape, scale=1.0, shift=0.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
-
+    rnd = _randn(gen)
     table = torch.zeros(requests, q + 3, dtype=torch.int32)
     table[:, :q] = (torch.randperm(slots - 1, generator=gen)[:t] + 1).view(requests, q).to(torch.int32)
     accepted = torch.randint(1, q + 1, (requests,), generator=gen, dtype=torch.int32)
@@ -334,26 +341,16 @@ def verify_inputs(heads, requests, q, gen, extra_rows=0, pad=(), layout="SD"):
     written[idx.flatten().long()] = True
     written[0] = False
     conv, state = kda_state_pages(conv, state, layout)
-    return [rnd(t, 3 * p), rnd(t, p), rnd(t, D), rnd(t, heads), rnd(p, D, scale=0.05),
-            rnd(3 * p, 1, 4, scale=0.3, dtype=torch.float32), rnd(heads, scale=0.2, dtype=torch.float32),
-            rnd(p, scale=0.5, shift=-3.0, dtype=torch.float32), rnd(D, scale=0.1, shift=1.0), conv, state, idx,
-            accepted, heads, D, LB, EPS], (~conv_used, ~written)
+    return [*_activations_and_weights(rnd, heads, t), conv, state, idx, accepted, heads, D, LB, EPS], \
+        (~conv_used, ~written)
 
 
 def verify_to_gpu(cpu, layout):
-    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in cpu]
-    gpu[9], gpu[10] = kda_state_pages(gpu[9], gpu[10], layout)
+    gpu = to_gpu(cpu, layout)
     table = torch.zeros(cpu[11].shape[0], cpu[11].shape[1] + 3, dtype=torch.int32, device="cuda")
     table[:, :cpu[11].shape[1]] = gpu[11]
     gpu[11] = table[:, :cpu[11].shape[1]]  # a slice of a wider block table, as vLLM's is
     return gpu
-
-
-def verify_reference(cpu):
-    args = list(cpu)
-    args[9], args[10] = cpu[9].clone(), cpu[10].clone()
-    out = torch.ops.k3f.kda_core_verify(*args)
-    return out, args[9], args[10]
 
 
 def run_kernel(op, gpu):
@@ -412,21 +409,13 @@ class TestKdaCoreOnGpu:
     ])
     @pytest.mark.parametrize("shape", list(HEADS))
     def test_kda_core(self, shape, requests, q, skip, lower_bound, layout):
-        from codegen.compiler import compile_kernel
-
         heads = HEADS[shape]
         gen = torch.Generator().manual_seed(1000 * heads + 10 * requests + q)
         cpu, unused = kda_inputs(heads, requests, q, gen, lower_bound, skip, layout)
         ref = reference(cpu)
         gpu = to_gpu(cpu, layout)
         assert gpu[9].stride(0) > gpu[9][0].numel()  # page-strided on the GPU too
-        tpl, specs = spec_for_call("k3f::kda_core", gpu_arch(), gpu)
-        assert tpl is not None, specs
-        assert tpl.runtime_check(gpu) is None
-        fns = tuple(compile_kernel(s).load() for s in specs)
-        out = torch.full_like(gpu[1], float("nan"))
-        assert tpl.launch(fns, specs, gpu, out=out) is out
-        torch.cuda.synchronize()
+        out = run_kernel("k3f::kda_core", gpu)
         check(out, gpu[9], gpu[10], ref, unused, cpu[11], q)
 
     @pytest.mark.parametrize("requests,q,extra_rows,pad,layout", [
@@ -452,7 +441,7 @@ class TestKdaCoreOnGpu:
                 for i in (0, 1, 2, 3, 12):
                     cpu[i] = fresh[i]
                     gpu[i] = fresh[i].cuda()
-            ref = verify_reference(cpu)
+            ref = reference(cpu, torch.ops.k3f.kda_core_verify)
             out = run_kernel("k3f::kda_core_verify", gpu)
             check_verify(out, gpu, ref, cpu, unused, q)
             cpu[9], cpu[10] = ref[1], ref[2]  # the reference's states go on to the next step

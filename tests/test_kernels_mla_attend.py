@@ -180,17 +180,25 @@ CASES = {  # (batch, context lengths): long and short requests, a padding reques
 def test_mla_attend(case, shape, fp8):
     batch, seq = CASES[case]
     cpu = attend_inputs(batch, HEADS[shape], seq, fp8=fp8, seed=len(case) + batch)
-    ref = reference(cpu)
     gpu = cuda(cpu)
+    out = check_attend(cpu, gpu, seq, 1)
+    # the barrier and scratch serve the next launch: the same result, bit for bit
+    assert torch.equal(run(gpu), out)
+
+
+def check_attend(cpu, gpu, seq, q):
+    """The kernel's rows against the op's reference; a padding request's (length 0) q rows zero;
+    the cache only read. Returns the output."""
+    ref = reference(cpu)
     cache_before = gpu[1].clone()
     out = run(gpu)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOL, rel_err(out, ref)
-    if 0 in seq:  # a padding request: zeros
-        assert (out[seq.index(0)] == 0).all()
-    assert torch.equal(gpu[1], cache_before)  # the cache is only read
-    # the barrier and scratch serve the next launch: the same result, bit for bit
-    assert torch.equal(run(gpu), out)
+    if 0 in seq:
+        r = seq.index(0)
+        assert (out[r * q:(r + 1) * q] == 0).all()
+    assert torch.equal(gpu[1], cache_before)
+    return out
 
 
 VERIFY_CASES = {  # (requests, q, sequence lengths with the step's q tokens): a padding request (0)
@@ -209,16 +217,7 @@ def test_mla_attend_verify(case, fp8):
     at q > 1, itself checked against q single-token steps); the cache only read."""
     requests, q, seq = VERIFY_CASES[case]
     cpu = attend_inputs(requests, 6, seq, fp8=fp8, seed=len(case) + q, q_len=q)
-    ref = reference(cpu)
-    gpu = cuda(cpu)
-    cache_before = gpu[1].clone()
-    out = run(gpu)
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref) <= TOL, rel_err(out, ref)
-    if 0 in seq:
-        r = seq.index(0)
-        assert (out[r * q:(r + 1) * q] == 0).all()
-    assert torch.equal(gpu[1], cache_before)
+    out = check_attend(cpu, cuda(cpu), seq, q)
     # token t's row is the one-token result over the first seq - (q - 1 - t) entries
     t = q - 2
     single = (cpu[0][t:t + 1], cpu[1], cpu[2][:1], torch.tensor([seq[0] - 1], dtype=torch.int32), *cpu[4:6],
