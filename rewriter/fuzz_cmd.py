@@ -96,6 +96,11 @@ def run_step(layers: dict[int, torch.nn.Module], step: dict[str, Any], device: s
     return "ok", f"{len(result.matches)} fused ops"
 
 
+def describe(step: dict[str, Any]) -> str:
+    return (f"layer {step['layer']} batch {step['batch']} q {step['q']} context {step['context']} "
+            f"block {step['block_size']} padding {step['padding']}")
+
+
 def fuzz(cfg: Any, steps: int, seed: int, experts: str, device: str, arch: str, progress=lambda m: None,
          layer_ids: list[int] | None = None) -> tuple[Counter, list[tuple[dict[str, Any], str, str]]]:
     """``steps`` random steps over ``layer_ids`` (default all); the outcome counts and every
@@ -113,7 +118,8 @@ def fuzz(cfg: Any, steps: int, seed: int, experts: str, device: str, arch: str, 
         counts[outcome] += 1
         if outcome != "ok":
             odd.append((step, outcome, detail))
-        if n % 50 == 0 or n == steps:
+            progress(f"step {n}: {outcome}: {describe(step)}: {detail}")
+        if n % 25 == 0 or n == steps:
             progress(f"step {n}/{steps}: {dict(counts)} ({time.perf_counter() - t0:.0f} s)")
     return counts, odd
 
@@ -160,6 +166,5 @@ def run_fuzz(args: argparse.Namespace) -> int:
         ran = sorted(op for op, c in bind.stats().items() if c.get("reference", 0))
         print(f"  fused ops that ran their reference at some shape (no kernel took it): {', '.join(ran) or 'none'}")
     for step, outcome, detail in odd[:20]:
-        print(f"  {outcome}: layer {step['layer']} batch {step['batch']} q {step['q']} context {step['context']} "
-              f"block {step['block_size']} padding {step['padding']}: {detail}")
+        print(f"  {outcome}: {describe(step)}: {detail}")
     return 0 if counts["mismatch"] + counts["nondeterministic"] + counts["error"] == 0 else 1
