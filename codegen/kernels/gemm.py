@@ -11,7 +11,8 @@ gated MLP, ``W = [gate; up]``, 2I rows) the output is ``act(gate_c, up_c)`` per 
 the 64 up rows of the same channels, so the activation is applied where the cluster's
 partial sums meet, and the [T, 2I] projection never leaves the chip. With ``norm_eps`` (the
 latent tail: RMSNorm before the projection) each x tile is multiplied by the norm weight in
-shared memory as it lands (by the thread that copied it, so no extra barrier) while its
+shared memory as it lands (by the thread that copied it; the norm weight, staged by all the
+threads, is behind one barrier before the first tile) while its
 squares are summed per token, the cluster's partial sums of squares meet with the partial
 tiles and the epilogue scales each token's row by ``rsqrt(mean(x^2) + eps)`` (the reference
 scales before rounding, this kernel after the projection: the same math, bf16 rounding apart);
@@ -242,6 +243,9 @@ class SkinnyGemm:
         # the first K step's fragments
         cute.arch.cp_async_wait_group(S - 2)
         if const_expr(self.norm):
+            # the norm weight's vectors were copied by other threads: their waits must pass before
+            # tile 0 reads them (without this barrier it was a read-after-write race on sNw)
+            cute.arch.sync_threads()
             self.norm_tile(tXsX, sNw, rSq, x_ok, 0, 0, tidx)
         cute.arch.sync_threads()
         cute.copy(s2r_W, tLsW[None, None, 0, 0], tLrW[None, None, 0])
