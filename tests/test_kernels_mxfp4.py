@@ -363,18 +363,27 @@ class Experts:
         return (x, weights, ids, w13, s13, w2, s2, BETA, LINEAR_BETA, self.fmt.layout, self.live)
 
     def reference(self, x, weights, ids):
-        """(activation [T, k, I_live], output [T, L]) in fp32 from the checkpoint's values."""
-        acts, outs = [], []
-        for t in range(x.shape[0]):
-            w13 = CHECKPOINT.dequant(self.ckpt["w13"][0][ids[t]], self.ckpt["w13"][1][ids[t]], torch.float32)
-            gate_up = torch.einsum("l,kol->ko", x[t].float(), w13).bfloat16().float()
-            g, u = gate_up[:, :self.inter], gate_up[:, self.inter:]
-            act = (BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * LINEAR_BETA * torch.tanh(u / LINEAR_BETA))
-            act = act.bfloat16()[:, :self.live]
-            w2 = CHECKPOINT.dequant(self.ckpt["w2"][0][ids[t]], self.ckpt["w2"][1][ids[t]], torch.float32)
-            outs.append(torch.einsum("ki,kli,k->l", act.float(), w2[..., :self.live], weights[t]))
-            acts.append(act)
-        return torch.stack(acts), torch.stack(outs)
+        """(activation [T, k, I_live], output [T, L]) in fp32 from the checkpoint's values, one
+        selected expert at a time (each dequantized once for all its (token, slot) pairs: a
+        per-token loop allocated k experts' fp32 weights per token, about 30 GB at 64 tokens,
+        which outran the H200's memory under compute-sanitizer, where frees lag)."""
+        tokens, k = ids.shape
+        flat = ids.reshape(-1)
+        gate_up = torch.empty(tokens * k, 2 * self.inter, device=x.device)
+        down = torch.empty(tokens * k, x.shape[1], device=x.device)
+        for e in torch.unique(flat).tolist():
+            pairs = (flat == e).nonzero().squeeze(1)
+            w13 = CHECKPOINT.dequant(*(c[e] for c in self.ckpt["w13"]), torch.float32)
+            gate_up[pairs] = (x[pairs // k].float() @ w13.T).bfloat16().float()
+        g, u = gate_up[:, :self.inter], gate_up[:, self.inter:]
+        act = (BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * LINEAR_BETA * torch.tanh(u / LINEAR_BETA))
+        act = act.bfloat16()[:, :self.live]
+        for e in torch.unique(flat).tolist():
+            pairs = (flat == e).nonzero().squeeze(1)
+            w2 = CHECKPOINT.dequant(*(c[e] for c in self.ckpt["w2"]), torch.float32)
+            down[pairs] = act[pairs].float() @ w2[:, :self.live].T
+        out = (down.view(tokens, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+        return act.view(tokens, k, self.live), out
 
 
 def routing(tokens, gen, experts=E, top_k=K):
