@@ -262,8 +262,12 @@ def test_specs_at_kimi_k3_shapes(shape):
     assert (up.param_dict["cluster"], up.param_dict["warps_per_tile"]) == (8, 2)
     wps = live // 16 // 12
     assert down.param_dict == {"cluster": 4 * wps, "warps_per_slot": wps, "order": "interleaved"}
-    # one compile serves every batch: the token count is a runtime size
-    assert spec_for_call(OP, "sm_90a", mxfp4_args(tokens=64, inter=inter, live=live))[1] == specs
+    # one compile serves every batch below 16 tokens (the token count is a runtime size), and one
+    # more, the per-expert grid of the up stage, from 16 (the down stage is the same)
+    assert spec_for_call(OP, "sm_90a", mxfp4_args(tokens=15, inter=inter, live=live))[1] == specs
+    for tokens in (16, 64):
+        up64, down64 = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=tokens, inter=inter, live=live))[1]
+        assert up64.param_dict == {**up.param_dict, "by_expert_max_tokens": 64} and down64 == down
 
 
 @pytest.mark.parametrize("args,reason", [
@@ -279,7 +283,8 @@ def test_template_refuses_with_a_reason(args, reason):
 
 
 COMPILED = {"tp16": mxfp4_args(inter=256, live=192), "tp8": mxfp4_args(inter=384, live=384),
-            "native_tp16": mxfp4_args(inter=256, live=192, layout="humming_native")}
+            "native_tp16": mxfp4_args(inter=256, live=192, layout="humming_native"),
+            "tp8_by_expert": mxfp4_args(tokens=64, inter=384, live=384)}
 
 
 @pytest.fixture(scope="module")
@@ -324,9 +329,13 @@ def test_ptx(compiled, arch, name):
         assert ("ld.global" not in before) == (k is up)
         assert _count(early, "ld.global.L1::no_allocate.v4.b32") == per_warp  # all in flight at once
         # the B pairs after the weights: the down kernel's from global, the up kernel's x staged in
-        # shared memory once per CTA (448 pairs over 128 threads)
-        x_pairs, threads = 8 * 14 * up.spec.param_dict["warps_per_tile"], 64 * up.spec.param_dict["warps_per_tile"]
-        assert _count(after, "ld.global.b32") == (-(-x_pairs // threads) if k is up else 2 * per_warp)
+        # shared memory once per CTA (224 words over 128 threads), for 8 tokens on the per-expert grid
+        by_expert = "by_expert_max_tokens" in up.spec.param_dict
+        x_words = 8 * 14 * up.spec.param_dict["warps_per_tile"] * (8 if by_expert else 1)
+        threads = 64 * up.spec.param_dict["warps_per_tile"]
+        assert _count(after, "ld.global.b32") == (-(-x_words // threads) if k is up else 2 * per_warp)
+        # the per-expert grid finds its pairs with one warp ballot per 128 of the 64 x 16 pairs
+        assert body.count("vote.sync.ballot.b32") == (8 if by_expert and k is up else 0)
         assert "barrier.cluster.arrive" in body and "mapa.shared::cluster" in body  # clusters of 8 and 4 / 8
         assert re.search(r"\.minnctapersm\s+[2-5]\b", body)  # ptxas keeps room for several CTAs per SM
         assert pdl_flags(k.spec) == [1]
@@ -386,16 +395,21 @@ class Experts:
         return act.view(tokens, k, self.live), out
 
 
-def routing(tokens, gen, experts=E, top_k=K):
+def routing(tokens, gen, experts=E, top_k=K, crowded=None):
+    """Random top-k ids (distinct per token) with routing weights summing to 1; ``crowded``: an
+    expert every token picks in slot 1 (its pairs fill several 8-column passes)."""
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if crowded is not None:
+        ids = torch.stack([torch.cat([torch.tensor([crowded]), row[row != crowded][:top_k - 1]]).roll(1)
+                           for row in ids])
     ids[0, 0] = experts - 1  # the last expert: its rows lie past 2^31 bytes of w13 at TP 8
     scores = torch.sigmoid(torch.randn(tokens, top_k, generator=gen))
     return (scores / scores.sum(-1, keepdim=True)).cuda(), ids.cuda()
 
 
-def check(experts, tokens, gen):
+def check(experts, tokens, gen, crowded=None):
     x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
-    weights, ids = routing(tokens, gen)
+    weights, ids = routing(tokens, gen, crowded=crowded)
     args = experts.args(x, weights, ids)
     tpl, specs, fns = gpu_kernels(OP, args)
     y = torch.full((tokens, L), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -415,9 +429,18 @@ def humming_experts(request):
 
 
 @on_gpu
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 8, 15, 16, 64])
 def test_kernels_read_the_layout_humming_leaves(humming_experts, tokens):
+    """Per (token, slot) pair below 16 tokens, per expert from 16."""
     check(humming_experts, tokens, torch.Generator().manual_seed(tokens))
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [17, 64])
+def test_per_expert_grid_runs_an_experts_pairs_eight_at_a_time(humming_experts, tokens):
+    """Every token picks expert 5 (in slot 1): 17 and 64 pairs of one expert, three and eight
+    passes of the MMA's 8 columns, the last one partly empty at 17."""
+    check(humming_experts, tokens, torch.Generator().manual_seed(100 + tokens), crowded=5)
 
 
 @on_gpu

@@ -151,14 +151,196 @@ class ExpertUpMxfp4:
             cluster_barrier(C)  # peers may still be reading this CTA's sums
 
 
+class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
+    """The up stage with a CTA per (expert, 64-channel tile, cluster rank) instead of per
+    (token, slot) pair: each selected expert's tile is read once per step, however many of the
+    step's tokens chose it (at 64 tokens x 16 slots of 896 experts, about 610 experts for 1024
+    pairs), and its pairs run through the MMA eight at a time as its 8 N columns.
+
+    - rank 0 of a cluster finds the expert's pairs among the step's ids (every thread tests
+      ``rounds`` of them, a warp ballot and the per-warp counts in shared memory give each match
+      its place in pair order), the other ranks copy that list from its shared memory, so every
+      CTA of the cluster gives column n the same pair; an expert no token chose loads nothing;
+    - x is staged for the 8 columns (a column past the expert's pairs repeats its first, and
+      stores nothing), column-major with a stride of 4 mod 32 words, so that the lanes' 8 columns
+      x 4 K pairs fall in 32 distinct banks;
+    - every lane's C is useful: rows r (+8) x columns 2q (+1); the warps' and the cluster's sums
+      meet as in the per-pair kernel, now per (channel, column).
+    """
+
+    COLUMNS = 8  # the MMA's N: one pair of the expert per column
+
+    def __init__(self, *, max_tokens: int, **kw):
+        super().__init__(**kw)
+        self.max_pairs = max_tokens * self.top_k
+        # an expert's pairs in one step: one per token at most (a token's top-k ids are distinct)
+        self.pair_cap = max_tokens
+        self.rounds = -(-self.max_pairs // (32 * self.warps))
+        self.x_stride = self.x_words + (4 - self.x_words) % 32
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor,
+                 stream: cuda.CUstream):
+        cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
+        self.kernel_by_expert(mX, mIds, mW, mS, mA).launch(
+            grid=[self.experts * self.cluster, self.ctiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
+            stream=stream, use_pdl=True, min_blocks_per_mp=max(1, UP_WARPS_PER_SM // self.warps),
+            preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
+
+    @cute.kernel
+    def kernel_by_expert(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
+                         mA: cute.Tensor):
+        bidx, ctile, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        C = const_expr(self.cluster)
+        NKB = const_expr(self.kb_per_warp)
+        N = const_expr(self.COLUMNS)
+        rank = bidx % C
+        e = bidx // C
+        half = warp // self.warps_per_tile
+        wslice = warp - half * self.warps_per_tile
+        nt = ctile + half * self.up_tile0
+        kb0 = (rank * self.warps_per_tile + wslice) * NKB
+        r = lane // 4
+        q = lane - r * 4
+
+        rW, rS, acc = warp_registers(NKB)
+        smem = SmemAllocator()
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, self.warps_per_tile, 2)), byte_alignment=16)
+        sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, 2)), byte_alignment=16)
+        sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words, N), stride=(1, self.x_stride)),
+                                  byte_alignment=16)
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout((self.rounds, self.warps)), byte_alignment=16)
+        sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.pair_cap + 1,)), byte_alignment=16)  # + count
+
+        cute.arch.griddepcontrol_wait()  # the ids are the router's
+        if rank == 0:
+            self.find_pairs(mIds, sCnt, sPairs, e, tidx, lane, warp)
+        if const_expr(C > 1):
+            cluster_barrier(C)
+            if rank != 0:
+                self.copy_pairs(sPairs, tidx)
+            cluster_barrier(C)  # rank 0 stays until its peers have their copies
+        else:
+            cute.arch.barrier()
+        count = sPairs[self.pair_cap]
+        if count > 0:
+            load_weights(mW, rW, e, kb0, NKB, nt, lane)
+            load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
+            cute.arch.griddepcontrol_launch_dependents()
+            base = (kb0 - rank * self.warps_per_tile * NKB) * 8 + q
+            for c0 in cutlass.range(0, count, self.COLUMNS, unroll=1):
+                self.columns(mX, mA, rW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx,
+                             wslice, half, r, q)
+
+    @cute.jit
+    def find_pairs(self, mIds: cute.Tensor, sCnt: cute.Tensor, sPairs: cute.Tensor, e, tidx, lane, warp):
+        """Expert ``e``'s pairs (token * k + slot) in pair order into ``sPairs``, their count
+        (at most ``pair_cap``) after them."""
+        threads = 32 * self.warps
+        pairs = mIds.shape[0] * self.top_k
+        hits = cute.make_rmem_tensor((self.rounds,), Int32)
+        masks = cute.make_rmem_tensor((self.rounds,), Int32)
+        for j in cutlass.range_constexpr(self.rounds):
+            p = j * threads + tidx
+            pc = cutlass.min(p, pairs - 1)
+            t = pc // self.top_k
+            hit = (Int32(mIds[t, pc - t * self.top_k]) == e) & (p < pairs)
+            hits[j] = cutlass.select_(hit, Int32(1), Int32(0))
+            masks[j] = cute.arch.vote_ballot_sync(hit)
+            if lane == 0:
+                sCnt[j, warp] = cute.arch.popc(masks[j])
+        cute.arch.barrier()
+        below = Int32(cute.arch.lanemask_lt())
+        before = Int32(0)  # matches in earlier rounds, then in this round's earlier warps
+        for j in cutlass.range_constexpr(self.rounds):
+            mine = before
+            for w in cutlass.range_constexpr(self.warps):
+                n_w = sCnt[j, w]
+                mine = mine + cutlass.select_(warp > w, n_w, Int32(0))
+                before = before + n_w
+            pos = mine + cute.arch.popc(masks[j] & below)
+            if hits[j] == 1 and pos < self.pair_cap:
+                sPairs[pos] = j * threads + tidx
+        if tidx == 0:
+            sPairs[self.pair_cap] = cutlass.min(before, Int32(self.pair_cap))
+
+    @cute.jit
+    def copy_pairs(self, sPairs: cute.Tensor, tidx):
+        """Rank 0's pair list and count into this CTA's ``sPairs`` (distributed shared memory)."""
+        threads = 32 * self.warps
+        src = cute.make_tensor(cute.arch.map_dsmem_ptr(sPairs.iterator, 0), sPairs.layout)
+        word = cute.make_rmem_tensor((1,), Int32)
+        for j in cutlass.range_constexpr(-(-(self.pair_cap + 1) // threads)):
+            i = tidx + j * threads
+            if i < self.pair_cap + 1:
+                cute.autovec_copy(cute.local_tile(src, (1,), (i,)), word)
+                sPairs[i] = word[0]
+
+    @cute.jit
+    def columns(self, mX, mA, rW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx, wslice,
+                half, r, q):
+        """Pairs ``c0 .. c0 + 7`` of the expert (those below ``count``) as the MMA's 8 columns:
+        their x staged, the tile's sums, and the activations of this CTA's channel share."""
+        threads = 32 * self.warps
+        ncol = self.COLUMNS
+        words = ncol * self.x_words
+        x0 = rank * self.x_words
+        for j in cutlass.range_constexpr(-(-words // threads)):
+            i = tidx + j * threads
+            if i < words:
+                col = i // self.x_words
+                xw = i - col * self.x_words
+                pair = sPairs[c0 + cutlass.select_(c0 + col < count, col, Int32(0))]
+                sX[xw, col] = mX[pair // self.top_k, x0 + xw]
+        cute.arch.barrier()
+        acc.fill(0.0)
+        tile_mma(rW, rS, lambda i: (sX[base + i * 8, r], sX[base + i * 8 + 4, r]), acc, self.kb_per_warp,
+                 self.order)
+        # C: rows 16 i3 + r (+8 for c2, c3), columns 2q (+1 for c1, c3)
+        for i3 in cutlass.range_constexpr(4):
+            for j in cutlass.range_constexpr(4):
+                sPart[i3 * 16 + (j // 2) * 8 + r, 2 * q + j % 2, wslice, half] = acc[j, i3]
+        cute.arch.barrier()
+        sums = TILE * ncol * 2
+        for j in cutlass.range_constexpr(-(-sums // threads)):
+            i = tidx + j * threads
+            if i < sums:
+                row = i % TILE
+                col = (i // TILE) % ncol
+                h = i // (TILE * ncol)
+                total = sPart[row, col, 0, h]
+                for w in cutlass.range_constexpr(1, self.warps_per_tile):
+                    total = total + sPart[row, col, w, h]
+                sTot[row, col, h] = total
+        cluster_barrier(self.cluster)
+        outs = self.share * ncol
+        for j in cutlass.range_constexpr(-(-outs // threads)):
+            i = tidx + j * threads
+            col = i // self.share
+            if i < outs and c0 + col < count:
+                ch = rank * self.share + i - col * self.share
+                pair = sPairs[c0 + col]
+                token = pair // self.top_k
+                total = cluster_sum(sTot, (1, 1, 2), (ch, col, 0), self.cluster)  # (gate, up)
+                a = gated_act(total[0, 0, 0], total[0, 0, 1], self.beta, self.linear_beta)
+                mA[token, pair - token * self.top_k, ctile * TILE + ch] = a.to(BFloat16)
+        cluster_barrier(self.cluster)  # the next columns overwrite sTot, which peers may still read
+
+
 def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token
-    count is a runtime size: one compile serves every batch)."""
+    count is a runtime size: one compile serves every batch; with ``by_expert_max_tokens`` the
+    per-expert grid, for up to that many tokens)."""
     s, p = spec.shape_dict, spec.param_dict
     e, k, lat, inter, live = s["experts"], s["top_k"], s["latent"], s["inter"], s["inter_live"]
-    kernel = ExpertUpMxfp4(experts=e, top_k=k, latent=lat, inter=inter, inter_live=live, beta=p["beta"],
-                           linear_beta=p["linear_beta"], order=p["order"], cluster=p["cluster"],
-                           warps_per_tile=p["warps_per_tile"])
+    common = dict(experts=e, top_k=k, latent=lat, inter=inter, inter_live=live, beta=p["beta"],
+                  linear_beta=p["linear_beta"], order=p["order"], cluster=p["cluster"],
+                  warps_per_tile=p["warps_per_tile"])
+    by_expert = p.get("by_expert_max_tokens")
+    kernel = ExpertUpMxfp4ByExpert(max_tokens=by_expert, **common) if by_expert else ExpertUpMxfp4(**common)
     t = cute.sym_int32()
     n = 2 * inter
     args = (make_fake_tensor(Int32, (t, lat // 2), (lat // 2, 1), assumed_align=16),

@@ -258,6 +258,10 @@ TEMPLATES = (
 MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
 MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
 MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
+# from this many tokens the up stage runs a CTA per expert (each selected expert read once, its
+# pairs as the MMA's columns) instead of one per (token, slot) pair: at 16 tokens x 16 slots of
+# 896 experts, about 223 experts for 256 pairs; below, pairs rarely share an expert
+MXFP4_BY_EXPERT_FROM = 16
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
@@ -331,6 +335,8 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
     shapes = {"experts": e, "top_k": k, "inter": inter, "inter_live": inter_live}
     dtypes = {"act": "bf16", "routing": "fp32"}
     order = MXFP4_LAYOUTS[layout]
+    if t >= MXFP4_BY_EXPERT_FROM:
+        up = {**up, "by_expert_max_tokens": EXPERTS_MAX_TOKENS}
     return (KernelSpec.make("expert_up_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
                             params={**up, **act, "order": order}),
             KernelSpec.make("expert_down_mxfp4", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes,
