@@ -444,6 +444,27 @@ def test_per_expert_grid_runs_an_experts_pairs_eight_at_a_time(humming_experts, 
 
 
 @on_gpu
+def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts):
+    """The two up-stage grids run the same MMAs over the same K split and sum them in the same
+    order; a column of the MMA is computed as if alone, so their activations agree exactly."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(24, L, generator=gen).bfloat16().cuda()
+    args = humming_experts.args(x, *routing(24, gen, crowded=3))
+    per_pair = gpu_kernels(OP, humming_experts.args(x[:15], *routing(15, gen)))  # the spec below 16 tokens
+    per_expert = gpu_kernels(OP, args)
+    assert "by_expert_max_tokens" in per_expert[1][0].param_dict
+    assert "by_expert_max_tokens" not in per_pair[1][0].param_dict
+    acts = []
+    for tpl, specs, fns in (per_pair, per_expert):
+        y = torch.full((24, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+        act = torch.full((24, K, humming_experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
+        tpl.launch(fns, specs, args, out=(y, act))
+        acts.append(act)
+    torch.cuda.synchronize()
+    assert torch.isfinite(acts[0]).all() and torch.equal(acts[0], acts[1])
+
+
+@on_gpu
 def test_served_format_reads_hummings_own_layer_configs():
     """The LayerConfigs Humming's transform returns (what vLLM keeps as ``humming_configs``) say
     Humming's sm_90 layout to ``served_expert_format``."""
