@@ -83,24 +83,29 @@ class ExpertUpMxfp4:
                                                  use_pdl=True, min_blocks_per_mp=max(1, UP_WARPS_PER_SM // self.warps),
                                                  preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
+    def roles(self, ctile, rank, lane):
+        """A thread's place (trace-time helper): its warp, the warp's half (0 the gate tile, 1 the
+        up tile), its slice of the half's warps, the Humming tile it reads, its first K block,
+        and the lane's MMA row group r and pair q."""
+        warp = cute.arch.warp_idx()
+        half = warp // self.warps_per_tile
+        wslice = warp - half * self.warps_per_tile
+        r = lane // 4
+        return (warp, half, wslice, ctile + half * self.up_tile0,
+                (rank * self.warps_per_tile + wslice) * self.kb_per_warp, r, lane - r * 4)
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):
         bidx, ctile, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
         C = const_expr(self.cluster)
         NKB = const_expr(self.kb_per_warp)
         rank = bidx % C
         pair = bidx // C
         token = pair // self.top_k
         slot = pair - token * self.top_k
-        half = warp // self.warps_per_tile  # 0: gate tile, 1: up tile
-        wslice = warp - half * self.warps_per_tile
-        nt = ctile + half * self.up_tile0
-        kb0 = (rank * self.warps_per_tile + wslice) * NKB
-        r = lane // 4
-        q = lane - r * 4
+        warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
 
         rW, rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
@@ -193,18 +198,12 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         bidx, ctile, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
         C = const_expr(self.cluster)
         NKB = const_expr(self.kb_per_warp)
         N = const_expr(self.COLUMNS)
         rank = bidx % C
         e = bidx // C
-        half = warp // self.warps_per_tile
-        wslice = warp - half * self.warps_per_tile
-        nt = ctile + half * self.up_tile0
-        kb0 = (rank * self.warps_per_tile + wslice) * NKB
-        r = lane // 4
-        q = lane - r * 4
+        warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
 
         rW, rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
