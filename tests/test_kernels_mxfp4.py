@@ -267,7 +267,9 @@ def test_specs_at_kimi_k3_shapes(shape):
     assert spec_for_call(OP, "sm_90a", mxfp4_args(tokens=15, inter=inter, live=live))[1] == specs
     for tokens in (16, 64):
         up64, down64 = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=tokens, inter=inter, live=live))[1]
-        assert up64.param_dict == {**up.param_dict, "by_expert_max_tokens": 64} and down64 == down
+        assert up64.param_dict == {**up.param_dict, "by_expert_max_tokens": 64}
+        # the down stage: a CTA per (expert, tile), its warps splitting the live K blocks in runs of 6
+        assert down64.param_dict == {"by_expert_max_tokens": 64, "warps": live // 16 // 6, "order": "interleaved"}
 
 
 @pytest.mark.parametrize("args,reason", [
@@ -308,10 +310,13 @@ WAIT, LAUNCH = "griddepcontrol.wait;", "griddepcontrol.launch_dependents;"
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_ptx(compiled, arch, name):
     """Each warp's loads all issued before its first MMA (128-bit weights, 64-bit scales, no L1
-    allocation), 4 MMAs per K block, the cluster's sums over distributed shared memory, PDL."""
+    allocation), 4 MMAs per K block, the cluster's sums over distributed shared memory, PDL; on
+    the per-expert grids, the pairs found by warp ballots and the tokens' sums by arrival counts."""
     up, down = compiled[name, arch]
-    for k, per_warp in ((up, 14), (down, up.spec.shape_dict["inter_live"] // 16 // down.spec.param_dict[
-            "warps_per_slot"])):
+    by_expert = "by_expert_max_tokens" in up.spec.param_dict
+    live_blocks = up.spec.shape_dict["inter_live"] // 16
+    down_warps = down.spec.param_dict["warps"] if by_expert else down.spec.param_dict["warps_per_slot"]
+    for k, per_warp in ((up, 14), (down, live_blocks // down_warps)):
         ptx = k.ptx
         assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
         body = ptx[ptx.index(".entry"):]
@@ -323,20 +328,29 @@ def test_ptx(compiled, arch, name):
         before, rest = body.split(WAIT)
         between, after = rest.split(LAUNCH)
         # up: the ids are its primary's output, so nothing is read before the wait and the rows
-        # between it and launch_dependents; down: the router finished before the up stage let it
-        # launch, so ids and rows come before its wait (which the activation needs)
-        early = before if k is down else between
-        assert ("ld.global" not in before) == (k is up)
+        # between it and launch_dependents; down per pair: the router finished before the up stage
+        # let it launch, so ids and rows come before its wait (which the activation needs); down
+        # per expert: the pair lists are the up stage's, so it waits first
+        waits_first = k is up or by_expert
+        early = between if waits_first else before
+        assert ("ld.global" not in before) == waits_first
         assert _count(early, "ld.global.L1::no_allocate.v4.b32") == per_warp  # all in flight at once
         # the B pairs after the weights: the down kernel's from global, the up kernel's x staged in
         # shared memory once per CTA (224 words over 128 threads), for 8 tokens on the per-expert grid
-        by_expert = "by_expert_max_tokens" in up.spec.param_dict
         x_words = 8 * 14 * up.spec.param_dict["warps_per_tile"] * (8 if by_expert else 1)
         threads = 64 * up.spec.param_dict["warps_per_tile"]
-        assert _count(after, "ld.global.b32") == (-(-x_words // threads) if k is up else 2 * per_warp)
-        # the per-expert grid finds its pairs with one warp ballot per 128 of the 64 x 16 pairs
+        if by_expert and k is down:  # and the pair lists, and each completed token's k rows of 8 columns
+            assert _count(after, "ld.global.b32") >= 2 * per_warp + 8 * K
+        else:
+            assert _count(after, "ld.global.b32") == (-(-x_words // threads) if k is up else 2 * per_warp)
+        # the per-expert up grid finds its pairs with one warp ballot per 128 of the 64 x 16 pairs;
+        # the per-expert down grid counts each pair in with one acq_rel atomic, after a fence
         assert body.count("vote.sync.ballot.b32") == (8 if by_expert and k is up else 0)
-        assert "barrier.cluster.arrive" in body and "mapa.shared::cluster" in body  # clusters of 8 and 4 / 8
+        assert body.count("atom.global.acq_rel.add") == (1 if by_expert and k is down else 0)
+        if by_expert and k is down:
+            assert "fence.acq_rel.gpu" in body and "barrier.cluster" not in body  # a CTA per (expert, tile)
+        else:
+            assert "barrier.cluster.arrive" in body and "mapa.shared::cluster" in body  # clusters of 8 and 4 / 8
         assert re.search(r"\.minnctapersm\s+[2-5]\b", body)  # ptxas keeps room for several CTAs per SM
         assert pdl_flags(k.spec) == [1]
 
@@ -446,7 +460,8 @@ def test_per_expert_grid_runs_an_experts_pairs_eight_at_a_time(humming_experts, 
 @on_gpu
 def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts):
     """The two up-stage grids run the same MMAs over the same K split and sum them in the same
-    order; a column of the MMA is computed as if alone, so their activations agree exactly."""
+    order; a column of the MMA is computed as if alone, so their activations agree exactly. The
+    down stages sum a token's slots in different fp32 orders: their outputs agree to rounding."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(24, L, generator=gen).bfloat16().cuda()
     args = humming_experts.args(x, *routing(24, gen, crowded=3))
@@ -454,14 +469,16 @@ def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts)
     per_expert = gpu_kernels(OP, args)
     assert "by_expert_max_tokens" in per_expert[1][0].param_dict
     assert "by_expert_max_tokens" not in per_pair[1][0].param_dict
-    acts = []
+    acts, ys = [], []
     for tpl, specs, fns in (per_pair, per_expert):
         y = torch.full((24, L), float("nan"), dtype=torch.bfloat16, device="cuda")
         act = torch.full((24, K, humming_experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
         tpl.launch(fns, specs, args, out=(y, act))
         acts.append(act)
+        ys.append(y)
     torch.cuda.synchronize()
     assert torch.isfinite(acts[0]).all() and torch.equal(acts[0], acts[1])
+    assert torch.isfinite(ys[1]).all() and rel_err(ys[1], ys[0]) <= 4e-3
 
 
 @on_gpu

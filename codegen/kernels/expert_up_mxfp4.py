@@ -170,7 +170,9 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
       stores nothing), column-major with a stride of 4 mod 32 words, so that the lanes' 8 columns
       x 4 K pairs fall in 32 distinct banks;
     - every lane's C is useful: rows r (+8) x columns 2q (+1); the warps' and the cluster's sums
-      meet as in the per-pair kernel, now per (channel, column).
+      meet as in the per-pair kernel, now per (channel, column);
+    - for the down stage's per-expert grid it also writes each expert's pair list and count to
+      ``mLists`` [E, cap + 1] and zeroes that stage's arrival counters ``mCnt`` [T, L / 64].
     """
 
     COLUMNS = 8  # the MMA's N: one pair of the expert per column
@@ -185,16 +187,16 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor,
-                 stream: cuda.CUstream):
+                 mLists: cute.Tensor, mCnt: cute.Tensor, stream: cuda.CUstream):
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
-        self.kernel_by_expert(mX, mIds, mW, mS, mA).launch(
+        self.kernel_by_expert(mX, mIds, mW, mS, mA, mLists, mCnt).launch(
             grid=[self.experts * self.cluster, self.ctiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
             stream=stream, use_pdl=True, min_blocks_per_mp=max(1, UP_WARPS_PER_SM // self.warps),
             preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
     def kernel_by_expert(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
-                         mA: cute.Tensor):
+                         mA: cute.Tensor, mLists: cute.Tensor, mCnt: cute.Tensor):
         bidx, ctile, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
@@ -225,6 +227,15 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         else:
             cute.arch.barrier()
         count = sPairs[self.pair_cap]
+        # for the down stage (``ExpertDownMxfp4ByExpert``): each expert's list, and its arrival
+        # counters zeroed (it runs after this kernel has completed)
+        if (rank == 0) & (ctile == 0):
+            for j in cutlass.range_constexpr(-(-(self.pair_cap + 1) // (32 * self.warps))):
+                i = tidx + j * 32 * self.warps
+                if i < self.pair_cap + 1:
+                    mLists[e, i] = sPairs[i]
+        if (bidx == 0) & (ctile == 0):
+            self.zero(mCnt, mIds.shape[0], tidx)
         if count > 0:
             load_weights(mW, rW, e, kb0, NKB, nt, lane)
             load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
@@ -265,6 +276,15 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
                 sPairs[pos] = j * threads + tidx
         if tidx == 0:
             sPairs[self.pair_cap] = cutlass.min(before, Int32(self.pair_cap))
+
+    @cute.jit
+    def zero(self, mCnt: cute.Tensor, tokens, tidx):
+        """The first ``tokens`` rows of the down stage's counters [T, tiles] set to 0."""
+        threads = 32 * self.warps
+        tiles = mCnt.shape[1]
+        for i in cutlass.range(tidx, tokens * tiles, threads, unroll=1):
+            t = i // tiles
+            mCnt[t, i - t * tiles] = Int32(0)
 
     @cute.jit
     def copy_pairs(self, sPairs: cute.Tensor, tidx):
@@ -346,6 +366,8 @@ def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
             make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8),
             make_fake_tensor(Int32, (e, lat // 16, 2 * n), (lat // 16 * 2 * n, 2 * n, 1), assumed_align=16),
             make_fake_tensor(Int32, (e, lat // 32, n // 4), (lat // 32 * n // 4, n // 4, 1), assumed_align=16),
-            make_fake_tensor(BFloat16, (t, k, live), (k * live, live, 1), assumed_align=2),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
-    return kernel, args
+            make_fake_tensor(BFloat16, (t, k, live), (k * live, live, 1), assumed_align=2))
+    if by_expert:  # the pair lists [E, cap + 1] and the down stage's counters [T, L / 64]
+        args += (make_fake_tensor(Int32, (e, kernel.pair_cap + 1), (kernel.pair_cap + 1, 1), assumed_align=4),
+                 make_fake_tensor(Int32, (t, lat // TILE), (lat // TILE, 1), assumed_align=4))
+    return kernel, (*args, make_fake_stream(use_tvm_ffi_env_stream=True))

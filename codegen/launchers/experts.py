@@ -258,7 +258,7 @@ TEMPLATES = (
 MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
 MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
 MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
-# from this many tokens the up stage runs a CTA per expert (each selected expert read once, its
+# from this many tokens both stages run a CTA per expert (each selected expert read once, its
 # pairs as the MMA's columns) instead of one per (token, slot) pair: at 16 tokens x 16 slots of
 # 896 experts, about 223 experts for 256 pairs; below, pairs rarely share an expert
 MXFP4_BY_EXPERT_FROM = 16
@@ -295,6 +295,15 @@ def mxfp4_down_tiling(top_k: int, inter_live: int) -> dict[str, int] | str:
         return (f"top_k {top_k} x {warps} warps per slot do not split into a cluster of 1, 2, 4 or 8 CTAs of "
                 f"{MXFP4_DOWN_CTA_WARPS} warps")
     return {"cluster": cluster, "warps_per_slot": warps}
+
+
+def mxfp4_down_by_expert_warps(inter_live: int) -> int | str:
+    """Warps of a per-expert ``expert_down_mxfp4`` CTA: the most (4, 2, 1) that split the live K
+    blocks into even runs of at most 14 (TP 16, I_live = 192: 2 warps of 6; TP 8: 4 of 6)."""
+    kb = inter_live // 16
+    warps = next((w for w in (4, 2, 1) if kb % w == 0 and kb // w % 2 == 0 and kb // w <= MXFP4_MAX_KB_PER_WARP),
+                 None)
+    return warps or f"I_live {inter_live}: {kb} K blocks do not split into even runs of at most 14 over 1, 2 or 4 warps"
 
 
 def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
@@ -336,7 +345,11 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
     dtypes = {"act": "bf16", "routing": "fp32"}
     order = MXFP4_LAYOUTS[layout]
     if t >= MXFP4_BY_EXPERT_FROM:
+        warps = mxfp4_down_by_expert_warps(inter_live)
+        if isinstance(warps, str):
+            return warps
         up = {**up, "by_expert_max_tokens": EXPERTS_MAX_TOKENS}
+        down = {"by_expert_max_tokens": EXPERTS_MAX_TOKENS, "warps": warps}
     return (KernelSpec.make("expert_up_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
                             params={**up, **act, "order": order}),
             KernelSpec.make("expert_down_mxfp4", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes,
@@ -349,12 +362,25 @@ def _mxfp4_runtime(args: Sequence[Any]) -> str | None:
 
 
 def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    """Per pair: up, then down. Per expert (from 16 tokens): up also leaves each expert's pair
+    list [E, 65] and zeroes the (token, 64-row tile) counters; down writes each pair's weighted
+    rows to an fp32 scratch [T, k, L] that the token's last pair sums."""
     (up, down), x = fns, args[0]
     weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
     live = args[10]
-    y, act = expert_outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
-    up(x.view(torch.int32), ids, w13, w13_scale.view(torch.int32), act)
-    down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y)
+    t, latent = x.shape
+    y, act = expert_outputs(x, latent, (t, ids.shape[1], live), out)
+    xs, s13, a, s2 = x.view(torch.int32), w13_scale.view(torch.int32), act.view(torch.int32), w2_scale.view(torch.int32)
+    if "by_expert_max_tokens" in specs[0].param_dict:
+        cap = specs[0].param_dict["by_expert_max_tokens"]
+        lists = torch.empty((w13.shape[0], cap + 1), dtype=torch.int32, device=x.device)
+        counts = torch.empty((t, latent // 64), dtype=torch.int32, device=x.device)
+        rows = torch.empty((t, ids.shape[1], latent), dtype=torch.float32, device=x.device)
+        up(xs, ids, w13, s13, act, lists, counts)
+        down(a, lists, weights, w2, s2, rows, counts, y)
+    else:
+        up(xs, ids, w13, s13, act)
+        down(a, ids, weights, w2, s2, y)
     return y
 
 
