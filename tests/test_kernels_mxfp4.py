@@ -534,7 +534,7 @@ def test_op_dispatches_to_the_kernels_in_a_cuda_graph(humming_experts):
 
 
 @on_gpu
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 8, 16, 64])  # from 16 the per-expert grids: about 16 pairs per expert at 64
 def test_kernels_at_the_tiny_configs_shapes(tokens):
     """The tiny preset's experts (E 16, top-4, L 64, I 64: one CTA, no cluster, 4 K blocks a warp),
     which the templates accept, against the op's own reference on the same tensors. The decode
