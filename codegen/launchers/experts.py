@@ -387,4 +387,5 @@ def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
 TEMPLATES = (*TEMPLATES, Template(
     "routed_experts_mxfp4", ("k3f::routed_experts_mxfp4",), _mxfp4_specs, _mxfp4_runtime, _mxfp4_launch,
     doc="routed experts on MXFP4 weights in Humming's layout, 1..64 tokens: dequantized in registers, "
-        "m16n8k16 MMAs; gate/up + SiTU per (token, slot), then down + weighted sum; the padding never read"))
+        "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair, from "
+        f"{MXFP4_BY_EXPERT_FROM} tokens per selected expert; the padding never read"))
