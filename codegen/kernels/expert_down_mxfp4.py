@@ -39,18 +39,24 @@ TILE = 64
 MAX_KB_PER_WARP = 14
 
 
+def check_shapes(order: str, rows: int, inter: int, inter_live: int) -> None:
+    """What both down-stage grids need: a known nibble order, whole row tiles of L, whole scale
+    groups of the live intermediate."""
+    if order not in ORDERS:
+        raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+    if rows % TILE:
+        raise ValueError(f"L {rows} is not a multiple of {TILE}")
+    if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
+        raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+
+
 class ExpertDownMxfp4:
     """Compile-time configuration: experts E, slots k, output rows L, I (padded) and I_live, the
     nibble order, the cluster (CTAs splitting a token's slots) and the warps per slot."""
 
     def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
                  cluster: int, warps_per_slot: int):
-        if order not in ORDERS:
-            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
-        if rows % TILE:
-            raise ValueError(f"L {rows} is not a multiple of {TILE}")
-        if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
-            raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+        check_shapes(order, rows, inter, inter_live)
         if cluster not in (1, 2, 4, 8) or top_k % cluster or TILE % cluster:
             raise ValueError(f"cluster {cluster}: 1, 2, 4 or 8 dividing top_k {top_k}")
         kb = inter_live // 16
@@ -146,12 +152,7 @@ class ExpertDownMxfp4ByExpert:
 
     def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
                  warps: int, max_tokens: int):
-        if order not in ORDERS:
-            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
-        if rows % TILE:
-            raise ValueError(f"L {rows} is not a multiple of {TILE}")
-        if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
-            raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+        check_shapes(order, rows, inter, inter_live)
         kb = inter_live // 16
         if warps not in (1, 2, 4) or kb % warps or (kb // warps) % 2 or kb // warps > MAX_KB_PER_WARP:
             raise ValueError(f"{kb} live K blocks do not split into even runs of at most {MAX_KB_PER_WARP} over "
