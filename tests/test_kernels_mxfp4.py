@@ -57,6 +57,19 @@ def test_every_layout_holds_the_checkpoints_values(fmt):
     assert torch.equal(fmt.dequant(weight[[2, 0]], scale[[2, 0]]).float(), expected[[2, 0]])  # gathered experts
 
 
+def test_relayout_runs_a_few_experts_at_a_time(monkeypatch):
+    """``from_checkpoint`` re-lays experts in chunks (the int64 codes of 896 experts at once were
+    18 GiB, more than the GPU tests had under compute-sanitizer): chunks of 2 give the same words."""
+    import rewriter.layers.experts as formats
+
+    w, s = random_mxfp4(5, 128, 96, generator=torch.Generator().manual_seed(4))
+    whole = HUMMING.from_checkpoint(w, s)
+    monkeypatch.setattr(formats, "RELAYOUT_CHUNK", 2)
+    chunked = HUMMING.from_checkpoint(w, s)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1].view(torch.uint8), chunked[1].view(torch.uint8))
+    assert torch.equal(HUMMING.dequant(*chunked), CHECKPOINT.dequant(w, s))
+
+
 def test_humming_addresses_as_documented():
     """Element (n, k) in nibble i6*4 + i4*2 + i5 of word (k // 16, (n // 64) * 128 + ((n % 8) * 4 + (k % 8) // 2)
     * 4 + (n % 64) // 16); its scale at byte (k // 32, (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8)."""

@@ -36,6 +36,7 @@ E2M1_RMS = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5  # of uni
 GROUP = 32  # values per E8M0 scale along K
 LAYOUTS = {"bf16": ("dense",), "mxfp4": ("checkpoint", "humming", "humming_native")}
 HUMMING_TILE_N, HUMMING_TILE_K = 64, 16
+RELAYOUT_CHUNK = 32  # experts re-laid at a time by ``from_checkpoint``: each int64 temporary stays under 1 GB
 MAX_KERNEL_SCALE = 128  # E8M0 bytes the kernels' in-register dequant takes: scales up to 2 (codegen/kernels/mxfp4.py)
 
 
@@ -120,9 +121,12 @@ class ExpertFormat:
             raise ExpertFormatError("bf16 experts have no MXFP4 checkpoint layout")
         if self.layout == "checkpoint":
             return weight, scale
-        codes = unpack_nibbles(weight)
-        return (_humming_words(codes, native=self.layout == "humming_native"),
-                _humming_scale_from_rows(scale.view(torch.uint8)).view(torch.float8_e8m0fnu))
+        native = self.layout == "humming_native"
+        e, n, k2 = weight.shape
+        words = torch.empty((e, k2 * 2 // 16, 2 * n), dtype=torch.int32, device=weight.device)
+        for lo in range(0, e, RELAYOUT_CHUNK):  # the int64 codes of all 896 experts would be 13 to 20 GB
+            words[lo:lo + RELAYOUT_CHUNK] = _humming_words(unpack_nibbles(weight[lo:lo + RELAYOUT_CHUNK]), native)
+        return words, _humming_scale_from_rows(scale.view(torch.uint8)).view(torch.float8_e8m0fnu)
 
 
 def unpack_nibbles(packed: Tensor) -> Tensor:
