@@ -494,6 +494,8 @@ BUILT_ON = {
     "mlp_down_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global"),
     "latent_tail_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                          "ldmatrix.sync.aligned", "rsqrt.approx"),
+    "router_down_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
+                         "st.global.b32"),  # fp32 logits
     "gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
     "router_topk": ("redux.sync.max.u32", "vote.sync.ballot.b32", "ex2.approx"),
     "expert_up": ("ld.global.L1::no_allocate.L2::256B.v4",),

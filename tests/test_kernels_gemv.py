@@ -30,6 +30,7 @@ from codegen.kernels import KERNELS, source_files
 from codegen.launchers.gemv_specs import gemv_spec, skinny_gemv_tiling, token_chunk
 from codegen.launchers.latent_tail import LATENT_GEMM_MIN_TOKENS
 from codegen.launchers.o_proj import O_PROJ_GEMM_MIN_TOKENS, project
+from codegen.launchers.router_down import ROUTER_GEMM_MIN_TOKENS
 from codegen.templates import spec_for_call, template
 from rewriter.layers.attn_res import attn_res
 from rewriter.layers.common import rms_norm
@@ -91,7 +92,7 @@ def test_token_chunks_and_tiling():
 
 
 @pytest.mark.parametrize("tp,gate_rows,down_rows", [(16, 56, 224), (8, 112, 448), (1, E, L)])
-@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("tokens", [t for t in TOKENS if t < ROUTER_GEMM_MIN_TOKENS])
 def test_router_down_spec(tp, gate_rows, down_rows, tokens):
     for rank in {0, tp - 1}:
         _, (spec,) = specs_of("k3f::router_down", router_args(tokens, tp, rank))
@@ -101,6 +102,24 @@ def test_router_down_spec(tp, gate_rows, down_rows, tokens):
         p = spec.param_dict
         assert not p["norm"] and not p["residual"] and p["x_stride"] == D and p["chunk"] == token_chunk(tokens)
         assert p["ksplit"] == 4 and p["rows_per_warp"] == (2 if tp == 1 and tokens >= 4 else 1)
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("tp,gate_rows,down_rows,ctas", [(16, 56, 224, (1 + 4) * 8), (8, 112, 448, (2 + 7) * 8),
+                                                        (1, E, L, (7 + 28) * 4)])
+@pytest.mark.parametrize("tokens", [ROUTER_GEMM_MIN_TOKENS, 37, 64])
+def test_router_down_takes_the_tensor_cores_from_16_tokens(tp, gate_rows, down_rows, ctas, tokens):
+    """From 16 tokens the GEMV's dot products are the bound: the skinny GEMM with a second weight
+    (gate tiles, then down-projection tiles; none mixes the two) and fp32 logits."""
+    from codegen.kernels.gemm import SkinnyGemm
+
+    _, (spec,) = specs_of("k3f::router_down", router_args(tokens, tp, tp - 1))
+    p = spec.param_dict
+    assert spec.kernel == "router_down_gemm" and spec.shape_dict["rows"] == gate_rows
+    assert p["second_weight"] and p["segments"] == (gate_rows, down_rows) and p["out_fp32"] == (True, False)
+    kernel = SkinnyGemm(spec.shape_dict["token_tile"], D, gate_rows, p["segments"], rows_per_cta=p["rows_per_cta"],
+                        split_k=p["split_k"], stages=p["stages"], second_weight=True, out_fp32=p["out_fp32"])
+    assert kernel.grid == ctas  # the gate's tiles (56 rows at TP 16: one, rows past 56 not loaded) + the down's
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -205,13 +224,20 @@ def stand_in_attn_res(spec):
 
 
 def stand_in_gemm(spec):
-    """The skinny ``gemm`` kernel (one output segment) in torch, with its shape and stride checks."""
+    """The skinny ``gemm`` kernel (one output segment, or two from two weights) in torch, with its
+    shape, stride and dtype checks."""
     s, p = spec.shape_dict, spec.param_dict
 
-    def fn(x, w, y0, y1, y2, y3, norm_w, r):
+    def fn(x, w, y0, y1, y2, y3, norm_w, r, w1):
         assert x.shape[1] == s["k"] and x.shape[0] <= s["token_tile"] and x.stride() == (p.get("x_stride", s["k"]), 1)
-        assert w.shape == (s["rows"], s["k"]) and y0.shape == (x.shape[0], s["rows"]) and y1 is y2 is y3 is None
+        assert w.shape == (s["rows"], s["k"]) and y0.shape == (x.shape[0], s["rows"]) and y2 is y3 is None
         assert (norm_w is not None) == ("norm_eps" in p) and (r is not None) == p.get("residual", False)
+        if p.get("second_weight"):
+            assert w1.shape == (p["segments"][1], s["k"]) and y1.shape == (x.shape[0], w1.shape[0])
+            assert [y.dtype for y in (y0, y1)] == [torch.float32 if f else torch.bfloat16 for f in p["out_fp32"]]
+            y1.copy_(torch.nn.functional.linear(x.float(), w1.float()))
+        else:
+            assert y1 is None and w1 is None
         xn = rms_norm(x, norm_w, p["norm_eps"]) if norm_w is not None else x
         acc = torch.nn.functional.linear(xn.float(), w.float())
         if r is not None:
@@ -223,7 +249,7 @@ def stand_in_gemm(spec):
 
 def stand_ins(specs):
     makers = {"gemv": stand_in_gemv, "o_proj_gemm": stand_in_gemm, "latent_tail_gemm": stand_in_gemm,
-              "attn_res_norm": stand_in_attn_res}
+              "router_down_gemm": stand_in_gemm, "attn_res_norm": stand_in_attn_res}
     return tuple(makers[s.kernel](s) for s in specs)
 
 
@@ -260,15 +286,16 @@ def fake_collectives(monkeypatch):
 
 
 @pytest.mark.parametrize("tp,rank", [(1, 0), (16, 3), (8, 7)])
-def test_router_down_launch_plumbing(fake_collectives, tp, rank):
+@pytest.mark.parametrize("tokens", [3, ROUTER_GEMM_MIN_TOKENS])  # the GEMV, the GEMM with its second weight
+def test_router_down_launch_plumbing(fake_collectives, tp, rank, tokens):
     gen = torch.Generator().manual_seed(tp * 100 + rank)
-    args = (*router_inputs(3, gen), GROUP, tp, rank)
+    args = (*router_inputs(tokens, gen), GROUP, tp, rank)
     tpl, specs = specs_of("k3f::router_down", args)
     assert tpl.runtime_check(args) is None
     logits, latent = tpl.launch(stand_ins(specs), specs, args)
     ref_logits, ref_latent = torch.ops.k3f.router_down(*args)
-    assert logits.dtype == torch.float32 and logits.shape == ref_logits.shape == (3, E)
-    assert latent.dtype == torch.bfloat16 and latent.shape == ref_latent.shape == (3, L)
+    assert logits.dtype == torch.float32 and logits.shape == ref_logits.shape == (tokens, E)
+    assert latent.dtype == torch.bfloat16 and latent.shape == ref_latent.shape == (tokens, L)
     assert rel_err(logits, ref_logits) <= LOGIT_TOL and rel_err(latent, ref_latent) <= TOL
 
 
@@ -329,7 +356,8 @@ def compiled(tmp_path_factory):
         for name, op, args in (("router", "k3f::router_down", router_args(1, 16, 0)),
                                ("tail_gemm", "k3f::latent_tail", tail_args(13, 16)),
                                ("o_proj", "k3f::o_proj_attn_res", o_proj_args(1, 16, prefix=False)),
-                               ("o_proj_gemm", "k3f::o_proj_attn_res", o_proj_args(64, 8, prefix=True))):
+                               ("o_proj_gemm", "k3f::o_proj_attn_res", o_proj_args(64, 8, prefix=True)),
+                               ("router_gemm", "k3f::router_down", router_args(64, 16, 15))):
             _, specs = specs_of(op, args, arch)
             out[name, arch] = [compile_kernel(s, cache=cache) for s in specs]
         tail_gemv = gemv_spec("k3f::latent_tail", arch, tokens=13, k=L, rows0=D, out0="bf16", x_stride=L + D,
@@ -439,6 +467,26 @@ def test_o_proj_gemm_ptx(compiled, arch):
 
 
 @needs_cutedsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_router_gemm_ptx(compiled, arch):
+    """The router at 64 tokens on tensor cores (TP 16: 56 gate rows, 224 down rows, 64-row CTA
+    tiles, K split over clusters of 8): each W copy of a stage under its row's predicate, from
+    either weight; one fp32 and one bf16 store per output row a thread sums."""
+    (k,) = compiled["router_gemm", arch]
+    ptx, p, s = k.ptx, k.spec.param_dict, k.spec.shape_dict
+    tile, stages, rows = s["token_tile"], p["stages"], p["rows_per_cta"]
+    assert k.spec.kernel == "router_down_gemm" and f".target {arch}" in ptx and (rows, p["split_k"]) == (64, 8)
+    assert _count(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * (rows // 64) * tile // 8
+    w_chunks = rows * 8 // 128  # 16-byte chunks of a stage's W tile per thread
+    assert _count(ptx, "cp.async.cg.shared.global") == stages * (2 * w_chunks + tile // 16)  # W0 or W1, and x
+    before = ptx.split("griddepcontrol.wait;")[0]
+    assert _count(before, "cp.async.cg.shared.global") == (stages - 1) * 2 * w_chunks and "st.global" not in before
+    vecs = -(-(rows // p["split_k"] // 4) * tile // 128)  # 4-row vectors each thread sums
+    assert _count(ptx, "st.global.b32") == vecs * 4 and _count(ptx, "st.global.b16") == vecs * 4
+    assert "ld.global" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_cutedsl
 def test_launch_asks_for_pdl(tmp_path):
     """The host side of programmatic dependent launch, which the PTX cannot show: CuTe DSL's IR
     of the launch (dumped by a fresh process, as ``CUTE_DSL_KEEP`` is read at import) sets the
@@ -502,6 +550,15 @@ def test_router_down_gpu(identity_gather, tokens, tp, ranks):
         assert logits.shape == ref_logits.shape and latent.shape == ref_latent.shape
         assert torch.isfinite(logits).all() and torch.isfinite(latent).all()
         assert rel_err(logits, ref_logits) <= LOGIT_TOL and rel_err(latent, ref_latent) <= TOL
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [ROUTER_GEMM_MIN_TOKENS, 37])
+@pytest.mark.parametrize("tp,ranks", [(1, (0,)), (16, (0, 15)), (8, (7,))])
+def test_router_down_gemm_gpu(identity_gather, tokens, tp, ranks):
+    """The tensor-core form at 16 and 37 tokens (64 is in ``test_router_down_gpu``): fp32 logits
+    from the gate's tile, whose rows past the gate's end are neither read nor written."""
+    test_router_down_gpu(identity_gather, tokens, tp, ranks)
 
 
 @on_gpu

@@ -22,6 +22,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "mlp_down_gemm": ("gemm",),
     "o_proj_gemm": ("gemm",),
     "latent_tail_gemm": ("gemm",),
+    "router_down_gemm": ("gemm",),
     "kda_core": ("kda_core",),
     "mla_attend": ("mla_attend", "warp_mma"),
     "expert_up_mxfp4": ("expert_up_mxfp4", "mxfp4"),

@@ -1,6 +1,7 @@
 """The tensor-core skinny GEMM of decode (2..64 tokens): the attention input projection
-(``attn_in_proj_gemm``), the output projection (``o_proj_gemm``) and the dense MLP's two
-projections and the shared experts' (``mlp_gate_up_gemm``, ``mlp_down_gemm``).
+(``attn_in_proj_gemm``), the output projection (``o_proj_gemm``), the dense MLP's two
+projections and the shared experts' (``mlp_gate_up_gemm``, ``mlp_down_gemm``), the latent tail
+(``latent_tail_gemm``) and the router with the latent down projection (``router_down_gemm``).
 
 Computes ``y[T, n] = sum_k x[T, k] * W[n, k]`` (``torch.nn.functional.linear(x, W)``, fp32
 accumulation, bf16 result) and writes it split like ``attn_in_proj_gemv``: rows
@@ -17,7 +18,11 @@ squares are summed per token, the cluster's partial sums of squares meet with th
 tiles and the epilogue scales each token's row by ``rsqrt(mean(x^2) + eps)`` (the reference
 scales before rounding, this kernel after the projection: the same math, bf16 rounding apart);
 with ``residual`` the epilogue adds ``r`` in bf16, ``y = bf16(bf16(acc) + r)``. x and r may be
-row-strided views.
+row-strided views. With ``second_weight`` (the router: its gate rows and the latent down
+projection's rows are two tensors of one rank, both multiplied by the same x) output 0 is
+``x @ W0^T`` and output 1 ``x @ W1^T``: the first row tiles read W0, the rest W1, each tile's
+rows past its weight's end neither loaded nor stored (the gate has 56 rows at TP 16, fewer than
+a tile). ``out_fp32`` names the outputs stored in fp32 (the router's logits), unrounded.
 
 Work split (decode is bound by reading W once from HBM; x is small and stays in L2):
 - the MMA's M is the weight rows, its N the tokens (padded to ``token_tile``, a multiple of 16;
@@ -74,10 +79,10 @@ class SkinnyGemm:
     def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
                  split_k: int = 1, stages: int = 4, glu: tuple[float | None, float | None] | None = None,
                  norm_eps: float | None = None, residual: bool = False, x_stride: int | None = None,
-                 r_stride: int | None = None):
+                 r_stride: int | None = None, second_weight: bool = False, out_fp32: tuple[bool, ...] = ()):
         if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:
             raise ValueError(f"token tile {token_tile}: a multiple of 16 in 16..{MAX_TOKENS}")
-        if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or sum(segments) > rows:
+        if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or (sum(segments) > rows and not second_weight):
             raise ValueError(f"segments {segments}: 1..{MAX_SEGMENTS} positive sizes summing to at most {rows}")
         if glu is not None and (len(segments) != 1 or 2 * segments[0] != rows):
             raise ValueError(f"a gated projection writes one segment of rows / 2 channels, got {segments} of {rows}")
@@ -85,6 +90,13 @@ class SkinnyGemm:
             raise ValueError(f"rows per CTA {rows_per_cta} must be a multiple of {WARPS * MMA_SHAPE[0]}")
         if (norm_eps is not None or residual) and (glu is not None or len(segments) != 1):
             raise ValueError("the norm prologue and the residual epilogue go with one plain output segment")
+        if second_weight and (glu is not None or len(segments) != 2 or rows != segments[0]):
+            raise ValueError(f"a second weight gives output 1: two plain segments (W0's {rows} rows, W1's), "
+                             f"got {segments}")
+        self.out_fp32 = tuple(out_fp32) + (False,) * (len(segments) - len(out_fp32))
+        if len(self.out_fp32) != len(segments):
+            raise ValueError(f"out_fp32 {out_fp32}: one flag per output of {segments}")
+        self.two = second_weight
         self.norm = norm_eps is not None
         self.eps = float(norm_eps) if self.norm else 0.0
         self.residual = residual
@@ -104,7 +116,7 @@ class SkinnyGemm:
         self.segments = tuple(segments)
         self.starts = tuple(sum(segments[:i]) for i in range(len(segments)))
         self.rows_out = sum(segments)
-        if self.rows_out < self.tile_out:
+        if self.rows_out < self.tile_out and not self.two:
             raise ValueError(f"{self.rows_out} output rows < {self.tile_out} per CTA tile")
         self.tile_m = rows_per_cta
         self.split_k = split_k
@@ -112,7 +124,10 @@ class SkinnyGemm:
         if not 2 <= stages <= self.k_tiles:
             raise ValueError(f"stages {stages} outside 2..{self.k_tiles} (K tiles per CTA)")
         self.stages = stages
-        self.row_tiles = -(-self.rows_out // self.tile_out)
+        # the tiles of each weight (with a second one, each tile lies within one weight's rows)
+        self.tiles = (tuple(-(-size // self.tile_out) for size in segments) if self.two
+                      else (-(-self.rows_out // self.tile_out),))
+        self.row_tiles = sum(self.tiles)
         self.grid = self.row_tiles * split_k
         self.slice_m = self.tile_out // split_k  # output rows each CTA of a cluster sums and stores
         self.w_stage_bytes = rows_per_cta * TILE_K * 2
@@ -123,7 +138,7 @@ class SkinnyGemm:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
                  mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
-                 stream: cuda.CUstream):
+                 mW1: cute.Tensor | None, stream: cuda.CUstream):
         # K-major tiles in shared memory: 8 rows x 128 bytes per atom, the 16-byte chunks XOR-ed with
         # the row (Swizzle<3,4,3> on byte addresses), so ldmatrix's 8 row reads hit 8 distinct banks
         atom = cute.make_layout((8, TILE_K), stride=(TILE_K, 1))
@@ -139,13 +154,14 @@ class SkinnyGemm:
                                         cute.make_layout((WARPS, 1, 1)),
                                         permutation_mnk=(WARPS * MMA_SHAPE[0], 16, MMA_SHAPE[2]))
         cluster = [self.split_k, 1, 1] if const_expr(self.split_k > 1) else None
-        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, sW_layout, sX_layout, tiled_g2s, tiled_mma).launch(
+        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, mW1, sW_layout, sX_layout, tiled_g2s, tiled_mma).launch(
             grid=[self.grid, 1, 1], block=[THREADS, 1, 1], cluster=cluster, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
                mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
-               sW_layout: cute.Layout, sX_layout: cute.Layout, tiled_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
+               mW1: cute.Tensor | None, sW_layout: cute.Layout, sX_layout: cute.Layout, tiled_g2s: cute.TiledCopy,
+               tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         C = const_expr(self.split_k)
@@ -156,8 +172,16 @@ class SkinnyGemm:
         TO = const_expr(self.tile_out)
         tokens = mX.shape[0]
         rank = bidx % C  # clusters are C consecutive CTAs along x: rank = %cluster_ctarank
-        first = (bidx // C) * TO  # the tile's own output rows start here
+        tile = bidx // C
+        first = tile * TO  # the tile's own output rows start here
         row0 = cutlass.min(first, self.rows_out - TO)  # the last tile reaches back to stay in bounds
+        second = tile >= self.tiles[0]  # with a second weight: this tile's rows are W1's
+        bound = cutlass.Int32(self.segments[0])  # ... and its rows end at its weight's end
+        if const_expr(self.two):
+            if second:
+                first = (tile - self.tiles[0]) * TO
+                bound = cutlass.Int32(self.segments[1])
+            row0 = first
         k0 = rank * (NK * TILE_K)
 
         # this CTA's W rows and x, K slice cut into (rows, TILE_K, NK) tiles; gated: the rows are
@@ -170,6 +194,10 @@ class SkinnyGemm:
             gW = cute.local_tile(cute.domain_offset((row0, k0), mW), (BM, TILE_K), (0, None))
         gX = cute.local_tile(cute.domain_offset((0, k0), mX), (self.tile_n, TILE_K), (0, None))
         gW = cute.make_tensor(gW.iterator.align(16), gW.layout)
+        gW1 = gW
+        if const_expr(self.two):
+            gW1 = cute.local_tile(cute.domain_offset((row0, k0), mW1), (BM, TILE_K), (0, None))
+            gW1 = cute.make_tensor(gW1.iterator.align(16), gW1.layout)
         gX = cute.make_tensor(gX.iterator.align(16), gX.layout)
         cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.tile_n, TILE_K), (0, None))
 
@@ -194,7 +222,15 @@ class SkinnyGemm:
 
         thr_g2s = tiled_g2s.get_slice(tidx)
         tWgW = thr_g2s.partition_S(gW)
+        tWgW1 = thr_g2s.partition_S(gW1)
         tWsW = thr_g2s.partition_D(sW)
+        # with a second weight, which of this thread's W rows lie within its weight
+        tWcW = thr_g2s.partition_S(cute.local_tile(cute.make_identity_tensor((BM, NK * TILE_K)), (BM, TILE_K),
+                                                   (0, None)))
+        WR = const_expr(cute.size(tWgW, mode=[1]))  # W rows per thread and stage
+        w_ok = cute.make_rmem_tensor((WR,), cutlass.Boolean)
+        for j in cutlass.range_constexpr(WR):
+            w_ok[j] = row0 + tWcW[0, j, 0, 0][0] < bound
         tXgX = thr_g2s.partition_S(gX)
         tXsX = thr_g2s.partition_D(sX)
         tXcX = thr_g2s.partition_S(cX)
@@ -211,7 +247,7 @@ class SkinnyGemm:
         # so the first fragments wait for every prologue weight tile anyway); groups 1 .. S-2 are
         # empty and keep group kt = tile kt for the main loop's waits.
         for s in cutlass.range_constexpr(S - 1):
-            cute.copy(tiled_g2s, tWgW[None, None, None, s], tWsW[None, None, None, s])
+            self.load_w(tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, s, s)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         for j in cutlass.range_constexpr(XR):
@@ -270,7 +306,8 @@ class SkinnyGemm:
                 if const_expr(kb == 0):
                     # refill the stage freed by tile kt - 1 (empty groups at the end keep the count)
                     if kt + (S - 1) < NK:
-                        self.load_tile(tiled_g2s, tWgW, tWsW, tXgX, tXsX, x_ok, kt + (S - 1), write)
+                        self.load_tile(tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, tXgX, tXsX, x_ok, kt + (S - 1),
+                                       write)
                     cute.arch.cp_async_commit_group()
                 cute.gemm(tiled_mma, acc, tCrW[None, None, kb], tCrX[None, None, kb], acc)
             write = read
@@ -290,7 +327,7 @@ class SkinnyGemm:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens)
+        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens, second, bound)
         if const_expr(C > 1):
             # peers may still be reading this CTA's partials
             cute.arch.cluster_arrive()
@@ -298,9 +335,23 @@ class SkinnyGemm:
 
     # helpers inlined into the kernel
     @cute.jit
-    def load_tile(self, tiled_g2s, tWgW, tWsW, tXgX, tXsX, x_ok, kt, stage):
+    def load_w(self, tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, kt, stage):
+        """Issue the cp.async copies of W's K tile ``kt`` into ``stage`` (with a second weight:
+        from W1 on its tiles, only the rows within the weight)."""
+        if const_expr(self.two):
+            for j in cutlass.range_constexpr(cute.size(tWgW, mode=[1])):
+                if w_ok[j]:
+                    if second:
+                        cute.copy(tiled_g2s, tWgW1[None, j, None, kt], tWsW[None, j, None, stage])
+                    else:
+                        cute.copy(tiled_g2s, tWgW[None, j, None, kt], tWsW[None, j, None, stage])
+        else:
+            cute.copy(tiled_g2s, tWgW[None, None, None, kt], tWsW[None, None, None, stage])
+
+    @cute.jit
+    def load_tile(self, tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, tXgX, tXsX, x_ok, kt, stage):
         """Issue the cp.async copies of K tile ``kt`` (W tile, x rows < T) into ``stage``."""
-        cute.copy(tiled_g2s, tWgW[None, None, None, kt], tWsW[None, None, None, stage])
+        self.load_w(tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, kt, stage)
         for j in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
             if x_ok[j]:
                 cute.copy(tiled_g2s, tXgX[None, j, None, kt], tXsX[None, j, None, stage])
@@ -320,11 +371,13 @@ class SkinnyGemm:
                 xs.store((xf * w.to(Float32)).to(BFloat16))
 
     @cute.jit
-    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens):
+    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens, second, bound):
         """Sum output rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4
         rows per 128-bit load; gated: each with its up row ``tile_out`` further, then the
-        activation) and store them, rounded to bf16, into their output segments; rows below
-        ``first`` (the last tile's overlap) are its neighbour's to store."""
+        activation) and store them, rounded to bf16 (or fp32 where ``out_fp32``), into their
+        output segments; rows below ``first`` (the last tile's overlap) are its neighbour's to
+        store. With a second weight the rows are the weight's own (output 1 on W1's tiles),
+        those from ``bound`` on not stored."""
         per_token = self.slice_m // ACC_VEC
         nvec = per_token * self.tile_n
         outs = (mY0, mY1, mY2, mY3)
@@ -355,14 +408,30 @@ class SkinnyGemm:
                     val = gate[e, 0]
                     if const_expr(self.glu):
                         val = gated_act(val, up[e, 0], self.beta, self.linear_beta)
-                    val = (val * rstd).to(BFloat16)
+                    val = val * rstd
+                    rounded = val.to(BFloat16)
                     if const_expr(self.residual):
-                        val = (val.to(Float32) + mR[t, n].to(Float32)).to(BFloat16)
-                    for i in cutlass.range_constexpr(len(self.segments)):
-                        lo = const_expr(self.starts[i])
-                        hi = const_expr(lo + self.segments[i])
-                        if n >= lo and n < hi and n >= first:
-                            outs[i][t, n - lo] = val
+                        rounded = (rounded.to(Float32) + mR[t, n].to(Float32)).to(BFloat16)
+                    if const_expr(self.two):
+                        if n < bound:
+                            if second:
+                                self.store(mY1, t, n, val, rounded, 1)
+                            else:
+                                self.store(mY0, t, n, val, rounded, 0)
+                    else:
+                        for i in cutlass.range_constexpr(len(self.segments)):
+                            lo = const_expr(self.starts[i])
+                            hi = const_expr(lo + self.segments[i])
+                            if n >= lo and n < hi and n >= first:
+                                self.store(outs[i], t, n - lo, val, rounded, i)
+
+    @cute.jit
+    def store(self, mY, t, n, val, rounded, i):
+        """Element (t, n) of output ``i``: fp32 or rounded to bf16."""
+        if const_expr(self.out_fp32[i]):
+            mY[t, n] = val
+        else:
+            mY[t, n] = rounded
 
     @cute.jit
     def cluster_sum(self, sP, group, t, total):
@@ -386,14 +455,17 @@ def build(spec) -> tuple[SkinnyGemm, tuple]:
     glu = (p["beta"], p["linear_beta"]) if p.get("glu") else None
     kernel = SkinnyGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
                         stages=p["stages"], glu=glu, norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
-                        x_stride=p.get("x_stride"), r_stride=p.get("r_stride"))
+                        x_stride=p.get("x_stride"), r_stride=p.get("r_stride"),
+                        second_weight=p.get("second_weight", False), out_fp32=tuple(p.get("out_fp32", ())))
     tokens = cute.sym_int32()
-    # outputs: 2-byte scalar stores, any alignment torch gives a fresh [T, size] tensor
-    ys = [make_fake_tensor(BFloat16, (tokens, size), (size, 1), assumed_align=2) for size in segments]
+    # outputs: scalar stores, any alignment torch gives a fresh [T, size] tensor
+    ys = [make_fake_tensor(Float32 if fp32 else BFloat16, (tokens, size), (size, 1), assumed_align=4 if fp32 else 2)
+          for size, fp32 in zip(segments, kernel.out_fp32)]
     ys += [None] * (MAX_SEGMENTS - len(ys))
     norm_w = make_fake_tensor(BFloat16, (k,), (1,), assumed_align=16) if kernel.norm else None
     r = (make_fake_tensor(BFloat16, (tokens, kernel.rows_out), (kernel.r_stride, 1), assumed_align=2)
          if kernel.residual else None)
+    w1 = make_fake_tensor(BFloat16, (segments[1], k), (k, 1), assumed_align=16) if kernel.two else None
     return kernel, (make_fake_tensor(BFloat16, (tokens, k), (kernel.x_stride, 1), assumed_align=16),
-                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys, norm_w, r,
+                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys, norm_w, r, w1,
                     make_fake_stream(use_tvm_ffi_env_stream=True))

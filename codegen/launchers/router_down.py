@@ -1,5 +1,8 @@
 """``router_down_gemv``: the fp32 router logits and the routed experts' latent input of one
-TP rank (``k3f::router_down``), one skinny-GEMV launch over two weights, then the gathers."""
+TP rank (``k3f::router_down``), one launch over the two weights, then the gathers: the skinny
+GEMV below ``ROUTER_GEMM_MIN_TOKENS`` tokens, the tensor-core skinny GEMM (its second-weight
+form, fp32 logits) from there, where the GEMV's CUDA-core dot products are the bound (the
+sixth session's profile: 91.8 us at TP 8 and 64 tokens, against 18.6 for cuBLAS)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,10 +10,13 @@ from typing import Any
 
 import torch
 
+from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
 from rewriter import ops  # gather_last_dim looked up at call time (tests mock it)
+
+ROUTER_GEMM_MIN_TOKENS = 16  # tensor cores from here (by the o_proj measurement; the bench checks it)
 
 def _router_down_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     x, gate_weight, down_weight, _, tp, rank = args
@@ -28,6 +34,11 @@ def _router_down_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
     experts, latent = gate_weight.shape[0], down_weight.shape[0]
     if experts % tp or latent % tp:
         return f"TP {tp} does not divide the {experts} gate rows and {latent} down rows"
+    if ROUTER_GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
+        spec = gemm_spec("router_down_gemm", op, arch, tokens=t, k=k, rows=experts // tp,
+                         segments=[experts // tp, latent // tp], second_weight=True, out_fp32=[True, False])
+        if not isinstance(spec, str):
+            return (spec,)
     spec = gemv_spec(op, arch, tokens=t, k=k, rows0=experts // tp, rows1=latent // tp, out0="fp32", out1="bf16",
                      x_stride=k)
     return spec if isinstance(spec, str) else (spec,)
@@ -52,7 +63,10 @@ def _router_down_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
     t = x.shape[0]
     logits, latent = out if out is not None else (x.new_empty((t, gate_rows.shape[0]), dtype=torch.float32),
                                                   x.new_empty((t, down_rows.shape[0])))
-    fn(x, gate_rows, down_rows, None, None, logits, latent)
+    if specs[0].kernel == "router_down_gemm":
+        gemm_call(fn, x, gate_rows, [logits, latent], weight1=down_rows)
+    else:
+        fn(x, gate_rows, down_rows, None, None, logits, latent)
     if tp > 1:
         return ops.gather_last_dim(logits, group, tp), ops.gather_last_dim(latent, group, tp)
     return logits, latent
@@ -60,5 +74,6 @@ def _router_down_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
 
 TEMPLATE = Template("router_down_gemv", ("k3f::router_down",), _router_down_spec, _router_down_runtime,
                     _router_down_launch,
-                    doc=f"this rank's fp32 router logits + bf16 latent rows, 1..{GEMV_MAX_TOKENS} tokens: one "
-                        "skinny GEMV over two weights, then the TP gathers")
+                    doc=f"this rank's fp32 router logits + bf16 latent rows: one skinny GEMV (1.."
+                        f"{ROUTER_GEMM_MIN_TOKENS - 1} tokens) or tensor-core GEMM ({ROUTER_GEMM_MIN_TOKENS}.."
+                        f"{GEMV_MAX_TOKENS}) over the two weights, then the TP gathers")
