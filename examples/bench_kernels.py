@@ -5,9 +5,9 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py        # or --only dense o_proj latent_tail (also: in_proj, attn_res)
+    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res)
 
-The dense MLP, output projection and latent tail sections time the GEMV and the GEMM at the same batches
+The dense MLP, output projection, latent tail and router sections time the GEMV and the GEMM at the same batches
 (each forced outside its range for the sweep only), to place the batch where the templates
 hand over from the GEMVs to the GEMM.
 """
@@ -178,9 +178,29 @@ def bench_latent_tail() -> None:
           D * lat * 2, lambda: rotated(D, lat))
 
 
+def bench_router(tp: int) -> None:
+    """The router and latent down projection (``k3f::router_down``) at one rank's rows (gate
+    896 / TP, down 3584 / TP; K = 7168): GEMV and GEMM, gathers left out."""
+    from codegen.launchers import router_down
+
+    gate, down = 896 // tp, 3584 // tp
+    copies = max(2, int(200e6 // ((gate + down) * D * 2)) + 1)
+
+    def make_args(t, w):
+        return (torch.randn(t, D, device="cuda").bfloat16(), *w, "tp", 1, 0)
+
+    def call(fn, spec, args, w):
+        router_down.TEMPLATE.launch((fn,), (spec,), (args[0], *w, "tp", 1, 0))
+
+    sweep(f"router_down TP {tp} (gate {gate} + down {down} rows)", router_down, "ROUTER_GEMM_MIN_TOKENS",
+          "k3f::router_down", make_args, call, (gate + down) * D * 2,
+          lambda: [tuple((torch.randn(n, D, device="cuda") * 0.02).bfloat16() for n in (gate, down))
+                   for _ in range(copies)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("in_proj", "attn_res", "dense", "o_proj", "latent_tail")
+    parts = ("in_proj", "attn_res", "dense", "o_proj", "latent_tail", "router")
     parser.add_argument("--only", nargs="+", choices=parts, default=parts)
     only = parser.parse_args().only
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
@@ -203,6 +223,9 @@ def main() -> None:
             bench_o_proj(tp)
     if "latent_tail" in only:
         bench_latent_tail()
+    if "router" in only:
+        for tp in (16, 8):
+            bench_router(tp)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@ routing alignment made before the graph) with different random routings, so the 
 one launch reads are not in the L2 from the last (20 x 16 experts x 1.1 MB > 50 MB). Effective
 bandwidth = the MXFP4 bytes a step must read (the selected experts' live rows: codes and
 scales, each distinct expert once) over the median time per launch; the floor is those bytes
-at 4.27 TB/s (the H200's measured copy bandwidth).
+at 4.27 TB/s (the H200's measured copy bandwidth). Both of the rewriter's grids are timed at
+every token count (per (token, slot) pair, and per expert, which the template runs from
+``MXFP4_BY_EXPERT_FROM`` tokens), so the table shows where the switch pays.
 
-    python examples/bench_mxfp4_experts.py            # TP 16 and 8, 1 / 8 / 64 tokens
+    python examples/bench_mxfp4_experts.py                       # TP 16 and 8, 1 / 8 / 16 / 32 / 64 tokens
+    python examples/bench_mxfp4_experts.py --tp 8 --tokens 16 24
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -22,6 +26,7 @@ import torch
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
 from bench_kernels import graph_us  # examples/: CUDA-graph replay timing
 from codegen.bind import device_arch, load_kernels
+from codegen.launchers import experts as launcher
 from rewriter.cost import H200_COPY_TBPS
 from rewriter.layers.experts import GROUP, humming_relayout, random_mxfp4
 from rewriter.stock_path import HummingMoE
@@ -38,7 +43,7 @@ def must_read(ids, inter_live) -> int:
     return int(ids.unique().numel()) * per_expert
 
 
-def bench(tp, gen) -> list[dict]:
+def bench(tp, gen, token_counts) -> list[dict]:
     inter, live = SHAPES[tp]
     rows = (torch.arange(inter, device="cuda") < live).repeat(2)
     laid, configs = {}, {}
@@ -50,7 +55,7 @@ def bench(tp, gen) -> list[dict]:
         del packed, scale
     peer = HummingMoE(configs, E, inter, L, BETA, LINEAR_BETA)
     out = []
-    for tokens in (1, 8, 64):
+    for tokens in token_counts:
         x = torch.randn(tokens, L, device="cuda").bfloat16()
         routes = []
         for _ in range(ROUTINGS):
@@ -58,43 +63,56 @@ def bench(tp, gen) -> list[dict]:
             scores = torch.rand(tokens, K, device="cuda")
             routes.append((scores / scores.sum(-1, keepdim=True), ids))
         args = [(x, w, i, *laid["w13"], *laid["w2"], BETA, LINEAR_BETA, "humming", live) for w, i in routes]
-        r = load_kernels("k3f::routed_experts_mxfp4", device_arch(), args[0])
-        assert not isinstance(r, str), r
-        tpl, specs, fns = r
-        y = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
-        act = torch.empty(tokens, K, live, dtype=torch.bfloat16, device="cuda")
-        ours = graph_us(lambda: [tpl.launch(fns, specs, a, out=(y, act)) for a in args]) / ROUTINGS
         aligned = [peer.align(i) for _, i in routes]  # outside the timed graph, as before
         theirs = graph_us(lambda: [peer(x, w, i, laid["w13"], laid["w2"], al)
                                    for (w, i), al in zip(routes, aligned)]) / ROUTINGS
         ref = peer(x, *routes[0], laid["w13"], laid["w2"], aligned[0])
-        tpl.launch(fns, specs, args[0], out=(y, act))
-        diff = float((y.float() - ref.float()).norm() / ref.float().norm())
+        row = {"tp": tp, "tokens": tokens, "humming_us": theirs,
+               "grid": "expert" if tokens >= launcher.MXFP4_BY_EXPERT_FROM else "pair"}
+        served_from = launcher.MXFP4_BY_EXPERT_FROM
+        for grid, switch in (("pair", 10 ** 6), ("expert", 1)):
+            launcher.MXFP4_BY_EXPERT_FROM = switch  # this grid at every token count
+            try:
+                r = load_kernels("k3f::routed_experts_mxfp4", device_arch(), args[0])
+            finally:
+                launcher.MXFP4_BY_EXPERT_FROM = served_from
+            assert not isinstance(r, str), r
+            tpl, specs, fns = r
+            y = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
+            act = torch.empty(tokens, K, live, dtype=torch.bfloat16, device="cuda")
+            row[f"{grid}_us"] = graph_us(lambda: [tpl.launch(fns, specs, a, out=(y, act)) for a in args]) / ROUTINGS
+            y.fill_(float("nan"))
+            tpl.launch(fns, specs, args[0], out=(y, act))
+            row[f"{grid}_diff"] = float((y.float() - ref.float()).norm() / ref.float().norm())
         nbytes = sum(must_read(i, live) for _, i in routes) / ROUTINGS
-        floor = nbytes / (H200_COPY_TBPS * 1e6)
-        out.append({"tp": tp, "tokens": tokens, "mb": nbytes / 1e6, "floor_us": floor, "rewriter_us": ours,
-                    "humming_us": theirs, "rel_diff": diff})
-        print(f"TP {tp:>2} T {tokens:>2}: {nbytes / 1e6:7.1f} MB  floor {floor:6.1f} us | rewriter {ours:7.1f} us "
-              f"{nbytes / ours / 1e6:6.2f} TB/s ({100 * floor / ours:3.0f}% of copy bw) | Humming {theirs:7.1f} us "
-              f"{nbytes / theirs / 1e6:6.2f} TB/s | outputs differ by {diff:.1e}", flush=True)
+        row["mb"], row["floor_us"] = nbytes / 1e6, nbytes / (H200_COPY_TBPS * 1e6)
+        out.append(row)
+        print(f"TP {tp:>2} T {tokens:>2}: {row['mb']:7.1f} MB  floor {row['floor_us']:6.1f} us | per pair "
+              f"{row['pair_us']:7.1f} us | per expert {row['expert_us']:7.1f} us | Humming {theirs:7.1f} us | "
+              f"outputs differ from Humming's by {row['pair_diff']:.1e} / {row['expert_diff']:.1e}", flush=True)
     return out
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[16, 8], choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
           f"E = {E}, top-{K}, L = {L}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     with torch.no_grad():
-        for tp in (16, 8):
-            rows += bench(tp, gen)
+        for tp in a.tp:
+            rows += bench(tp, gen, a.tokens)
             torch.cuda.empty_cache()
-    print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'rewriter us':>12} {'% floor':>8} "
-          f"{'Humming us':>11} {'speedup':>8}")
+    print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'per pair us':>12} {'per expert us':>14} "
+          f"{'served':>7} {'% floor':>8} {'Humming us':>11} {'speedup':>8}")
     for r in rows:
-        print(f"{r['tp']:>3} {r['tokens']:>6} {r['mb']:>8.1f} {r['floor_us']:>9.1f} {r['rewriter_us']:>12.1f} "
-              f"{100 * r['floor_us'] / r['rewriter_us']:>7.0f}% {r['humming_us']:>11.1f} "
-              f"{r['humming_us'] / r['rewriter_us']:>7.2f}x")
+        served = r[f"{r['grid']}_us"]
+        print(f"{r['tp']:>3} {r['tokens']:>6} {r['mb']:>8.1f} {r['floor_us']:>9.1f} {r['pair_us']:>12.1f} "
+              f"{r['expert_us']:>14.1f} {r['grid']:>7} {100 * r['floor_us'] / served:>7.0f}% {r['humming_us']:>11.1f} "
+              f"{r['humming_us'] / served:>7.2f}x")
     return 0
 
 
