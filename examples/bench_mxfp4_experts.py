@@ -11,7 +11,7 @@ bandwidth = the MXFP4 bytes a step must read (the selected experts' live rows: c
 scales, each distinct expert once) over the median time per launch; the floor is those bytes
 at 4.27 TB/s (the H200's measured copy bandwidth). Both of the rewriter's grids are timed at
 every token count (per (token, slot) pair, and per expert, which the template runs from
-``MXFP4_BY_EXPERT_FROM`` tokens), so the table shows where the switch pays.
+``MXFP4_BY_EXPERT_FROM`` tokens where that is set), so the table shows where a switch would pay.
 
     python examples/bench_mxfp4_experts.py                       # TP 16 and 8, 1 / 8 / 16 / 32 / 64 tokens
     python examples/bench_mxfp4_experts.py --tp 8 --tokens 16 24
@@ -67,10 +67,10 @@ def bench(tp, gen, token_counts) -> list[dict]:
         theirs = graph_us(lambda: [peer(x, w, i, laid["w13"], laid["w2"], al)
                                    for (w, i), al in zip(routes, aligned)]) / ROUTINGS
         ref = peer(x, *routes[0], laid["w13"], laid["w2"], aligned[0])
-        row = {"tp": tp, "tokens": tokens, "humming_us": theirs,
-               "grid": "expert" if tokens >= launcher.MXFP4_BY_EXPERT_FROM else "pair"}
         served_from = launcher.MXFP4_BY_EXPERT_FROM
-        for grid, switch in (("pair", 10 ** 6), ("expert", 1)):
+        row = {"tp": tp, "tokens": tokens, "humming_us": theirs,
+               "grid": "expert" if served_from is not None and tokens >= served_from else "pair"}
+        for grid, switch in (("pair", None), ("expert", 1)):
             launcher.MXFP4_BY_EXPERT_FROM = switch  # this grid at every token count
             try:
                 r = load_kernels("k3f::routed_experts_mxfp4", device_arch(), args[0])

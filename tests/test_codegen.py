@@ -505,10 +505,7 @@ BUILT_ON = {
     "expert_down_mxfp4": ("ld.global.L1::no_allocate.v4.b32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
                           "mul.rn.bf16x2"),
 }
-# what a kernel is built on beyond BUILT_ON at large batches (the per-expert MoE grids from 16 tokens)
-BUILT_ON_FROM_16 = {"expert_up_mxfp4": ("vote.sync.ballot.b32",),
-                    "expert_down_mxfp4": ("atom.global.acq_rel.add", "fence.acq_rel.gpu")}
-BUILT_ON_BELOW_16 = {"expert_down_mxfp4": ("barrier.cluster.arrive",)}  # the per-pair down stage's cluster
+BUILT_ON_MXFP4 = {"expert_down_mxfp4": ("barrier.cluster.arrive",)}  # the per-pair down stage's cluster (served)
 
 
 @needs_cutedsl
@@ -529,7 +526,7 @@ def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch,
         name = st["spec"]["kernel"]
         ptx = kcache.get(st["key"]).ptx
         assert f".target {arch}" in ptx, name
-        extra = (BUILT_ON_FROM_16 if batch >= 16 else BUILT_ON_BELOW_16).get(name, ())
+        extra = BUILT_ON_MXFP4.get(name, ())
         missing = [instr for instr in (*BUILT_ON[name], *extra) if instr not in ptx]
         assert not missing, f"{name} ({arch}): PTX lacks {missing}"
         assert "ld.local" not in ptx and "st.local" not in ptx, f"{name} ({arch}) uses local memory"

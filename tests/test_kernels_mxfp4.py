@@ -24,6 +24,7 @@ import torch
 from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
+from codegen.launchers import experts as launcher
 from codegen.templates import spec_for_call
 from rewriter.config import KimiK3Config
 from rewriter.layers.experts import (GROUP, ExpertFormat, ExpertFormatError, humming_relayout, pack_nibbles,
@@ -36,6 +37,22 @@ BETA, LINEAR_BETA = K3.activation_situ_beta, K3.activation_situ_linear_beta
 SHAPES = {"tp16": (256, 192), "tp8": (384, 384)}  # (I held per rank, I live)
 HUMMING, NATIVE, CHECKPOINT = (ExpertFormat("mxfp4", x) for x in ("humming", "humming_native", "checkpoint"))
 TOL = 1e-2
+
+
+@pytest.fixture
+def per_expert_from_16(monkeypatch):
+    """The per-expert grids from 16 tokens: built and tested, not served (measured slower on the
+    H200: ``launcher.MXFP4_BY_EXPERT_FROM``)."""
+    monkeypatch.setattr(launcher, "MXFP4_BY_EXPERT_FROM", 16)
+
+
+def by_expert_specs(args, arch="sm_90a"):
+    """The per-expert grids' specs for ``args``, whatever the served switch."""
+    saved, launcher.MXFP4_BY_EXPERT_FROM = launcher.MXFP4_BY_EXPERT_FROM, 1
+    try:
+        return spec_for_call(OP, arch, args)[1]
+    finally:
+        launcher.MXFP4_BY_EXPERT_FROM = saved
 
 
 # ---------------------------------------------------------------- 1. formats
@@ -275,11 +292,13 @@ def test_specs_at_kimi_k3_shapes(shape):
     assert (up.param_dict["cluster"], up.param_dict["warps_per_tile"]) == (8, 2)
     wps = live // 16 // 12
     assert down.param_dict == {"cluster": 4 * wps, "warps_per_slot": wps, "order": "interleaved"}
-    # one compile per stage serves every batch below 16 tokens (the token count is a runtime size),
-    # and one more per stage, the per-expert grids, from 16
-    assert spec_for_call(OP, "sm_90a", mxfp4_args(tokens=15, inter=inter, live=live))[1] == specs
+    # one compile per stage serves every batch (the token count is a runtime size): the per-pair
+    # grids are served at every count; the per-expert grids only where MXFP4_BY_EXPERT_FROM is set
+    assert launcher.MXFP4_BY_EXPERT_FROM is None
+    for tokens in (15, 16, 64):
+        assert spec_for_call(OP, "sm_90a", mxfp4_args(tokens=tokens, inter=inter, live=live))[1] == specs
     for tokens in (16, 64):
-        up64, down64 = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=tokens, inter=inter, live=live))[1]
+        up64, down64 = by_expert_specs(mxfp4_args(tokens=tokens, inter=inter, live=live))
         assert up64.param_dict == {**up.param_dict, "by_expert_max_tokens": 64}
         # the down stage: a CTA per (expert, tile), its warps splitting the live K blocks in runs of 6
         assert down64.param_dict == {"by_expert_max_tokens": 64, "warps": live // 16 // 6, "order": "interleaved"}
@@ -306,7 +325,8 @@ COMPILED = {"tp16": mxfp4_args(inter=256, live=192), "tp8": mxfp4_args(inter=384
 def compiled(kcache):
     from codegen.compiler import compile_kernel
 
-    return {(name, arch): tuple(compile_kernel(s, cache=kcache) for s in spec_for_call(OP, arch, args)[1])
+    return {(name, arch): tuple(compile_kernel(s, cache=kcache) for s in (
+                by_expert_specs(args, arch) if name.endswith("by_expert") else spec_for_call(OP, arch, args)[1]))
             for name, args in COMPILED.items() for arch in ("sm_90a", "sm_100a")}
 
 
@@ -445,6 +465,7 @@ def check(experts, tokens, gen, crowded=None):
     assert out is y and torch.isfinite(act).all() and torch.isfinite(y).all()
     assert rel_err(act, ref_act) <= TOL
     assert rel_err(y, ref) <= TOL
+    return "expert" if "by_expert_max_tokens" in specs[0].param_dict else "pair"
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -456,20 +477,26 @@ def humming_experts(request):
 @on_gpu
 @pytest.mark.parametrize("tokens", [1, 8, 15, 16, 64])
 def test_kernels_read_the_layout_humming_leaves(humming_experts, tokens):
-    """Per (token, slot) pair below 16 tokens, per expert from 16."""
-    check(humming_experts, tokens, torch.Generator().manual_seed(tokens))
+    """The served grids: one CTA cluster per (token, slot) pair."""
+    assert check(humming_experts, tokens, torch.Generator().manual_seed(tokens)) == "pair"
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_per_expert_grid_reads_the_layout_humming_leaves(humming_experts, per_expert_from_16, tokens):
+    assert check(humming_experts, tokens, torch.Generator().manual_seed(tokens)) == "expert"
 
 
 @on_gpu
 @pytest.mark.parametrize("tokens", [17, 64])
-def test_per_expert_grid_runs_an_experts_pairs_eight_at_a_time(humming_experts, tokens):
+def test_per_expert_grid_runs_an_experts_pairs_eight_at_a_time(humming_experts, per_expert_from_16, tokens):
     """Every token picks expert 5 (in slot 1): 17 and 64 pairs of one expert, three and eight
     passes of the MMA's 8 columns, the last one partly empty at 17."""
-    check(humming_experts, tokens, torch.Generator().manual_seed(100 + tokens), crowded=5)
+    assert check(humming_experts, tokens, torch.Generator().manual_seed(100 + tokens), crowded=5) == "expert"
 
 
 @on_gpu
-def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts):
+def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts, per_expert_from_16):
     """The two up-stage grids run the same MMAs over the same K split and sum them in the same
     order; a column of the MMA is computed as if alone, so their activations agree exactly. The
     down stages sum a token's slots in different fp32 orders: their outputs agree to rounding."""
@@ -545,14 +572,17 @@ def test_op_dispatches_to_the_kernels_in_a_cuda_graph(humming_experts):
 
 
 @on_gpu
-@pytest.mark.parametrize("tokens", [1, 8, 16, 64])  # from 16 the per-expert grids: about 16 pairs per expert at 64
-def test_kernels_at_the_tiny_configs_shapes(tokens):
+@pytest.mark.parametrize("tokens,grid", [(1, "pair"), (8, "pair"), (16, "pair"), (64, "pair"), (16, "expert"),
+                                         (64, "expert")])  # per expert at 64: about 16 pairs per expert
+def test_kernels_at_the_tiny_configs_shapes(monkeypatch, tokens, grid):
     """The tiny preset's experts (E 16, top-4, L 64, I 64: one CTA, no cluster, 4 K blocks a warp),
     which the templates accept, against the op's own reference on the same tensors. The decode
     gate (``python -m rewriter decode --model tiny``) saw the MXFP4 layer's logits differ by about
     1x from step 1 on 2026-12-01; this pins it to the kernels or clears them. Humming itself pads
     shapes this small (pad_shape_n 128, pad_shape_k 64, which ``served_expert_format`` refuses in
     vLLM), so the tensors are laid out unpadded by ``ExpertFormat`` as the decode gate does."""
+    if grid == "expert":
+        monkeypatch.setattr(launcher, "MXFP4_BY_EXPERT_FROM", 16)
     tiny = KimiK3Config.preset("tiny")
     e, k, lat, inter = tiny.num_experts, tiny.num_experts_per_token, tiny.moe_hidden_size, tiny.moe_intermediate_size
     experts = Experts(inter, inter, HUMMING, torch.Generator(device="cuda").manual_seed(3), experts=e, latent=lat,

@@ -258,10 +258,14 @@ TEMPLATES = (
 MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
 MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
 MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
-# from this many tokens both stages run a CTA per expert (each selected expert read once, its
-# pairs as the MMA's columns) instead of one per (token, slot) pair: at 16 tokens x 16 slots of
-# 896 experts, about 223 experts for 256 pairs; below, pairs rarely share an expert
-MXFP4_BY_EXPERT_FROM = 16
+# from this many tokens both stages would run a CTA per expert (each selected expert read once,
+# its pairs as the MMA's columns) instead of one per (token, slot) pair. None: never served. On
+# the H200 (2026-12-02, examples/bench_mxfp4_experts.py) the per-expert grids were slower at every
+# count (TP 16, 64 tokens: 626 against 373 us; 8 tokens: 202 against 56): their static grid is a
+# cluster per expert and row tile for all 896 experts (57 344 CTAs at TP 16, about 109 waves),
+# each finding its pairs and meeting its cluster whether chosen or not. Kept, tested and timed by
+# setting this, for the redesign (a grid over the chosen experts only: BENCHMARKS.md).
+MXFP4_BY_EXPERT_FROM: int | None = None
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
@@ -344,7 +348,7 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
     shapes = {"experts": e, "top_k": k, "inter": inter, "inter_live": inter_live}
     dtypes = {"act": "bf16", "routing": "fp32"}
     order = MXFP4_LAYOUTS[layout]
-    if t >= MXFP4_BY_EXPERT_FROM:
+    if MXFP4_BY_EXPERT_FROM is not None and t >= MXFP4_BY_EXPERT_FROM:
         warps = mxfp4_down_by_expert_warps(inter_live)
         if isinstance(warps, str):
             return warps
@@ -362,9 +366,10 @@ def _mxfp4_runtime(args: Sequence[Any]) -> str | None:
 
 
 def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """Per pair: up, then down. Per expert (from 16 tokens): up also leaves each expert's pair
+    """Per pair: up, then down. Per expert (from ``MXFP4_BY_EXPERT_FROM`` tokens): up also leaves each expert's pair
     list [E, 65] and zeroes the (token, 64-row tile) counters; down writes each pair's weighted
-    rows to an fp32 scratch [T, k, L] that the token's last pair sums."""
+    rows to an fp32 scratch [T, k, L] that the token's last pair sums (not served: see
+    ``MXFP4_BY_EXPERT_FROM``)."""
     (up, down), x = fns, args[0]
     weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
     live = args[10]
@@ -387,5 +392,5 @@ def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
 TEMPLATES = (*TEMPLATES, Template(
     "routed_experts_mxfp4", ("k3f::routed_experts_mxfp4",), _mxfp4_specs, _mxfp4_runtime, _mxfp4_launch,
     doc="routed experts on MXFP4 weights in Humming's layout, 1..64 tokens: dequantized in registers, "
-        "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair, from "
-        f"{MXFP4_BY_EXPERT_FROM} tokens per selected expert; the padding never read"))
+        "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair (the "
+        "per-expert grids built beside them are not served); the padding never read"))
