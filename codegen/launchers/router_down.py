@@ -1,8 +1,7 @@
 """``router_down_gemv``: the fp32 router logits and the routed experts' latent input of one
 TP rank (``k3f::router_down``), one launch over the two weights, then the gathers: the skinny
 GEMV below ``ROUTER_GEMM_MIN_TOKENS`` tokens, the tensor-core skinny GEMM (its second-weight
-form, fp32 logits) from there, where the GEMV's CUDA-core dot products are the bound (the
-sixth session's profile: 91.8 us at TP 8 and 64 tokens, against 18.6 for cuBLAS)."""
+form, fp32 logits) from there, where the GEMV's CUDA-core dot products become the bound."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,7 +15,10 @@ from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
 from rewriter import ops  # gather_last_dim looked up at call time (tests mock it)
 
-ROUTER_GEMM_MIN_TOKENS = 16  # tensor cores from here (by the o_proj measurement; the bench checks it)
+# tensor cores from here: on the H200 (examples/bench_kernels.py --only router, 2026-12-02) the GEMM
+# took 5.4 / 5.6 us at 8 tokens against the GEMV's 5.9 / 7.1 (TP 16 / TP 8), 8.8 / 9.4 against
+# 45.3 / 87.8 at 64; the GEMV wins below (TP 16, 6 tokens: 4.9 against 5.4)
+ROUTER_GEMM_MIN_TOKENS = 8
 
 def _router_down_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     x, gate_weight, down_weight, _, tp, rank = args
