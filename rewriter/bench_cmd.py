@@ -158,6 +158,28 @@ def short_name(kernel: str) -> str:
     return kernel[:60]
 
 
+def label_kernels(launched: list[tuple[str, float]], specs: list) -> list[tuple[str, float]]:
+    """Each profiled kernel under the name of the spec it ran (``router_down_gemm`` rather than
+    the ``gemm.SkinnyGemm`` class five templates share): generated kernels are matched, in launch
+    order, to the first unmatched spec of the schedule whose kernel module they come from;
+    torch's kernels keep their own names, cut short."""
+    from codegen.kernels import KERNELS
+
+    pending = list(specs)
+    out = []
+    for name, us in launched:
+        label = short_name(name)
+        if "codegenkernels" in name:
+            for i, spec in enumerate(pending):
+                stem = KERNELS[spec.kernel][0]
+                if label.startswith(stem) and label[len(stem):len(stem) + 1].isupper():  # module + class
+                    label = spec.kernel
+                    del pending[i]
+                    break
+        out.append((label, us))
+    return out
+
+
 def count_kernels(run: Callable[[], Any]) -> tuple[int, list[str]]:
     """GPU kernels one call launches (memcpy/memset not counted) and their names."""
     names = [name for name, _ in profile_kernels(run)]
@@ -219,6 +241,7 @@ def _rewritten(case: _Case) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
 def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
                 progress: Callable[[str], None]) -> list[Row]:
     from codegen import bind
+    from rewriter.kernel_plan import plan
     from rewriter.layers import build_layer
     from rewriter.rewrite import rewrite
     from rewriter.shape import DecodeShape
@@ -245,6 +268,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         run_all()  # the profiled call reads copy 0's weights after the other copies evicted them
         launched = profile_kernels(run_one)
         kernels = len(launched)
+        labels = label_kernels(launched, [s for row in plan(result, arch) for s in row.get("specs", ())])
         g = _graph(run_all)
         us = _median_us(g.replay, args.reps) / copies
         others = [short_name(n) for n, _ in launched if "codegenkernels" not in n]
@@ -256,10 +280,10 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         elif others:
             notes.append(f"{len(others)} torch kernels: {', '.join(others)}")
         rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, "; ".join(notes), ref_floor_us, stand_ins,
-                        [(short_name(n), round(t, 2)) for n, t in launched]))
+                        [(label, round(t, 2)) for label, t in labels]))
         progress(f"  rewritten: {kernels} kernels, {us:.1f} us {rows[-1].note}")
-        for name, k_us in launched:
-            progress(f"    {k_us:7.1f} us  {short_name(name)}")
+        for label, k_us in labels:
+            progress(f"    {k_us:7.1f} us  {label}")
         del g
     if "vllm-stock" in args.paths:
         rows.append(_stock_row(case, tp, batch, floor_us, ref_floor_us, args.reps, progress))

@@ -41,3 +41,37 @@ def test_unknown_expert_format_is_refused(capsys):
 def test_bench_without_a_gpu_says_so(capsys):
     assert main(["bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_profiled_kernels_are_named_by_their_specs():
+    """The KDA+MoE layer at TP 16, 64 tokens: five of its kernels are the one ``SkinnyGemm`` class
+    (and ``gemv`` would be three); each profiled kernel gets its spec's name, in launch order, the
+    torch kernels between them keep theirs, and ``expert_up`` does not take ``expert_up_mxfp4``'s."""
+    from codegen.kernels import KERNELS
+    from rewriter.bench_cmd import label_kernels
+    from rewriter.config import KimiK3Config
+    from rewriter.kernel_plan import plan
+    from rewriter.layers import build_layer
+    from rewriter.rewrite import rewrite
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
+
+    layer = build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16, experts="mxfp4")
+    result = rewrite(trace(layer, DecodeShape(batch=64, tp=16, arch="sm_90a")))
+    specs = [s for row in plan(result, "sm_90a") for s in row.get("specs", ())]
+    kernels = [s.kernel for s in specs]
+    assert kernels.count("router_down_gemm") == 1 and "expert_up_mxfp4" in kernels
+    launched = []
+    for i, s in enumerate(specs):  # as the profiler names a CuTe DSL kernel: module, then class
+        launched.append((f"kernel_cutlass_kernel_codegenkernels{KERNELS[s.kernel][0]}Cls{i}_object_at__0", 1.0 + i))
+        if i == 2:
+            launched.append(("void at::native::elementwise_kernel<128, 2>", 0.5))
+    labels = label_kernels(launched, specs)
+    assert [name for name, _ in labels] == kernels[:3] + ["void at::native::elementwise_kernel<128, 2>"] + kernels[3:]
+    assert [us for _, us in labels][:3] == [1.0, 2.0, 3.0]
+    one_token = rewrite(trace(layer, DecodeShape(batch=1, tp=16, arch="sm_90a")))
+    shared_up = [s for row in plan(one_token, "sm_90a") for s in row.get("specs", ()) if s.kernel == "expert_up"]
+    assert shared_up  # the shared experts' GEMV at one token
+    stray = label_kernels([("kernel_cutlass_kernel_codegenkernelsexpert_up_mxfp4ExpertUpMxfp4_object_at__0", 1.0)],
+                          shared_up)
+    assert stray == [("expert_up_mxfp4ExpertUpMxfp4", 1.0)]  # no spec of its module: the class name
