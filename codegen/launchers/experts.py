@@ -264,7 +264,7 @@ MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
 # count (TP 16, 64 tokens: 626 against 373 us; 8 tokens: 202 against 56): their static grid is a
 # cluster per expert and row tile for all 896 experts (57 344 CTAs at TP 16, about 109 waves),
 # each finding its pairs and meeting its cluster whether chosen or not. Kept, tested and timed by
-# setting this, for the redesign (a grid over the chosen experts only: BENCHMARKS.md).
+# setting this, for the redesign (a grid over the chosen experts only: docs/CODEGEN.md).
 MXFP4_BY_EXPERT_FROM: int | None = None
 
 
@@ -366,10 +366,10 @@ def _mxfp4_runtime(args: Sequence[Any]) -> str | None:
 
 
 def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """Per pair: up, then down. Per expert (from ``MXFP4_BY_EXPERT_FROM`` tokens): up also leaves each expert's pair
-    list [E, 65] and zeroes the (token, 64-row tile) counters; down writes each pair's weighted
-    rows to an fp32 scratch [T, k, L] that the token's last pair sums (not served: see
-    ``MXFP4_BY_EXPERT_FROM``)."""
+    """Per pair: up, then down. Per expert (from ``MXFP4_BY_EXPERT_FROM`` tokens, not served):
+    up also leaves each expert's pair list [E, 65] and zeroes the (token, 64-row tile) counters;
+    down writes each pair's weighted rows to an fp32 scratch [T, k, L] that the token's last
+    pair sums."""
     (up, down), x = fns, args[0]
     weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
     live = args[10]

@@ -20,6 +20,7 @@ from rewriter import ops  # gather_last_dim looked up at call time (tests mock i
 # 45.3 / 87.8 at 64; the GEMV wins below (TP 16, 6 tokens: 4.9 against 5.4)
 ROUTER_GEMM_MIN_TOKENS = 8
 
+
 def _router_down_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     x, gate_weight, down_weight, _, tp, rank = args
     if x.dim() != 2 or gate_weight.dim() != 2 or down_weight.dim() != 2:
