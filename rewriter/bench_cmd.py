@@ -9,9 +9,10 @@ with the CuTe DSL kernels installed), the layer on vLLM 0.33's stock sm_90 kerne
 run here (``rewriter.stock_path``: Humming's MXFP4 MoE, fla's Triton KDA decode, cuBLAS, under
 torch.compile and a CUDA graph; what stands in for a vLLM kernel is named there) and the
 reference layer eager, under a CUDA graph and
-under ``torch.compile`` with max-autotune and a CUDA graph (inductor's own graphs skip a
-layer that updates its decode state in place, so the compiled layer is compiled with
-``max-autotune-no-cudagraphs`` and captured here, as vLLM captures it). Every row
+under ``torch.compile`` with max-autotune (``--compile-mode default``: no autotuning, for
+many shapes in a short device session) and a CUDA graph (inductor's own graphs skip a
+layer that updates its decode state in place, so the compiled layer is compiled without
+them, ``max-autotune-no-cudagraphs``, and captured here, as vLLM captures it). Every row
 gives kernels per layer (counted with the profiler over one un-captured call), the median
 microseconds per layer, and the share of the layer's HBM floor that reaches.
 
@@ -42,6 +43,7 @@ from rewriter.cost import H200_COPY_TBPS, hbm_us
 
 L2_BYTES = 50 * 2**20  # H200: 50 MiB
 PATHS = ("rewritten", "vllm-stock", "eager", "cuda graph", "torch.compile")
+COMPILE_MODES = {"max-autotune": "max-autotune-no-cudagraphs", "default": "default"}  # bench captures its own graph
 
 
 @dataclass
@@ -86,6 +88,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--copies", type=int, help="layers per timed call (default: 4x the L2 in weights)")
     b.add_argument("--reps", type=int, default=30, help="timed replays per row (default 30)")
     b.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to run (default all)")
+    b.add_argument("--compile-mode", choices=COMPILE_MODES, default="max-autotune",
+                   help="the torch.compile path's Inductor mode: max-autotune (default; about 45 to 90 s per "
+                        "shape at full size) or default (no autotuning, much faster to compile); CUDA graph either way")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return b
 
@@ -303,7 +308,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         del g
     if "torch.compile" in args.paths:
         t0 = time.perf_counter()
-        compiled = [torch.compile(layer, mode="max-autotune-no-cudagraphs") for layer in case.layers]
+        compiled = [torch.compile(layer, mode=COMPILE_MODES[args.compile_mode]) for layer in case.layers]
 
         def run_compiled():
             for fn, inputs in zip(compiled, case.inputs):
@@ -316,7 +321,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         g = _graph(run_compiled)
         us = _median_us(g.replay, args.reps) / copies
         rows.append(Row(tp, batch, "torch.compile", kernels, us, floor_us,
-                        f"max-autotune, CUDA graph; compiled in {seconds:.0f}s", ref_floor_us))
+                        f"{args.compile_mode}, CUDA graph; compiled in {seconds:.0f}s", ref_floor_us))
         del g
         progress(f"  torch.compile: {us:.1f} us ({rows[-1].note})")
     return rows

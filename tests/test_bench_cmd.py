@@ -31,6 +31,12 @@ def test_bad_arguments_name_the_problem(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_unknown_compile_mode_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--compile-mode", "reduce-overhead"])
+    assert e.value.code == 2 and "--compile-mode: invalid choice: 'reduce-overhead'" in capsys.readouterr().err
+
+
 def test_unknown_expert_format_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--experts", "fp8"])
