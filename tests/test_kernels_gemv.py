@@ -555,11 +555,17 @@ def test_router_down_gpu(identity_gather, tokens, tp, ranks):
 
 
 @on_gpu
-@pytest.mark.parametrize("tokens", [16, 37])
+@pytest.mark.parametrize("tokens", [1, 8, 13, 16, 37])
 @pytest.mark.parametrize("tp,ranks", [(1, (0,)), (16, (0, 15)), (8, (7,))])
-def test_router_down_gemm_gpu(identity_gather, tokens, tp, ranks):
-    """The tensor-core form at 16 and 37 tokens (64 is in ``test_router_down_gpu``):
-    fp32 logits from the gate's tile, whose rows past the gate's end are neither read nor written."""
+def test_router_down_gemm_gpu(identity_gather, monkeypatch, tokens, tp, ranks):
+    """The tensor-core form at every token tile, forced below its switch (64 is in
+    ``test_router_down_gpu``): fp32 logits from the gate's tile, whose rows past the gate's end
+    are neither read nor written; the tokens past T in the tile neither loaded nor stored.
+    (16 and 37 ran on the H200 on 2026-12-02; 1, 8 and 13 were added after.)"""
+    import codegen.launchers.router_down as router_down
+
+    monkeypatch.setattr(router_down, "ROUTER_GEMM_MIN_TOKENS", 1)
+    assert specs_of("k3f::router_down", router_args(tokens, tp, 0))[1][0].kernel == "router_down_gemm"
     test_router_down_gpu(identity_gather, tokens, tp, ranks)
 
 
