@@ -139,7 +139,8 @@ class ExpertDownMxfp4:
 
 
 class ExpertDownMxfp4ByExpert:
-    """The down stage from 16 tokens, beside ``expert_up_mxfp4``'s per-expert grid: a CTA per
+    """The per-expert down stage (built, not served: ``MXFP4_BY_EXPERT_FROM``), beside
+    ``expert_up_mxfp4``'s per-expert grid: a CTA per
     (expert, 64-row tile of L), its ``warps`` splitting the live K blocks, so each selected
     expert's W2 is read once per step; the expert's pairs (the list the up stage left in
     ``mLists``) run eight at a time as the MMA's N columns, each lane's B its column's

@@ -160,7 +160,9 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
     """The up stage with a CTA per (expert, 64-channel tile, cluster rank) instead of per
     (token, slot) pair: each selected expert's tile is read once per step, however many of the
     step's tokens chose it (at 64 tokens x 16 slots of 896 experts, about 610 experts for 1024
-    pairs), and its pairs run through the MMA eight at a time as its 8 N columns.
+    pairs), and its pairs run through the MMA eight at a time as its 8 N columns. Built and
+    tested, not served: its static grid over all 896 experts costs more than it saves
+    (``codegen/launchers/experts.py``, ``MXFP4_BY_EXPERT_FROM``).
 
     - rank 0 of a cluster finds the expert's pairs among the step's ids (every thread tests
       ``rounds`` of them, a warp ballot and the per-warp counts in shared memory give each match
