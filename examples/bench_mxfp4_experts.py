@@ -15,6 +15,12 @@ every token count (per (token, slot) pair, and per expert, which the template ru
 
     python examples/bench_mxfp4_experts.py                       # TP 16 and 8, 1 / 8 / 16 / 32 / 64 tokens
     python examples/bench_mxfp4_experts.py --tp 8 --tokens 16 24
+    python examples/bench_mxfp4_experts.py --tokens 64 --repeat 2   # tokens in pairs with one expert set
+
+``--repeat R``: each drawn expert set serves R consecutive tokens, so a selected expert's pairs
+sit 16 pairs apart in the per-pair grid's order; if the per-pair time drops with the bytes
+(each distinct expert once), the L2 serves a repeated expert's second read, and ordering the
+grid's pairs by expert would pay (``docs/CODEGEN.md``, the per-expert grids).
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ def must_read(ids, inter_live) -> int:
     return int(ids.unique().numel()) * per_expert
 
 
-def bench(tp, gen, token_counts) -> list[dict]:
+def bench(tp, gen, token_counts, repeat=1) -> list[dict]:
     inter, live = SHAPES[tp]
     rows = (torch.arange(inter, device="cuda") < live).repeat(2)
     laid, configs = {}, {}
@@ -59,7 +65,9 @@ def bench(tp, gen, token_counts) -> list[dict]:
         x = torch.randn(tokens, L, device="cuda").bfloat16()
         routes = []
         for _ in range(ROUTINGS):
-            ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(tokens)])
+            sets = -(-tokens // repeat)  # distinct expert sets, each for `repeat` consecutive tokens
+            ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(sets)])
+            ids = ids.repeat_interleave(repeat, dim=0)[:tokens]
             scores = torch.rand(tokens, K, device="cuda")
             routes.append((scores / scores.sum(-1, keepdim=True), ids))
         args = [(x, w, i, *laid["w13"], *laid["w2"], BETA, LINEAR_BETA, "humming", live) for w, i in routes]
@@ -68,7 +76,7 @@ def bench(tp, gen, token_counts) -> list[dict]:
                                    for (w, i), al in zip(routes, aligned)]) / ROUTINGS
         ref = peer(x, *routes[0], laid["w13"], laid["w2"], aligned[0])
         served_from = launcher.MXFP4_BY_EXPERT_FROM
-        row = {"tp": tp, "tokens": tokens, "humming_us": theirs,
+        row = {"tp": tp, "tokens": tokens, "repeat": repeat, "humming_us": theirs,
                "grid": "expert" if served_from is not None and tokens >= served_from else "pair"}
         for grid, switch in (("pair", None), ("expert", 1)):
             launcher.MXFP4_BY_EXPERT_FROM = switch  # this grid at every token count
@@ -97,14 +105,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[16, 8], choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument("--repeat", type=int, default=1, help="consecutive tokens sharing one expert set (default 1)")
     a = ap.parse_args()
+    bad = [f"--tokens {t} (1..64)" for t in a.tokens if not 1 <= t <= 64]
+    bad += [f"--repeat {a.repeat} (at least 1)"] if a.repeat < 1 else []
+    if bad:
+        ap.error(", ".join(bad))
     print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
           f"E = {E}, top-{K}, L = {L}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     with torch.no_grad():
         for tp in a.tp:
-            rows += bench(tp, gen, a.tokens)
+            rows += bench(tp, gen, a.tokens, a.repeat)
             torch.cuda.empty_cache()
     print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'per pair us':>12} {'per expert us':>14} "
           f"{'served':>7} {'% floor':>8} {'Humming us':>11} {'speedup':>8}")
