@@ -85,7 +85,7 @@ def _topk_variants(ctx: RuleContext):
 
 
 RULES = [
-    Rule("router_gemm", "router", _router_gemm_variants, _router_gemm_guard, kernel="router_down_gemv",
+    Rule("router_gemm", "router", _router_gemm_variants, _router_gemm_guard, kernel="router_down",
          communicates=True, weight_fraction=lambda ctx: 1 / ctx.shape.tp,
          doc="fp32 gate GEMM + routed_expert_down_proj, split across TP ranks and gathered"),
     Rule("router_topk", "router", _topk_variants, common_guard,

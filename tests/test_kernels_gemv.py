@@ -1,4 +1,4 @@
-"""The skinny ``gemv`` kernel and its three templates: ``router_down_gemv`` (``k3f::router_down``),
+"""The skinny ``gemv`` kernel and its three templates: ``router_down`` (``k3f::router_down``),
 ``latent_tail`` (``k3f::latent_tail``) and ``o_proj_all_reduce_attn_res`` (``k3f::o_proj_attn_res``).
 
 Three layers, like the other kernels: specs, refusals and the launchers' plumbing (with
@@ -71,7 +71,7 @@ def specs_of(op, args, arch="sm_90a"):
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
 
 def test_registered():
-    assert template("router_down_gemv").ops == ("k3f::router_down",)
+    assert template("router_down").ops == ("k3f::router_down",)
     assert template("latent_tail").ops == ("k3f::latent_tail",)
     assert template("o_proj_all_reduce_attn_res").ops == ("k3f::o_proj_attn_res",)
     assert KERNELS["gemv"][0] == "gemv" and all(p.is_file() for p in source_files("gemv"))

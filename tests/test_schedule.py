@@ -51,12 +51,12 @@ def test_shared_experts_run_beside_the_routed_ones(k3):
 def test_prefetch_during_communication_only(k3):
     _, _, s16 = _both(k3, 1, 16, 1)
     comm = {k.name for k in s16.kernels if k.communicates}
-    assert comm == {"o_proj_all_reduce_attn_res", "router_down_gemv", "latent_tail"}
+    assert comm == {"o_proj_all_reduce_attn_res", "router_down", "latent_tail"}
     assert s16.prefetches and all(p.during in comm for p in s16.prefetches)
     assert all(p.kernel != "routed_experts_grouped" for p in s16.prefetches)  # experts chosen at run time
     first = [p for p in s16.prefetches if p.during == "o_proj_all_reduce_attn_res"]
-    assert first[0].kernel == "router_down_gemv" and first[0].bytes == s16.kernel("router_down_gemv").weights[
-        "block_sparse_moe.gate.weight"] + s16.kernel("router_down_gemv").weights[
+    assert first[0].kernel == "router_down" and first[0].bytes == s16.kernel("router_down").weights[
+        "block_sparse_moe.gate.weight"] + s16.kernel("router_down").weights[
         "block_sparse_moe.routed_expert_down_proj.weight"]
     _, _, s1 = _both(k3, 1, 1, 1)
     assert s1.prefetches == [] and not any(k.communicates for k in s1.kernels)

@@ -1,4 +1,4 @@
-"""``router_down_gemv``: the fp32 router logits and the routed experts' latent input of one
+"""``router_down``: the fp32 router logits and the routed experts' latent input of one
 TP rank (``k3f::router_down``), one launch over the two weights, then the gathers: the skinny
 GEMV below ``ROUTER_GEMM_MIN_TOKENS`` tokens, the tensor-core skinny GEMM (its second-weight
 form, fp32 logits) from there, where the GEMV's CUDA-core dot products become the bound."""
@@ -76,7 +76,7 @@ def _router_down_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
     return logits, latent
 
 
-TEMPLATE = Template("router_down_gemv", ("k3f::router_down",), _router_down_spec, _router_down_runtime,
+TEMPLATE = Template("router_down", ("k3f::router_down",), _router_down_spec, _router_down_runtime,
                     _router_down_launch,
                     doc=f"this rank's fp32 router logits + bf16 latent rows: one skinny GEMV (1.."
                         f"{ROUTER_GEMM_MIN_TOKENS - 1} tokens) or tensor-core GEMM ({ROUTER_GEMM_MIN_TOKENS}.."
