@@ -112,7 +112,7 @@ def main() -> int:
     if bad:
         ap.error(", ".join(bad))
     print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
-          f"E = {E}, top-{K}, L = {L}", flush=True)
+          f"E = {E}, top-{K}, L = {L}; each expert set drawn for {a.repeat} consecutive token(s)", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     with torch.no_grad():
