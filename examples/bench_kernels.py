@@ -184,7 +184,6 @@ def bench_router(tp: int) -> None:
     from codegen.launchers import router_down
 
     gate, down = 896 // tp, 3584 // tp
-    copies = max(2, int(200e6 // ((gate + down) * D * 2)) + 1)
 
     def make_args(t, w):
         return (torch.randn(t, D, device="cuda").bfloat16(), *w, "tp", 1, 0)
@@ -194,8 +193,7 @@ def bench_router(tp: int) -> None:
 
     sweep(f"router_down TP {tp} (gate {gate} + down {down} rows)", router_down, "ROUTER_GEMM_MIN_TOKENS",
           "k3f::router_down", make_args, call, (gate + down) * D * 2,
-          lambda: [tuple((torch.randn(n, D, device="cuda") * 0.02).bfloat16() for n in (gate, down))
-                   for _ in range(copies)])
+          lambda: list(zip(rotated(gate, D), rotated(down, D))))  # as many pairs as down copies: >= 200 MB
 
 
 def main() -> None:
