@@ -16,10 +16,10 @@ from codegen.template import Template, aligned, check_tensors
 from rewriter import ops  # gather_last_dim looked up at call time (tests mock it)
 
 # tensor cores from here: on the H200 (examples/bench_kernels.py --only router, 2026-12-02) the GEMM
-# took 5.6 / 6.0 us at 16 tokens against the GEMV's 12.4 / 24.2 (TP 16 / TP 8), 8.8 / 9.4 against
-# 45.3 / 87.8 at 64. It wins narrowly from 8 (5.4 / 5.6 against 5.9 / 7.1), where it has not yet
-# been checked on the GPU; the GEMV wins below (TP 16, 6 tokens: 4.9 against 5.4)
-ROUTER_GEMM_MIN_TOKENS = 16
+# took 5.4 / 5.6 us at 8 tokens against the GEMV's 5.9 / 7.1 (TP 16 / TP 8), 5.6 / 6.0 against
+# 12.4 / 24.2 at 16, 8.8 / 9.4 against 45.3 / 87.8 at 64; the GEMV wins below (TP 16, 6 tokens:
+# 4.9 against 5.4). Both forms pass their GPU tests at 1, 8, 13, 16, 37 and 64 tokens
+ROUTER_GEMM_MIN_TOKENS = 8
 
 
 def _router_down_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
