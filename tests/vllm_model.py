@@ -13,9 +13,11 @@ manager active only where it is needed:
 - ``mxfp4_moe_backend_none``: MXFP4 experts get ``Mxfp4MoeBackend.NONE`` (kept as loaded);
 - ``keep_linear_weight``: the CPU linear repack needs ``torch.ops._C`` kernels the CUDA wheel
   lacks;
-- ``fp8_mla_cache_on_cpu`` (only with ``kv_cache_dtype="fp8"``): vLLM's CPU platform has no MLA
-  kernel for an fp8 cache and refuses to pick a backend; the layer keeps its fp8 cache
-  dtype, so vLLM still allocates the uint8 cache and ``_k_scale`` a GPU would get;
+- ``mla_backend_on_cpu``: the MLA layers get vLLM's AMX_MLA backend on any host. vLLM picks it
+  on an AMX host and CPU_MLA elsewhere, which takes block size 16 only while this hybrid model's
+  blocks are aligned to 128 (without AMX vLLM cannot build it); and the CPU platform has no MLA
+  kernel for an fp8 cache and refuses to pick one. The layer keeps its cache dtype, so vLLM
+  still allocates the uint8 cache and ``_k_scale`` a GPU would get;
 - ``attn_res_in_torch`` (only where the last pipeline stage's final AttnRes runs): vLLM's op is
   a Triton kernel; its math in torch;
 - ``mla_verify_rows_as_decodes`` (only with speculative decoding, while the caches are bound):
@@ -122,16 +124,20 @@ def keep_linear_weight() -> contextlib.AbstractContextManager:
     return _patched(lu, "dispatch_cpu_unquantized_gemm", dispatch)
 
 
-def fp8_mla_cache_on_cpu() -> contextlib.AbstractContextManager:
-    """Why: vLLM's CPU platform refuses an fp8 MLA cache for its own MLA kernel; the backend is
-    picked as for a bf16 cache, the cache itself stays fp8 (the layer's kv_cache_dtype)."""
+def mla_backend_on_cpu() -> contextlib.AbstractContextManager:
+    """Why: on a CPU vLLM picks AMX_MLA for MLA layers on an AMX host and CPU_MLA elsewhere, which
+    takes block size 16 only, while a hybrid MLA + KDA model's block size is aligned to 128
+    (``_align_hybrid_block_size``): without AMX vLLM cannot build this model at all. And its CPU
+    MLA kernels refuse an fp8 cache. AMX_MLA on any host, whatever the cache dtype (the cache stays
+    the layer's kv_cache_dtype; no vLLM MLA kernel runs in these tests, the programs do)."""
     from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     pick = current_platform.get_attn_backend_cls
 
     def get_attn_backend_cls(selected_backend, attn_selector_config, num_heads=None):
         if attn_selector_config.use_mla:
-            attn_selector_config = attn_selector_config._replace(kv_cache_dtype="auto")
+            return AttentionBackendEnum.AMX_MLA.get_path()
         return pick(selected_backend, attn_selector_config=attn_selector_config, num_heads=num_heads)
 
     return _patched(current_platform, "get_attn_backend_cls", get_attn_backend_cls)
@@ -313,8 +319,7 @@ def build_loaded(quant: str | None = None, *, tp: int = 1, rank: int = 0, init_m
     vc = make_vllm_config(quant, tp, config, kv_cache_dtype, pp, speculative_tokens)
     with set_current_vllm_config(vc):
         init_distributed(tp, rank, init_method, pp)
-        fp8 = fp8_mla_cache_on_cpu() if kv_cache_dtype.startswith("fp8") else contextlib.nullcontext()
-        with no_cuda_streams(), _moe_patch(quant), fp8, set_default_torch_dtype(vc.model_config.dtype), \
+        with no_cuda_streams(), _moe_patch(quant), mla_backend_on_cpu(), set_default_torch_dtype(vc.model_config.dtype), \
                 torch.device("cpu"):
             model = initialize_model(vllm_config=vc, model_config=vc.model_config)
         loaded = model.load_weights(iter(make_checkpoint(config, quant, seed).items()))
