@@ -9,18 +9,21 @@ routing alignment made before the graph) with different random routings, so the 
 one launch reads are not in the L2 from the last (20 x 16 experts x 1.1 MB > 50 MB). Effective
 bandwidth = the MXFP4 bytes a step must read (the selected experts' live rows: codes and
 scales, each distinct expert once) over the median time per launch; the floor is those bytes
-at 4.27 TB/s (the H200's measured copy bandwidth). Both of the rewriter's grids are timed at
-every token count (per (token, slot) pair, and per expert, which the template runs from
-``MXFP4_BY_EXPERT_FROM`` tokens where that is set), so the table shows where a switch would pay.
+at 4.27 TB/s (the H200's measured copy bandwidth). Both of the rewriter's forms are timed at
+every token count: the per-pair grids (``k3f::routed_experts_mxfp4``, after ``k3f::router_topk``,
+timed alone beside them) and the router with the per-expert grids (``k3f::routed_moe_mxfp4``:
+the router files the pairs by expert, each chosen expert is read once; its logits are made so
+that their top-k are the drawn ids), so the table shows where the switch
+(``patterns.moe.MOE_BY_EXPERT_FROM``) should sit.
 
     python examples/bench_mxfp4_experts.py                       # TP 16 and 8, 1 / 8 / 16 / 32 / 64 tokens
     python examples/bench_mxfp4_experts.py --tp 8 --tokens 16 24
     python examples/bench_mxfp4_experts.py --tokens 64 --repeat 2   # tokens in pairs with one expert set
 
 ``--repeat R``: each drawn expert set serves R consecutive tokens, so a selected expert's pairs
-sit 16 pairs apart in the per-pair grid's order; if the per-pair time drops with the bytes
-(each distinct expert once), the L2 serves a repeated expert's second read, and ordering the
-grid's pairs by expert would pay (``docs/CODEGEN.md``, the per-expert grids).
+sit 16 pairs apart in the per-pair grid's order (on 2026-12-02 the per-pair time did not drop
+with the bytes at R = 2: the L2 does not make a repeated expert's second read cheap there, its
+dequantization and load latency are the cost; ``docs/CODEGEN.md``).
 """
 from __future__ import annotations
 
@@ -29,16 +32,19 @@ import sys
 
 import torch
 
-import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
+import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4 and k3f::routed_moe_mxfp4)
+import patterns.router  # noqa: F401  (defines k3f::router_topk)
 from bench_kernels import graph_us  # examples/: CUDA-graph replay timing
 from codegen.bind import device_arch, load_kernels
-from codegen.launchers import experts as launcher
+from rewriter.bench_cmd import profile_kernels, short_name
 from rewriter.cost import H200_COPY_TBPS
 from rewriter.layers.experts import GROUP, humming_relayout, random_mxfp4
+from rewriter.layers.moe import route
 from rewriter.stock_path import HummingMoE
 
 E, K, L = 896, 16, 3584
 BETA, LINEAR_BETA = 4.0, 25.0
+SCALING = 2.5  # any: the routed weights' scale
 ROUTINGS = 20
 SHAPES = {16: (256, 192), 8: (384, 384)}  # TP -> (I held, I live) per rank
 
@@ -75,30 +81,60 @@ def bench(tp, gen, token_counts, repeat=1) -> list[dict]:
         theirs = graph_us(lambda: [peer(x, w, i, laid["w13"], laid["w2"], al)
                                    for (w, i), al in zip(routes, aligned)]) / ROUTINGS
         ref = peer(x, *routes[0], laid["w13"], laid["w2"], aligned[0])
-        served_from = launcher.MXFP4_BY_EXPERT_FROM
-        row = {"tp": tp, "tokens": tokens, "repeat": repeat, "humming_us": theirs,
-               "grid": "expert" if served_from is not None and tokens >= served_from else "pair"}
-        for grid, switch in (("pair", None), ("expert", 1)):
-            launcher.MXFP4_BY_EXPERT_FROM = switch  # this grid at every token count
-            try:
-                r = load_kernels("k3f::routed_experts_mxfp4", device_arch(), args[0])
-            finally:
-                launcher.MXFP4_BY_EXPERT_FROM = served_from
-            assert not isinstance(r, str), r
-            tpl, specs, fns = r
-            y = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
-            act = torch.empty(tokens, K, live, dtype=torch.bfloat16, device="cuda")
-            row[f"{grid}_us"] = graph_us(lambda: [tpl.launch(fns, specs, a, out=(y, act)) for a in args]) / ROUTINGS
-            y.fill_(float("nan"))
-            tpl.launch(fns, specs, args[0], out=(y, act))
-            row[f"{grid}_diff"] = float((y.float() - ref.float()).norm() / ref.float().norm())
+        row = {"tp": tp, "tokens": tokens, "repeat": repeat, "humming_us": theirs}
+        y = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
+        act = torch.empty(tokens, K, live, dtype=torch.bfloat16, device="cuda")
+
+        tpl, specs, fns = loaded("k3f::routed_experts_mxfp4", args[0])
+        row["pair_us"] = graph_us(lambda: [tpl.launch(fns, specs, a, out=(y, act)) for a in args]) / ROUTINGS
+        row["pair_diff"] = diff(lambda: tpl.launch(fns, specs, args[0], out=(y, act)), y, ref)
+
+        # the router's operands: logits whose top-k are each routing's ids
+        plans = [(*routing_logits(i, gen), K, True, SCALING) for _, i in routes]
+        tk_tpl, tk_specs, tk_fns = loaded("k3f::router_topk", plans[0])
+        row["router_us"] = graph_us(lambda: [tk_tpl.launch(tk_fns, tk_specs, p) for p in plans]) / ROUTINGS
+
+        moe = [(x, p[0], p[1], *laid["w13"], *laid["w2"], *p[2:], BETA, LINEAR_BETA, "humming", live) for p in plans]
+        m_tpl, m_specs, m_fns = loaded("k3f::routed_moe_mxfp4", moe[0])
+        row["expert_us"] = graph_us(lambda: [m_tpl.launch(m_fns, m_specs, a, out=(y, act)) for a in moe]) / ROUTINGS
+        weights, ids = route(plans[0][0], plans[0][1], top_k=K, renormalize=True, scaling=SCALING)
+        ref_moe = peer(x, weights, ids, laid["w13"], laid["w2"], peer.align(ids))
+        row["expert_diff"] = diff(lambda: m_tpl.launch(m_fns, m_specs, moe[0], out=(y, act)), y, ref_moe)
+        # one un-captured call of each form, kernel by kernel (the first routing: the L2 holds
+        # less of it than in the graphs, whose 20 routings it cycles through)
+        for form, (t_, s_, f_, a_) in (("pair", (tpl, specs, fns, args[0])), ("expert", (m_tpl, m_specs, m_fns, moe[0]))):
+            row[f"{form}_stages"] = profile_kernels(lambda: t_.launch(f_, s_, a_, out=(y, act)))
         nbytes = sum(must_read(i, live) for _, i in routes) / ROUTINGS
         row["mb"], row["floor_us"] = nbytes / 1e6, nbytes / (H200_COPY_TBPS * 1e6)
         out.append(row)
-        print(f"TP {tp:>2} T {tokens:>2}: {row['mb']:7.1f} MB  floor {row['floor_us']:6.1f} us | per pair "
-              f"{row['pair_us']:7.1f} us | per expert {row['expert_us']:7.1f} us | Humming {theirs:7.1f} us | "
-              f"outputs differ from Humming's by {row['pair_diff']:.1e} / {row['expert_diff']:.1e}", flush=True)
+        print(f"TP {tp:>2} T {tokens:>2}: {row['mb']:7.1f} MB  floor {row['floor_us']:6.1f} us | router + per "
+              f"pair {row['router_us']:5.1f} + {row['pair_us']:7.1f} us | router and per expert {row['expert_us']:7.1f} us "
+              f"| Humming {theirs:7.1f} us | outputs differ from Humming's by {row['pair_diff']:.1e} / "
+              f"{row['expert_diff']:.1e}", flush=True)
+        for form in ("pair", "expert"):
+            print(f"    {form:>6}: " + ", ".join(f"{short_name(n)} {us:.1f} us" for n, us in row[f"{form}_stages"]))
     return out
+
+
+def loaded(op, args):
+    r = load_kernels(op, device_arch(), args)
+    assert not isinstance(r, str), r
+    return r
+
+
+def diff(launch, y, ref) -> float:
+    """Relative difference of ``launch``'s output (written to ``y``, poisoned first) from ``ref``."""
+    y.fill_(float("nan"))
+    launch()
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+def routing_logits(ids, gen):
+    """Router logits [T, E] and a small bias whose top-k are ``ids`` (theirs 6..7, the rest about -6)."""
+    tokens = ids.shape[0]
+    logits = torch.randn(tokens, E, device="cuda", generator=gen) * 0.5 - 6
+    logits.scatter_(1, ids, 6 + torch.rand(tokens, K, device="cuda", generator=gen))
+    return logits, torch.randn(E, device="cuda", generator=gen) * 0.01
 
 
 def main() -> int:
@@ -119,13 +155,13 @@ def main() -> int:
         for tp in a.tp:
             rows += bench(tp, gen, a.tokens, a.repeat)
             torch.cuda.empty_cache()
-    print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'per pair us':>12} {'per expert us':>14} "
-          f"{'served':>7} {'% floor':>8} {'Humming us':>11} {'speedup':>8}")
+    print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'router us':>10} {'per pair us':>12} "
+          f"{'router+pair':>12} {'router+expert':>14} {'% floor':>8} {'Humming us':>11}")
     for r in rows:
-        served = r[f"{r['grid']}_us"]
-        print(f"{r['tp']:>3} {r['tokens']:>6} {r['mb']:>8.1f} {r['floor_us']:>9.1f} {r['pair_us']:>12.1f} "
-              f"{r['expert_us']:>14.1f} {r['grid']:>7} {100 * r['floor_us'] / served:>7.0f}% {r['humming_us']:>11.1f} "
-              f"{r['humming_us'] / served:>7.2f}x")
+        best = min(r["router_us"] + r["pair_us"], r["expert_us"])
+        print(f"{r['tp']:>3} {r['tokens']:>6} {r['mb']:>8.1f} {r['floor_us']:>9.1f} {r['router_us']:>10.1f} "
+              f"{r['pair_us']:>12.1f} {r['router_us'] + r['pair_us']:>12.1f} {r['expert_us']:>14.1f} "
+              f"{100 * r['floor_us'] / best:>7.0f}% {r['humming_us']:>11.1f}")
     return 0
 
 

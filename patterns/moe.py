@@ -4,6 +4,10 @@ an auxiliary stream, and the latent tail.
 - ``routed_experts`` (bf16) and ``routed_experts_mxfp4`` (the checkpoint's MXFP4, in the
   layout vLLM's MoE backend leaves): for each token, its selected experts' gate/up rows,
   SiTU, and down projections, weighted and summed;
+- ``routed_moe_mxfp4``: the router's top-k and the MXFP4 experts as one op, so that the router
+  can file the step's pairs by expert for grids that read and dequantize each chosen expert once;
+  from ``MOE_BY_EXPERT_FROM`` tokens, which is None (not served: measured slower than the
+  per-pair grids at every batch);
 - ``shared_experts.small`` / ``.large``: gate_up, SiTU, down on the un-projected rows (GEMVs
   at one token, the tensor-core GEMM from 2); it reads nothing of the routed branch, so it
   runs on the aux stream beside it;
@@ -19,10 +23,17 @@ from torch import Tensor
 
 from rewriter import ops  # gather_last_dim looked up at call time (tests mock it)
 from rewriter.layers.common import rms_norm
-from rewriter.layers.moe import experts_down, experts_up, latent_tail, shared_experts_down, shared_experts_up
+from rewriter.layers.moe import (experts_down, experts_up, latent_tail, route, shared_experts_down,
+                                 shared_experts_up)
 from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, token_range_guard
 
 SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
+# routed_moe_mxfp4 from this many tokens per step (router_topk + routed_experts_mxfp4 below); None: never.
+# On the H200 (examples/bench_mxfp4_experts.py, 2026-12-02) the router with the per-expert grids
+# was slower than the router with the per-pair grids at every count (TP 16: 214 against 104 us at
+# 16 tokens, 574 against 380 at 64; TP 8, 64 tokens: 1191 against 776), though each chosen expert
+# is read once: built, GPU-tested and kept for its redesign (docs/CODEGEN.md), not served.
+MOE_BY_EXPERT_FROM: int | None = None
 
 
 @fused_op("routed_experts")
@@ -37,6 +48,16 @@ def routed_experts_mxfp4_op(x_latent: Tensor, weights: Tensor, ids: Tensor, w13:
                             inter_live: int) -> Tensor:
     """The routed experts on MXFP4 weights in ``layout``; only the first ``inter_live`` channels
     of each half of w13 (and of w2's K) are real, the rest is zero padding a kernel skips."""
+    return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, beta=beta, linear_beta=linear_beta),
+                        weights, ids, w2, w2_scale, layout=layout)
+
+
+@fused_op("routed_moe_mxfp4")
+def routed_moe_mxfp4_op(x_latent: Tensor, logits: Tensor, bias: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor,
+                        w2_scale: Tensor, top_k: int, renormalize: bool, scaling: float, beta: float | None,
+                        linear_beta: float | None, layout: str, inter_live: int) -> Tensor:
+    """The router's top-k, then the routed experts on MXFP4 weights (``routed_experts_mxfp4``)."""
+    weights, ids = route(logits, bias, top_k=top_k, renormalize=renormalize, scaling=scaling)
     return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, beta=beta, linear_beta=linear_beta),
                         weights, ids, w2, w2_scale, layout=layout)
 
@@ -97,6 +118,31 @@ def _routed_mxfp4_variants(ctx: RuleContext):
     return [(pattern, replacement)]
 
 
+def _moe_mxfp4_variants(ctx: RuleContext):
+    moe = getattr(ctx.layer, "block_sparse_moe", None)
+    if moe is None or not moe.experts.routed_experts.format.quantized or MOE_BY_EXPERT_FROM is None:
+        return []
+    act, routed = moe.act, moe.experts.routed_experts
+    layout, live = routed.format.layout, routed.inter_live
+    k, renorm, scale = moe.top_k, moe.renormalize, moe.scaling
+
+    def pattern(x_latent, logits, bias, w13, w13_scale, w2, w2_scale):
+        weights, ids = route(logits, bias, top_k=k, renormalize=renorm, scaling=scale)
+        return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, **act), weights, ids, w2,
+                            w2_scale, layout=layout)
+
+    def replacement(x_latent, logits, bias, w13, w13_scale, w2, w2_scale):
+        return torch.ops.k3f.routed_moe_mxfp4(x_latent, logits, bias, w13, w13_scale, w2, w2_scale, k, renorm, scale,
+                                              act["beta"], act["linear_beta"], layout, live)
+
+    return [(pattern, replacement)]
+
+
+def _moe_guard(m: Match) -> str | None:
+    """From ``MOE_BY_EXPERT_FROM`` tokens (read at match time, so a test or a user can set it)."""
+    return token_range_guard(MOE_BY_EXPERT_FROM, 64, f"per chosen expert from {MOE_BY_EXPERT_FROM} tokens")(m)
+
+
 def _shared_variants(ctx: RuleContext):
     moe = getattr(ctx.layer, "block_sparse_moe", None)
     if moe is None:
@@ -142,6 +188,8 @@ RULES = [
          doc="grouped GEMV/GEMM over the selected experts: gate/up + SiTU, then down + weighted sum"),
     Rule("routed_experts_mxfp4", "moe", _routed_mxfp4_variants, common_guard, launches=2,
          doc="the same on MXFP4 experts in the layout vLLM's MoE backend leaves, dequantized in registers"),
+    Rule("routed_moe_mxfp4", "moe", _moe_mxfp4_variants, _moe_guard, launches=3,
+         doc="router top-k filing the pairs by expert, then the MXFP4 experts per chosen expert (each read once)"),
     Rule("shared_experts.small", "moe", _shared_variants,
          token_range_guard(1, SHARED_SMALL_MAX, "the GEMV rule takes 1 token"), kernel="shared_experts",
          stream="aux", launches=2,

@@ -1,5 +1,7 @@
-"""MXFP4 routed experts: the formats (``rewriter/layers/experts.py``), the template
-``routed_experts_mxfp4`` and its kernels ``expert_up_mxfp4`` / ``expert_down_mxfp4``.
+"""MXFP4 routed experts: the formats (``rewriter/layers/experts.py``), the templates
+``routed_experts_mxfp4`` (per (token, slot) pair) and ``routed_moe_mxfp4`` (the router's top-k
+filing the pairs by expert, then per chosen expert) and their kernels ``expert_up_mxfp4`` /
+``expert_down_mxfp4``.
 
 1. formats: every layout holds the checkpoint's values (exact dequantization), Humming's
    element addresses as documented, padding zero (no CuTe DSL);
@@ -24,35 +26,20 @@ import torch
 from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
-from codegen.launchers import experts as launcher
 from codegen.templates import spec_for_call
 from rewriter.config import KimiK3Config
 from rewriter.layers.experts import (GROUP, ExpertFormat, ExpertFormatError, humming_relayout, pack_nibbles,
                                      random_mxfp4)
+from rewriter.layers.moe import route
 
 OP = "k3f::routed_experts_mxfp4"
+MOE = "k3f::routed_moe_mxfp4"  # the router's top-k with the experts, per chosen expert
 K3 = KimiK3Config.preset("kimi-k3")
 E, K, L = K3.num_experts, K3.num_experts_per_token, K3.moe_hidden_size  # 896, 16, 3584
 BETA, LINEAR_BETA = K3.activation_situ_beta, K3.activation_situ_linear_beta
 SHAPES = {"tp16": (256, 192), "tp8": (384, 384)}  # (I held per rank, I live)
 HUMMING, NATIVE, CHECKPOINT = (ExpertFormat("mxfp4", x) for x in ("humming", "humming_native", "checkpoint"))
 TOL = 1e-2
-
-
-@pytest.fixture
-def per_expert_from_16(monkeypatch):
-    """The per-expert grids from 16 tokens: built and tested, not served (measured slower on the
-    H200: ``launcher.MXFP4_BY_EXPERT_FROM``)."""
-    monkeypatch.setattr(launcher, "MXFP4_BY_EXPERT_FROM", 16)
-
-
-def by_expert_specs(args, arch="sm_90a"):
-    """The per-expert grids' specs for ``args``, whatever the served switch."""
-    saved, launcher.MXFP4_BY_EXPERT_FROM = launcher.MXFP4_BY_EXPERT_FROM, 1
-    try:
-        return spec_for_call(OP, arch, args)[1]
-    finally:
-        launcher.MXFP4_BY_EXPERT_FROM = saved
 
 
 # ---------------------------------------------------------------- 1. formats
@@ -279,6 +266,14 @@ def mxfp4_args(tokens=1, inter=256, live=192, layout="humming", experts=E, top_k
             meta(experts, inter // 32, latent, dtype=torch.float8_e8m0fnu), BETA, LINEAR_BETA, layout, live)
 
 
+def moe_args(tokens=1, inter=256, live=192, experts=E, top_k=K, latent=L, logits=None):
+    """``k3f::routed_moe_mxfp4``'s arguments on meta tensors: the pair op's, logits and bias for
+    its weights and ids, and the router's top-k, renormalization and scaling."""
+    x, _, _, *weights = mxfp4_args(tokens, inter, live, experts=experts, top_k=top_k, latent=latent)[:7]
+    return (x, meta(*(logits or (tokens, experts)), dtype=torch.float32), meta(experts, dtype=torch.float32),
+            *weights, top_k, True, 2.5, BETA, LINEAR_BETA, "humming", live)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_specs_at_kimi_k3_shapes(shape):
     inter, live = SHAPES[shape]
@@ -292,13 +287,16 @@ def test_specs_at_kimi_k3_shapes(shape):
     assert (up.param_dict["cluster"], up.param_dict["warps_per_tile"]) == (8, 2)
     wps = live // 16 // 12
     assert down.param_dict == {"cluster": 4 * wps, "warps_per_slot": wps, "order": "interleaved"}
-    # one compile per stage serves every batch (the token count is a runtime size): the per-pair
-    # grids are served at every count; the per-expert grids only where MXFP4_BY_EXPERT_FROM is set
-    assert launcher.MXFP4_BY_EXPERT_FROM is None
+    # one compile per stage serves every batch (the token count is a runtime size)
     for tokens in (15, 16, 64):
         assert spec_for_call(OP, "sm_90a", mxfp4_args(tokens=tokens, inter=inter, live=live))[1] == specs
+    # the router with the experts: its top-k filing the pairs by expert (lists of up to 64), then
+    # the per-expert grids, one compile for every batch too
     for tokens in (16, 64):
-        up64, down64 = by_expert_specs(mxfp4_args(tokens=tokens, inter=inter, live=live))
+        tpl, (router, up64, down64) = spec_for_call(MOE, "sm_90a", moe_args(tokens=tokens, inter=inter, live=live))
+        assert tpl.kernel == "routed_moe_mxfp4"
+        assert router.kernel == "router_topk" and router.shape_dict == {"experts": E}
+        assert router.param_dict == {"top_k": K, "renormalize": True, "scaling": 2.5, "threads": 128, "plan_cap": 64}
         assert up64.param_dict == {**up.param_dict, "by_expert_max_tokens": 64}
         # the down stage: a CTA per (expert, tile), its warps splitting the live K blocks in runs of 6
         assert down64.param_dict == {"by_expert_max_tokens": 64, "warps": live // 16 // 6, "order": "interleaved"}
@@ -316,17 +314,27 @@ def test_template_refuses_with_a_reason(args, reason):
     assert tpl is None and reason in why, why
 
 
+@pytest.mark.parametrize("args,reason", [
+    (moe_args(tokens=8, logits=(7, E)), "x [T, L] and logits [T, E] expected, got (8, 3584) and (7, 896)"),
+    (moe_args(logits=(1, 64)), "logits score 64 experts, the weights hold 896"),
+    (moe_args(tokens=65), "65 tokens outside 1..64"),
+])
+def test_moe_template_refuses_with_a_reason(args, reason):
+    tpl, why = spec_for_call(MOE, "sm_90a", args)
+    assert tpl is None and reason in why, why
+
+
 COMPILED = {"tp16": mxfp4_args(inter=256, live=192), "tp8": mxfp4_args(inter=384, live=384),
             "native_tp16": mxfp4_args(inter=256, live=192, layout="humming_native"),
-            "tp8_by_expert": mxfp4_args(tokens=64, inter=384, live=384)}
+            "tp8_by_expert": moe_args(tokens=64, inter=384, live=384)}
 
 
 @pytest.fixture(scope="module")
 def compiled(kcache):
     from codegen.compiler import compile_kernel
 
-    return {(name, arch): tuple(compile_kernel(s, cache=kcache) for s in (
-                by_expert_specs(args, arch) if name.endswith("by_expert") else spec_for_call(OP, arch, args)[1]))
+    return {(name, arch): tuple(compile_kernel(s, cache=kcache)
+                                for s in spec_for_call(MOE if name.endswith("by_expert") else OP, arch, args)[1])
             for name, args in COMPILED.items() for arch in ("sm_90a", "sm_100a")}
 
 
@@ -344,9 +352,15 @@ WAIT, LAUNCH = "griddepcontrol.wait;", "griddepcontrol.launch_dependents;"
 def test_ptx(compiled, arch, name):
     """Each warp's loads all issued before its first MMA (128-bit weights, 64-bit scales, no L1
     allocation), 4 MMAs per K block, the cluster's sums over distributed shared memory, PDL; on
-    the per-expert grids, the pairs found by warp ballots and the tokens' sums by arrival counts."""
-    up, down = compiled[name, arch]
+    the per-expert grids, the pairs read from the router's plan (two atomic adds per pair filed
+    there, no scan of the ids) and the tokens' sums by arrival counts."""
+    *router, up, down = compiled[name, arch]
     by_expert = "by_expert_max_tokens" in up.spec.param_dict
+    assert bool(router) == by_expert
+    if router:  # each of the k lanes: its place in its expert's list, and the chosen list's for a first pair
+        body = router[0].ptx[router[0].ptx.index(".entry"):]
+        assert re.findall(r"atom\.global\.[\w.]+", body) == ["atom.global.add.u32"] * 2
+        assert "ld.local" not in body and pdl_flags(router[0].spec) == [1]
     live_blocks = up.spec.shape_dict["inter_live"] // 16
     down_warps = down.spec.param_dict["warps"] if by_expert else down.spec.param_dict["warps_per_slot"]
     for k, per_warp in ((up, 14), (down, live_blocks // down_warps)):
@@ -363,22 +377,25 @@ def test_ptx(compiled, arch, name):
         # up: the ids are its primary's output, so nothing is read before the wait and the rows
         # between it and launch_dependents; down per pair: the router finished before the up stage
         # let it launch, so ids and rows come before its wait (which the activation needs); down
-        # per expert: the pair lists are the up stage's, so it waits first
+        # per expert: the chosen count and pair counts are the up stage's records, so it waits first
         waits_first = k is up or by_expert
         early = between if waits_first else before
         assert ("ld.global" not in before) == waits_first
         assert _count(early, "ld.global.L1::no_allocate.v4.b32") == per_warp  # all in flight at once
+        if by_expert:  # with the weights, only the plan's words: the chosen count, the entry's expert, its pairs' count
+            assert _count(between, "ld.global.b32") == 3
         # the B pairs after the weights: the down kernel's from global, the up kernel's x staged in
         # shared memory once per CTA (224 words over 128 threads), for 8 tokens on the per-expert grid
+        # (after its pair list: one word per thread)
         x_words = 8 * 14 * up.spec.param_dict["warps_per_tile"] * (8 if by_expert else 1)
         threads = 64 * up.spec.param_dict["warps_per_tile"]
         if by_expert and k is down:  # and the pair lists, and each completed token's k rows of 8 columns
             assert _count(after, "ld.global.b32") >= 2 * per_warp + 8 * K
         else:
-            assert _count(after, "ld.global.b32") == (-(-x_words // threads) if k is up else 2 * per_warp)
-        # the per-expert up grid finds its pairs with one warp ballot per 128 of the 64 x 16 pairs;
-        # the per-expert down grid counts each pair in with one acq_rel atomic, after a fence
-        assert body.count("vote.sync.ballot.b32") == (8 if by_expert and k is up else 0)
+            assert _count(after, "ld.global.b32") == (-(-x_words // threads) + by_expert if k is up else 2 * per_warp)
+        # no scan of the ids anywhere; the per-expert down grid counts each pair in with one acq_rel
+        # atomic, after a fence
+        assert body.count("vote.sync.ballot.b32") == 0
         assert body.count("atom.global.acq_rel.add") == (1 if by_expert and k is down else 0)
         if by_expert and k is down:
             assert "fence.acq_rel.gpu" in body and "barrier.cluster" not in body  # a CTA per (expert, tile)
@@ -453,6 +470,7 @@ def routing(tokens, gen, experts=E, top_k=K, crowded=None):
 
 
 def check(experts, tokens, gen, crowded=None):
+    """The per-pair grids on a random routing, against the reference."""
     x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
     weights, ids = routing(tokens, gen, crowded=crowded)
     args = experts.args(x, weights, ids)
@@ -465,7 +483,7 @@ def check(experts, tokens, gen, crowded=None):
     assert out is y and torch.isfinite(act).all() and torch.isfinite(y).all()
     assert rel_err(act, ref_act) <= TOL
     assert rel_err(y, ref) <= TOL
-    return "expert" if "by_expert_max_tokens" in specs[0].param_dict else "pair"
+    assert "by_expert_max_tokens" not in specs[0].param_dict
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
@@ -478,45 +496,107 @@ def humming_experts(request):
 @pytest.mark.parametrize("tokens", [1, 8, 15, 16, 64])
 def test_kernels_read_the_layout_humming_leaves(humming_experts, tokens):
     """The served grids: one CTA cluster per (token, slot) pair."""
-    assert check(humming_experts, tokens, torch.Generator().manual_seed(tokens)) == "pair"
+    check(humming_experts, tokens, torch.Generator().manual_seed(tokens))
+
+
+def routing_logits(ids, gen, experts=E):
+    """Router logits [T, E] and a small correction bias whose top-k are ``ids`` (each id's logit
+    6..7, the rest about -6: the margin dwarfs the bias and the kernel's sigmoid error)."""
+    tokens, k = ids.shape
+    logits = torch.randn(tokens, experts, generator=gen) * 0.5 - 6
+    logits.scatter_(1, ids.cpu(), 6 + torch.rand(tokens, k, generator=gen))
+    return logits.cuda(), (torch.randn(experts, generator=gen) * 0.01).cuda()
+
+
+def moe_step(experts, x, logits, bias, top_k=K):
+    """``k3f::routed_moe_mxfp4`` on the kernels, outputs poisoned first: (y, activation), and the
+    reference routing (weights, ids) the checks hold them to."""
+    (w13, s13), (w2, s2) = experts.laid["w13"], experts.laid["w2"]
+    args = (x, logits, bias, w13, s13, w2, s2, top_k, True, 2.5, BETA, LINEAR_BETA, experts.fmt.layout, experts.live)
+    tpl, specs, fns = gpu_kernels(MOE, args)
+    assert tpl.kernel == "routed_moe_mxfp4" and "plan_cap" in specs[0].param_dict
+    y = torch.full((x.shape[0], x.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    act = torch.full((x.shape[0], top_k, experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert tpl.launch(fns, specs, args, out=(y, act)) is y
+    torch.cuda.synchronize()
+    weights, ids = route(logits.cpu(), bias.cpu(), top_k=top_k, renormalize=True, scaling=2.5)
+    return y, act, weights.cuda(), ids.cuda()
+
+
+def check_moe(experts, tokens, gen, crowded=None, steps=2):
+    """``steps`` steps in a row on fresh routings (the plan the router fills must be empty again
+    after each), every one against the reference."""
+    for _ in range(steps):
+        x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
+        y, act, weights, ids = moe_step(experts, x, *routing_logits(routing(tokens, gen, crowded=crowded)[1], gen))
+        ref_act, ref = experts.reference(x, weights, ids)
+        assert torch.isfinite(act).all() and torch.isfinite(y).all()
+        assert rel_err(act, ref_act) <= TOL and rel_err(y, ref) <= TOL
 
 
 @on_gpu
 @pytest.mark.parametrize("tokens", [16, 64])
-def test_per_expert_grid_reads_the_layout_humming_leaves(humming_experts, per_expert_from_16, tokens):
-    assert check(humming_experts, tokens, torch.Generator().manual_seed(tokens)) == "expert"
+def test_moe_grids_read_the_layout_humming_leaves(humming_experts, tokens):
+    """The router's plan and the per-expert grids, two steps in a row."""
+    check_moe(humming_experts, tokens, torch.Generator().manual_seed(tokens))
 
 
 @on_gpu
 @pytest.mark.parametrize("tokens", [17, 64])
-def test_per_expert_grid_runs_an_experts_pairs_eight_at_a_time(humming_experts, per_expert_from_16, tokens):
-    """Every token picks expert 5 (in slot 1): 17 and 64 pairs of one expert, three and eight
-    passes of the MMA's 8 columns, the last one partly empty at 17."""
-    assert check(humming_experts, tokens, torch.Generator().manual_seed(100 + tokens), crowded=5) == "expert"
+def test_moe_grids_run_an_experts_pairs_eight_at_a_time(humming_experts, tokens):
+    """Every token picks expert 5: 17 and 64 pairs of one expert, three and eight passes of the
+    MMA's 8 columns, the last one partly empty at 17."""
+    check_moe(humming_experts, tokens, torch.Generator().manual_seed(100 + tokens), crowded=5)
 
 
 @on_gpu
-def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts, per_expert_from_16):
+def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts):
     """The two up-stage grids run the same MMAs over the same K split and sum them in the same
-    order; a column of the MMA is computed as if alone, so their activations agree exactly. The
-    down stages sum a token's slots in different fp32 orders: their outputs agree to rounding."""
+    order; a column of the MMA is computed as if alone, so their activations agree exactly,
+    whatever place the plan's atomics gave each pair. The down stages sum a token's slots in
+    different fp32 orders: their outputs agree to rounding."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(24, L, generator=gen).bfloat16().cuda()
-    args = humming_experts.args(x, *routing(24, gen, crowded=3))
-    per_pair = gpu_kernels(OP, humming_experts.args(x[:15], *routing(15, gen)))  # the spec below 16 tokens
-    per_expert = gpu_kernels(OP, args)
-    assert "by_expert_max_tokens" in per_expert[1][0].param_dict
-    assert "by_expert_max_tokens" not in per_pair[1][0].param_dict
-    acts, ys = [], []
-    for tpl, specs, fns in (per_pair, per_expert):
-        y = torch.full((24, L), float("nan"), dtype=torch.bfloat16, device="cuda")
-        act = torch.full((24, K, humming_experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
-        tpl.launch(fns, specs, args, out=(y, act))
-        acts.append(act)
-        ys.append(y)
+    y_moe, act_moe, weights, ids = moe_step(humming_experts, x, *routing_logits(routing(24, gen, crowded=3)[1], gen))
+    args = humming_experts.args(x, weights, ids)
+    tpl, specs, fns = gpu_kernels(OP, args)
+    y = torch.full((24, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+    act = torch.full((24, K, humming_experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tpl.launch(fns, specs, args, out=(y, act))
     torch.cuda.synchronize()
-    assert torch.isfinite(acts[0]).all() and torch.equal(acts[0], acts[1])
-    assert torch.isfinite(ys[1]).all() and rel_err(ys[1], ys[0]) <= 4e-3
+    assert torch.isfinite(act).all() and torch.equal(act, act_moe)
+    assert torch.isfinite(y_moe).all() and rel_err(y_moe, y) <= 4e-3
+
+
+@on_gpu
+def test_moe_op_in_a_cuda_graph(humming_experts):
+    """Through ``install_cuda_kernels``, captured after one eager step (which makes the plan),
+    then replayed on new x and logits three times: the plan is filled and emptied on the GPU."""
+    from codegen import bind
+
+    bind.install_cuda_kernels()
+    gen = torch.Generator().manual_seed(11)
+    (w13, s13), (w2, s2) = humming_experts.laid["w13"], humming_experts.laid["w2"]
+    x = torch.randn(32, L, generator=gen).bfloat16().cuda()
+    logits, bias = routing_logits(routing(32, gen)[1], gen)
+    args = (x, logits, bias, w13, s13, w2, s2, K, True, 2.5, BETA, LINEAR_BETA, "humming", humming_experts.live)
+    torch.ops.k3f.routed_moe_mxfp4(*args)
+    before = bind.stats()[MOE]["kernel"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.k3f.routed_moe_mxfp4(*args)
+    assert bind.stats()[MOE]["kernel"] == before + 1
+    for _ in range(3):
+        x.copy_(torch.randn(32, L, generator=gen).bfloat16())
+        new_logits, new_bias = routing_logits(routing(32, gen)[1], gen)
+        logits.copy_(new_logits)
+        bias.copy_(new_bias)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        weights, ids = route(logits.cpu(), bias.cpu(), top_k=K, renormalize=True, scaling=2.5)
+        assert torch.isfinite(y).all()
+        assert rel_err(y, humming_experts.reference(x, weights.cuda(), ids.cuda())[1]) <= TOL
 
 
 @on_gpu
@@ -574,27 +654,31 @@ def test_op_dispatches_to_the_kernels_in_a_cuda_graph(humming_experts):
 @on_gpu
 @pytest.mark.parametrize("tokens,grid", [(1, "pair"), (8, "pair"), (16, "pair"), (64, "pair"), (16, "expert"),
                                          (64, "expert")])  # per expert at 64: about 16 pairs per expert
-def test_kernels_at_the_tiny_configs_shapes(monkeypatch, tokens, grid):
+def test_kernels_at_the_tiny_configs_shapes(tokens, grid):
     """The tiny preset's experts (E 16, top-4, L 64, I 64: one CTA, no cluster, 4 K blocks a warp),
-    which the templates accept, against the op's own reference on the same tensors. The decode
-    gate (``python -m rewriter decode --model tiny``) saw the MXFP4 layer's logits differ by about
-    1x from step 1 on 2026-12-01; this pins it to the kernels or clears them. Humming itself pads
-    shapes this small (pad_shape_n 128, pad_shape_k 64, which ``served_expert_format`` refuses in
-    vLLM), so the tensors are laid out unpadded by ``ExpertFormat`` as the decode gate does."""
-    if grid == "expert":
-        monkeypatch.setattr(launcher, "MXFP4_BY_EXPERT_FROM", 16)
+    which the templates accept, against the op's own reference on the same tensors (per expert:
+    ``routed_moe_mxfp4``, two steps). The decode gate (``python -m rewriter decode --model tiny``)
+    saw the MXFP4 layer's logits differ by about 1x from step 1 on 2026-12-01; this pins it to the
+    kernels or clears them. Humming itself pads shapes this small (pad_shape_n 128, pad_shape_k 64,
+    which ``served_expert_format`` refuses in vLLM), so the tensors are laid out unpadded by
+    ``ExpertFormat`` as the decode gate does."""
     tiny = KimiK3Config.preset("tiny")
     e, k, lat, inter = tiny.num_experts, tiny.num_experts_per_token, tiny.moe_hidden_size, tiny.moe_intermediate_size
     experts = Experts(inter, inter, HUMMING, torch.Generator(device="cuda").manual_seed(3), experts=e, latent=lat,
                       humming=False)
     gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, lat, generator=gen).bfloat16().cuda()
-    weights, ids = routing(tokens, gen, experts=e, top_k=k)
-    args = experts.args(x, weights, ids)
-    tpl, specs, fns = gpu_kernels(OP, args)
-    y = torch.full((tokens, lat), float("nan"), dtype=torch.bfloat16, device="cuda")
-    act = torch.full((tokens, k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tpl.launch(fns, specs, args, out=(y, act))
-    torch.cuda.synchronize()
-    ref = torch.ops.k3f.routed_experts_mxfp4(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
-    assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+    for _ in range(2 if grid == "expert" else 1):
+        x = torch.randn(tokens, lat, generator=gen).bfloat16().cuda()
+        weights, ids = routing(tokens, gen, experts=e, top_k=k)
+        if grid == "expert":
+            y, _, weights, ids = moe_step(experts, x, *routing_logits(ids, gen, experts=e), top_k=k)
+        else:
+            args = experts.args(x, weights, ids)
+            tpl, specs, fns = gpu_kernels(OP, args)
+            y = torch.full((tokens, lat), float("nan"), dtype=torch.bfloat16, device="cuda")
+            act = torch.full((tokens, k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+            tpl.launch(fns, specs, args, out=(y, act))
+            torch.cuda.synchronize()
+        ref = torch.ops.k3f.routed_experts_mxfp4(*[a.cpu() if isinstance(a, torch.Tensor) else a
+                                                   for a in experts.args(x, weights, ids)])
+        assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL

@@ -109,6 +109,34 @@ def test_mxfp4_routed_experts_rule_matches_refuses_and_is_equivalent(tiny, layer
         ("routed_experts_mxfp4", "batch 65 > 64: rules are specialized for decode batches of 1..64 tokens")]
 
 
+@pytest.mark.parametrize("layer_idx", [1, 2])
+def test_mxfp4_moe_rule_takes_the_router_with_the_experts_from_16_tokens(tiny, layer_idx, monkeypatch):
+    """Not served (``MOE_BY_EXPERT_FROM`` is None: the rule has no pattern, so it neither matches
+    nor refuses); set to 16, from 16 tokens ``routed_moe_mxfp4`` takes the router's top-k and the
+    MXFP4 experts as one op (three kernels: the router files the pairs by expert for the
+    per-expert grids), equivalent to the layer; below, it refuses by name and the top-k and the
+    per-pair experts are matched apart."""
+    import patterns.moe
+
+    layer = make_layer(tiny, layer_idx, seed=50 + layer_idx, dtype=torch.bfloat16, experts="mxfp4")
+    lg = trace(layer, DecodeShape(batch=16, context=5, block_size=4))
+    assert patterns.moe.MOE_BY_EXPERT_FROM is None
+    served = rewrite(lg)
+    assert {"router_topk", "routed_experts_mxfp4"} <= {m.rule for m in served.matches}
+    assert "routed_moe_mxfp4" not in {r.rule for r in served.refusals}
+    monkeypatch.setattr(patterns.moe, "MOE_BY_EXPERT_FROM", 16)
+    result = rewrite(lg)
+    rules = {m.rule for m in result.matches}
+    assert "routed_moe_mxfp4" in rules and not rules & {"router_topk", "routed_experts_mxfp4"}
+    (node,) = [n for n in result.after.graph.nodes if n.meta.get("fused", {}).get("rule") == "routed_moe_mxfp4"]
+    assert node.target is torch.ops.k3f.routed_moe_mxfp4.default and node.meta["fused"]["launches"] == 3
+    _assert_equivalent(lg, result.after, make_inputs(layer, batch=16, context=5, block_size=4, seed=9), 2e-2)
+    below = rewrite(trace(layer, DecodeShape(batch=15, context=5, block_size=4)))
+    assert {"router_topk", "routed_experts_mxfp4"} <= {m.rule for m in below.matches}
+    assert ("routed_moe_mxfp4", "batch 15 outside 16..64 (per chosen expert from 16 tokens)") in {
+        (r.rule, r.reason) for r in below.refusals}
+
+
 def test_input_projection_rules_split_by_batch(tiny):
     layer = make_layer(tiny, 1)
     for batch, rule, refused_reason in ((1, "attn_in_proj.small", None),

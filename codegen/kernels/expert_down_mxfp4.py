@@ -139,15 +139,16 @@ class ExpertDownMxfp4:
 
 
 class ExpertDownMxfp4ByExpert:
-    """The per-expert down stage (built, not served: ``MXFP4_BY_EXPERT_FROM``), beside
-    ``expert_up_mxfp4``'s per-expert grid: a CTA per
-    (expert, 64-row tile of L), its ``warps`` splitting the live K blocks, so each selected
-    expert's W2 is read once per step; the expert's pairs (the list the up stage left in
-    ``mLists``) run eight at a time as the MMA's N columns, each lane's B its column's
-    activation. A pair's weighted rows go to the fp32 scratch ``mP`` [T, k, L]; then the pair
-    counts in at its (token, tile) counter (``mCnt``, zeroed by the up stage), and the CTA that
-    brings a token's k-th pair sums its k rows in slot order (so deterministically) into the
-    bf16 output: no extra launch, no atomics on the data."""
+    """The per-expert down stage, after ``expert_up_mxfp4``'s per-expert grid: a CTA per
+    (chosen expert, 64-row tile of L), its ``warps`` splitting the live K blocks, so each selected
+    expert's W2 is read once per step; the expert's pairs (the routing plan's list, their count
+    and the chosen count from the up stage's records ``mRec``) run eight at a time as the MMA's N
+    columns, each lane's B its column's activation. A pair's weighted rows go to the fp32 scratch
+    ``mP`` [T, k, L]; then the pair counts in at its (token, tile) counter (``mCnt``, zeroed by the
+    up stage), and the CTA that brings a token's k-th pair sums its k rows in slot order (so
+    deterministically, whatever the lists' order) into the bf16 output: no extra launch, no
+    atomics on the data. Its first CTA zeroes the plan's counts for the next step (nothing after
+    the up stage reads them: this stage reads the records)."""
 
     COLUMNS = 8
 
@@ -165,17 +166,20 @@ class ExpertDownMxfp4ByExpert:
         self.pair_cap = max_tokens
 
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mLists: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor,
-                 mS: cute.Tensor, mP: cute.Tensor, mCnt: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
-        self.kernel(mA, mLists, mWeights, mW, mS, mP, mCnt, mOut).launch(
-            grid=[self.experts, self.tiles, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
+    def __call__(self, mA: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
+                 mRec: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mP: cute.Tensor,
+                 mCnt: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+        entries = cutlass.min(mA.shape[0] * self.top_k, self.experts)
+        self.kernel(mA, mCount, mChosen, mLists, mRec, mWeights, mW, mS, mP, mCnt, mOut).launch(
+            grid=[entries, self.tiles, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
             min_blocks_per_mp=max(1, DOWN_WARPS_PER_SM // self.warps),
             preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
-    def kernel(self, mA: cute.Tensor, mLists: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
-               mP: cute.Tensor, mCnt: cute.Tensor, mOut: cute.Tensor):
-        e, nt, _ = cute.arch.block_idx()
+    def kernel(self, mA: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
+               mRec: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mP: cute.Tensor,
+               mCnt: cute.Tensor, mOut: cute.Tensor):
+        entry, nt, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -190,15 +194,22 @@ class ExpertDownMxfp4ByExpert:
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.COLUMNS, self.warps)), byte_alignment=16)
         sLast = smem.allocate_tensor(Int32, cute.make_layout((self.COLUMNS,)), byte_alignment=16)
 
-        cute.arch.griddepcontrol_wait()  # the lists, counters and activations are the up stage's
-        count = mLists[e, self.pair_cap]
-        if count > 0:
-            load_weights(mW, rW, e, kb0, NKB, nt, lane)
-            load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
+        cute.arch.griddepcontrol_wait()  # the records, counters and activations are the up stage's
+        chosen = mRec[0]
+        if entry < chosen:
+            e = cutlass.max(cutlass.min(mChosen[entry], Int32(self.experts - 1)), Int32(0))
+            count = mRec[1 + entry]
+            load_weights(mW, rW, Int64(e), kb0, NKB, nt, lane)
+            load_scales(mS, rS, Int64(e), kb0 // 2, NKB // 2, nt, r)
             cute.arch.griddepcontrol_launch_dependents()
             for c0 in cutlass.range(0, count, self.COLUMNS, unroll=1):
                 self.columns(mA, mLists, mWeights, mP, mCnt, mOut, rW, rS, rB, acc, sPart, sLast, e, nt, c0, count,
                              kb0, tidx, warp, r, q)
+        if (entry == 0) & (nt == 0):  # the plan back to zero for the next step's router
+            for i in cutlass.range(tidx, chosen, 32 * self.warps, unroll=1):
+                mCount[mChosen[i]] = Int32(0)
+            if tidx == 0:
+                mCount[self.experts] = Int32(0)
 
     @cute.jit
     def columns(self, mA, mLists, mWeights, mP, mCnt, mOut, rW, rS, rB, acc, sPart, sLast, e, nt, c0, count, kb0,
@@ -260,12 +271,15 @@ def build(spec) -> tuple[ExpertDownMxfp4 | ExpertDownMxfp4ByExpert, tuple]:
     e, k, rows, inter, live = s["experts"], s["top_k"], s["rows"], s["inter"], s["inter_live"]
     t = cute.sym_int32()
     if p.get("by_expert_max_tokens"):
+        cap = p["by_expert_max_tokens"]
         kernel = ExpertDownMxfp4ByExpert(experts=e, top_k=k, rows=rows, inter=inter, inter_live=live,
-                                         order=p["order"], warps=p["warps"], max_tokens=p["by_expert_max_tokens"])
-        cap = kernel.pair_cap + 1
+                                         order=p["order"], warps=p["warps"], max_tokens=cap)
         return kernel, (
             make_fake_tensor(Int32, (t, k, live // 2), (k * live // 2, live // 2, 1), assumed_align=16),
+            make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),  # the plan: counts, chosen, lists
+            make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
             make_fake_tensor(Int32, (e, cap), (cap, 1), assumed_align=4),
+            make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),  # the up stage's records
             make_fake_tensor(Float32, (t, k), (k, 1), assumed_align=4),
             make_fake_tensor(Int32, (e, inter // 16, 2 * rows), (inter // 16 * 2 * rows, 2 * rows, 1),
                              assumed_align=16),

@@ -157,48 +157,48 @@ class ExpertUpMxfp4:
 
 
 class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
-    """The up stage with a CTA per (expert, 64-channel tile, cluster rank) instead of per
-    (token, slot) pair: each selected expert's tile is read once per step, however many of the
-    step's tokens chose it (at 64 tokens x 16 slots of 896 experts, about 610 experts for 1024
-    pairs), and its pairs run through the MMA eight at a time as its 8 N columns. Built and
-    tested, not served: its static grid over all 896 experts costs more than it saves
-    (``codegen/launchers/experts.py``, ``MXFP4_BY_EXPERT_FROM``).
+    """The up stage with a CTA per (chosen expert, 64-channel tile, cluster rank) instead of per
+    (token, slot) pair: each selected expert's tile is read and dequantized once per step, however
+    many of the step's tokens chose it (at 64 tokens x 16 slots of 896 experts, about 610 experts
+    for 1024 pairs), and its pairs run through the MMA eight at a time as its 8 N columns.
 
-    - rank 0 of a cluster finds the expert's pairs among the step's ids (every thread tests
-      ``rounds`` of them, a warp ballot and the per-warp counts in shared memory give each match
-      its place in pair order), the other ranks copy that list from its shared memory, so every
-      CTA of the cluster gives column n the same pair; an expert no token chose loads nothing;
-    - x is staged for the 8 columns (a column past the expert's pairs repeats its first, and
-      stores nothing), column-major with a stride of 4 mod 32 words, so that the lanes' 8 columns
-      x 4 K pairs fall in 32 distinct banks;
+    - the experts and their pairs come from the routing plan that ``router_topk`` filed
+      (``RouterTopkPlan``: the chosen experts' count and list, each expert's count and pairs): a
+      CTA reads its entry's expert and issues that expert's loads at once, as the per-pair CTA does
+      with its id; the grid has min(E, T k) entries, and those past the chosen count exit;
+    - x is staged for the expert's pairs among the 8 columns (a column past them keeps stale words,
+      so its sums are garbage it never stores: each MMA column is computed alone), column-major
+      with a stride of 4 mod 32 words, so that the lanes' 8 columns x 4 K pairs fall in 32
+      distinct banks;
     - every lane's C is useful: rows r (+8) x columns 2q (+1); the warps' and the cluster's sums
       meet as in the per-pair kernel, now per (channel, column);
-    - for the down stage's per-expert grid it also writes each expert's pair list and count to
-      ``mLists`` [E, cap + 1] and zeroes that stage's arrival counters ``mCnt`` [T, L / 64].
+    - for the down stage it copies the chosen count and each entry's pair count to ``mRec``
+      [1 + E] (the plan's own counts are zeroed by that stage, so it must not read them) and zeroes
+      its arrival counters ``mCnt`` [T, L / 64].
     """
 
     COLUMNS = 8  # the MMA's N: one pair of the expert per column
 
     def __init__(self, *, max_tokens: int, **kw):
         super().__init__(**kw)
-        self.max_pairs = max_tokens * self.top_k
         # an expert's pairs in one step: one per token at most (a token's top-k ids are distinct)
         self.pair_cap = max_tokens
-        self.rounds = -(-self.max_pairs // (32 * self.warps))
         self.x_stride = self.x_words + (4 - self.x_words) % 32
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor,
-                 mLists: cute.Tensor, mCnt: cute.Tensor, stream: cuda.CUstream):
+    def __call__(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
+                 mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, mRec: cute.Tensor, mCnt: cute.Tensor,
+                 stream: cuda.CUstream):
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
-        self.kernel_by_expert(mX, mIds, mW, mS, mA, mLists, mCnt).launch(
-            grid=[self.experts * self.cluster, self.ctiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
+        entries = cutlass.min(mA.shape[0] * self.top_k, self.experts)
+        self.kernel_by_expert(mX, mCount, mChosen, mLists, mW, mS, mA, mRec, mCnt).launch(
+            grid=[entries * self.cluster, self.ctiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
             stream=stream, use_pdl=True, min_blocks_per_mp=max(1, UP_WARPS_PER_SM // self.warps),
             preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
-    def kernel_by_expert(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
-                         mA: cute.Tensor, mLists: cute.Tensor, mCnt: cute.Tensor):
+    def kernel_by_expert(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
+                         mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, mRec: cute.Tensor, mCnt: cute.Tensor):
         bidx, ctile, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
@@ -206,7 +206,7 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         NKB = const_expr(self.kb_per_warp)
         N = const_expr(self.COLUMNS)
         rank = bidx % C
-        e = bidx // C
+        entry = bidx // C
         warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
 
         rW, rS, acc = warp_registers(NKB)
@@ -215,69 +215,32 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, 2)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words, N), stride=(1, self.x_stride)),
                                   byte_alignment=16)
-        sCnt = smem.allocate_tensor(Int32, cute.make_layout((self.rounds, self.warps)), byte_alignment=16)
-        sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.pair_cap + 1,)), byte_alignment=16)  # + count
+        sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.pair_cap,)), byte_alignment=16)
 
-        cute.arch.griddepcontrol_wait()  # the ids are the router's
-        if rank == 0:
-            self.find_pairs(mIds, sCnt, sPairs, e, tidx, lane, warp)
-        if const_expr(C > 1):
-            cluster_barrier(C)
-            if rank != 0:
-                self.copy_pairs(sPairs, tidx)
-            cluster_barrier(C)  # rank 0 stays until its peers have their copies
-        else:
-            cute.arch.barrier()
-        count = sPairs[self.pair_cap]
-        # for the down stage (``ExpertDownMxfp4ByExpert``): each expert's list, and its arrival
-        # counters zeroed (it runs after this kernel has completed)
-        if (rank == 0) & (ctile == 0):
-            for j in cutlass.range_constexpr(-(-(self.pair_cap + 1) // (32 * self.warps))):
-                i = tidx + j * 32 * self.warps
-                if i < self.pair_cap + 1:
-                    mLists[e, i] = sPairs[i]
-        if (bidx == 0) & (ctile == 0):
-            self.zero(mCnt, mIds.shape[0], tidx)
-        if count > 0:
-            load_weights(mW, rW, e, kb0, NKB, nt, lane)
-            load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
+        cute.arch.griddepcontrol_wait()  # the plan is the router's
+        chosen = mCount[self.experts]
+        if entry < chosen:
+            # the expert (one out of range would read past the weights: clamped), its loads at once
+            e = cutlass.max(cutlass.min(mChosen[entry], Int32(self.experts - 1)), Int32(0))
+            count = cutlass.min(mCount[e], Int32(self.pair_cap))
+            load_weights(mW, rW, Int64(e), kb0, NKB, nt, lane)
+            load_scales(mS, rS, Int64(e), kb0 // 2, NKB // 2, nt, r)
             cute.arch.griddepcontrol_launch_dependents()
+            for j in cutlass.range_constexpr(-(-self.pair_cap // (32 * self.warps))):
+                i = tidx + j * 32 * self.warps
+                if i < count:
+                    sPairs[i] = mLists[e, i]
+            if (rank == 0) & (ctile == 0) & (tidx == 0):
+                mRec[1 + entry] = count
+                if entry == 0:
+                    mRec[0] = chosen
+            cute.arch.barrier()
             base = (kb0 - rank * self.warps_per_tile * NKB) * 8 + q
             for c0 in cutlass.range(0, count, self.COLUMNS, unroll=1):
                 self.columns(mX, mA, rW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx,
                              wslice, half, r, q)
-
-    @cute.jit
-    def find_pairs(self, mIds: cute.Tensor, sCnt: cute.Tensor, sPairs: cute.Tensor, e, tidx, lane, warp):
-        """Expert ``e``'s pairs (token * k + slot) in pair order into ``sPairs``, their count
-        (at most ``pair_cap``) after them."""
-        threads = 32 * self.warps
-        pairs = mIds.shape[0] * self.top_k
-        hits = cute.make_rmem_tensor((self.rounds,), Int32)
-        masks = cute.make_rmem_tensor((self.rounds,), Int32)
-        for j in cutlass.range_constexpr(self.rounds):
-            p = j * threads + tidx
-            pc = cutlass.min(p, pairs - 1)
-            t = pc // self.top_k
-            hit = (Int32(mIds[t, pc - t * self.top_k]) == e) & (p < pairs)
-            hits[j] = cutlass.select_(hit, Int32(1), Int32(0))
-            masks[j] = cute.arch.vote_ballot_sync(hit)
-            if lane == 0:
-                sCnt[j, warp] = cute.arch.popc(masks[j])
-        cute.arch.barrier()
-        below = Int32(cute.arch.lanemask_lt())
-        before = Int32(0)  # matches in earlier rounds, then in this round's earlier warps
-        for j in cutlass.range_constexpr(self.rounds):
-            mine = before
-            for w in cutlass.range_constexpr(self.warps):
-                n_w = sCnt[j, w]
-                mine = mine + cutlass.select_(warp > w, n_w, Int32(0))
-                before = before + n_w
-            pos = mine + cute.arch.popc(masks[j] & below)
-            if hits[j] == 1 and pos < self.pair_cap:
-                sPairs[pos] = j * threads + tidx
-        if tidx == 0:
-            sPairs[self.pair_cap] = cutlass.min(before, Int32(self.pair_cap))
+        if (bidx == 0) & (ctile == 0):
+            self.zero(mCnt, mA.shape[0], tidx)
 
     @cute.jit
     def zero(self, mCnt: cute.Tensor, tokens, tidx):
@@ -287,18 +250,6 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         for i in cutlass.range(tidx, tokens * tiles, threads, unroll=1):
             t = i // tiles
             mCnt[t, i - t * tiles] = Int32(0)
-
-    @cute.jit
-    def copy_pairs(self, sPairs: cute.Tensor, tidx):
-        """Rank 0's pair list and count into this CTA's ``sPairs`` (distributed shared memory)."""
-        threads = 32 * self.warps
-        src = cute.make_tensor(cute.arch.map_dsmem_ptr(sPairs.iterator, 0), sPairs.layout)
-        word = cute.make_rmem_tensor((1,), Int32)
-        for j in cutlass.range_constexpr(-(-(self.pair_cap + 1) // threads)):
-            i = tidx + j * threads
-            if i < self.pair_cap + 1:
-                cute.autovec_copy(cute.local_tile(src, (1,), (i,)), word)
-                sPairs[i] = word[0]
 
     @cute.jit
     def columns(self, mX, mA, rW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx, wslice,
@@ -311,11 +262,10 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         x0 = rank * self.x_words
         for j in cutlass.range_constexpr(-(-words // threads)):
             i = tidx + j * threads
-            if i < words:
-                col = i // self.x_words
+            col = i // self.x_words
+            if i < words and c0 + col < count:  # columns past the expert's pairs keep stale words, and store nothing
                 xw = i - col * self.x_words
-                pair = sPairs[c0 + cutlass.select_(c0 + col < count, col, Int32(0))]
-                sX[xw, col] = mX[pair // self.top_k, x0 + xw]
+                sX[xw, col] = mX[sPairs[c0 + col] // self.top_k, x0 + xw]
         cute.arch.barrier()
         acc.fill(0.0)
         tile_mma(rW, rS, lambda i: (sX[base + i * 8, r], sX[base + i * 8 + 4, r]), acc, self.kb_per_warp,
@@ -364,12 +314,15 @@ def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     kernel = ExpertUpMxfp4ByExpert(max_tokens=by_expert, **common) if by_expert else ExpertUpMxfp4(**common)
     t = cute.sym_int32()
     n = 2 * inter
-    args = (make_fake_tensor(Int32, (t, lat // 2), (lat // 2, 1), assumed_align=16),
-            make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8),
-            make_fake_tensor(Int32, (e, lat // 16, 2 * n), (lat // 16 * 2 * n, 2 * n, 1), assumed_align=16),
-            make_fake_tensor(Int32, (e, lat // 32, n // 4), (lat // 32 * n // 4, n // 4, 1), assumed_align=16),
-            make_fake_tensor(BFloat16, (t, k, live), (k * live, live, 1), assumed_align=2))
-    if by_expert:  # the pair lists [E, cap + 1] and the down stage's counters [T, L / 64]
-        args += (make_fake_tensor(Int32, (e, kernel.pair_cap + 1), (kernel.pair_cap + 1, 1), assumed_align=4),
-                 make_fake_tensor(Int32, (t, lat // TILE), (lat // TILE, 1), assumed_align=4))
-    return kernel, (*args, make_fake_stream(use_tvm_ffi_env_stream=True))
+    x = make_fake_tensor(Int32, (t, lat // 2), (lat // 2, 1), assumed_align=16)
+    weights = (make_fake_tensor(Int32, (e, lat // 16, 2 * n), (lat // 16 * 2 * n, 2 * n, 1), assumed_align=16),
+               make_fake_tensor(Int32, (e, lat // 32, n // 4), (lat // 32 * n // 4, n // 4, 1), assumed_align=16))
+    act = make_fake_tensor(BFloat16, (t, k, live), (k * live, live, 1), assumed_align=2)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if not by_expert:
+        return kernel, (x, make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8), *weights, act, stream)
+    # the plan (counts [E + 1], chosen [E], lists [E, cap]), the records [1 + E], the down counters [T, L / 64]
+    plan = (make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4), make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
+            make_fake_tensor(Int32, (e, by_expert), (by_expert, 1), assumed_align=4))
+    return kernel, (x, *plan, *weights, act, make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),
+                    make_fake_tensor(Int32, (t, lat // TILE), (lat // TILE, 1), assumed_align=4), stream)

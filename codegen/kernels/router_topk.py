@@ -38,6 +38,15 @@ Work split, with no barrier until the k candidates of every warp are known:
   (the same order in every lane), scale theirs and store the weight (fp32) and the id (int64).
 The global top k is among the candidates: an expert beaten by k others of its own warp is
 beaten by k overall.
+
+With ``plan`` (``k3f::routed_moe_mxfp4``, whose per-expert grids read it) the same k lanes also
+file their pairs (token * k + slot) by expert, so that no later kernel has to scan the ids: each
+takes its place in its expert's list with an atomic add on the expert's count, and the pair that
+finds the count at 0 appends the expert to the list of chosen experts (a second atomic add). The
+counts and the chosen count must be zero when the kernel starts; the down stage that reads the
+plan last zeroes them again (``expert_down_mxfp4.ExpertDownMxfp4ByExpert``). The order within a
+list is the atomics' order, which varies from run to run; the kernels that read the lists give
+each pair the same result whatever its place.
 """
 from __future__ import annotations
 
@@ -82,7 +91,9 @@ class RouterTopk:
     (whole warps, at most 8 experts each; the template's choice is ``launchers.router_topk.router_threads``:
     128 for E = 896, 7 experts each; one warp for E = 16)."""
 
-    def __init__(self, experts: int, top_k: int, renormalize: bool, scaling: float, threads: int):
+    def __init__(self, experts: int, top_k: int, renormalize: bool, scaling: float, threads: int,
+                 plan: bool = False):
+        """``plan``: file the pairs by expert as well (``RouterTopkPlan``, whose call takes the plan)."""
         if not 1 <= experts <= MAX_EXPERTS:
             raise ValueError(f"{experts} experts outside 1..{MAX_EXPERTS}")
         if not 1 <= top_k <= min(MAX_TOP_K, experts):
@@ -92,6 +103,7 @@ class RouterTopk:
         self.renormalize = bool(renormalize)
         self.scaling = float(scaling)
         self.threads = threads
+        self.plan = bool(plan)
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads {self.threads} must be whole warps, 32..1024")
         self.per_thread = -(-experts // self.threads)
@@ -109,11 +121,13 @@ class RouterTopk:
     @cute.jit
     def __call__(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor, mIds: cute.Tensor,
                  stream: cuda.CUstream):
-        self.kernel(mLogits, mBias, mWeights, mIds).launch(
+        # no plan: mIds stands in for its three tensors, which the kernel then never touches
+        self.kernel(mLogits, mBias, mWeights, mIds, mIds, mIds, mIds).launch(
             grid=[mLogits.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor, mIds: cute.Tensor):
+    def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor, mIds: cute.Tensor,
+               mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()
@@ -201,7 +215,14 @@ class RouterTopk:
             if const_expr(self.scaling != 1.0):
                 w = w * Float32(self.scaling)
             mWeights[token, tidx] = w
-            mIds[token, tidx] = Int64(sSelId[tidx])
+            e = sSelId[tidx]
+            mIds[token, tidx] = Int64(e)
+            if const_expr(self.plan):  # a token chooses an expert once: its place is below the token count
+                place = cute.arch.atomic_add(mCount.iterator + e, Int32(1), sem="relaxed", scope="gpu")
+                mLists[e, place] = token * K + tidx
+                if place == 0:
+                    mChosen[cute.arch.atomic_add(mCount.iterator + self.experts, Int32(1), sem="relaxed",
+                                                 scope="gpu")] = e
 
     def counted(self, q: int, part):
         """The candidate that the thread of ``part`` compares in its step ``q`` (trace-time helper):
@@ -211,15 +232,33 @@ class RouterTopk:
         return (q // pair) * (pair * self.share) + part * pair + q % pair
 
 
+class RouterTopkPlan(RouterTopk):
+    """The same kernel filing the pairs by expert: ``mCount`` int32 [E + 1] (each expert's pairs,
+    then the chosen experts' count), ``mChosen`` int32 [E], ``mLists`` int32 [E, cap]."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, plan=True, **kw)
+
+    @cute.jit
+    def __call__(self, mLogits: cute.Tensor, mBias: cute.Tensor, mWeights: cute.Tensor, mIds: cute.Tensor,
+                 mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor, stream: cuda.CUstream):
+        self.kernel(mLogits, mBias, mWeights, mIds, mCount, mChosen, mLists).launch(
+            grid=[mLogits.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+
+
 def build(spec) -> tuple[RouterTopk, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     s, p = spec.shape_dict, spec.param_dict
     e, k = s["experts"], p["top_k"]
-    kernel = RouterTopk(e, k, p["renormalize"], p["scaling"], p["threads"])
+    plan = p.get("plan_cap")
+    kernel = (RouterTopkPlan if plan else RouterTopk)(e, k, p["renormalize"], p["scaling"], p["threads"])
     tokens = cute.sym_int32()  # the token count is a runtime size: one compile serves every batch
     args = (make_fake_tensor(Float32, (tokens, e), (e, 1), assumed_align=4),
             make_fake_tensor(Float32, (e,), (1,), assumed_align=4),
             make_fake_tensor(Float32, (tokens, k), (k, 1), assumed_align=4),
-            make_fake_tensor(Int64, (tokens, k), (k, 1), assumed_align=8),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
-    return kernel, args
+            make_fake_tensor(Int64, (tokens, k), (k, 1), assumed_align=8))
+    if plan:  # the plan's counts [E + 1], chosen experts [E] and lists [E, cap]
+        args += (make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),
+                 make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
+                 make_fake_tensor(Int32, (e, plan), (plan, 1), assumed_align=4))
+    return kernel, (*args, make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -258,14 +258,6 @@ TEMPLATES = (
 MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
 MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
 MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
-# from this many tokens both stages would run a CTA per expert (each selected expert read once,
-# its pairs as the MMA's columns) instead of one per (token, slot) pair. None: never served. On
-# the H200 (2026-12-02, examples/bench_mxfp4_experts.py) the per-expert grids were slower at every
-# count (TP 16, 64 tokens: 626 against 373 us; 8 tokens: 202 against 56): their static grid is a
-# cluster per expert and row tile for all 896 experts (57 344 CTAs at TP 16, about 109 waves),
-# each finding its pairs and meeting its cluster whether chosen or not. Kept, tested and timed by
-# setting this, for the redesign (a grid over the chosen experts only: docs/CODEGEN.md).
-MXFP4_BY_EXPERT_FROM: int | None = None
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
@@ -310,7 +302,10 @@ def mxfp4_down_by_expert_warps(inter_live: int) -> int | str:
     return warps or f"I_live {inter_live}: {kb} K blocks do not split into even runs of at most 14 over 1, 2 or 4 warps"
 
 
-def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = False
+                 ) -> tuple[KernelSpec, ...] | str:
+    """The up and down stages' specs, per (token, slot) pair, or ``by_expert`` per chosen expert
+    (the grids ``k3f::routed_moe_mxfp4`` runs on its router's plan)."""
     x, weights, ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, layout, inter_live = args
     if layout not in MXFP4_LAYOUTS:
         return (f"MXFP4 experts in the {layout!r} layout; the kernels read Humming's (vLLM's MoE backend on "
@@ -348,7 +343,7 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
     shapes = {"experts": e, "top_k": k, "inter": inter, "inter_live": inter_live}
     dtypes = {"act": "bf16", "routing": "fp32"}
     order = MXFP4_LAYOUTS[layout]
-    if MXFP4_BY_EXPERT_FROM is not None and t >= MXFP4_BY_EXPERT_FROM:
+    if by_expert:
         warps = mxfp4_down_by_expert_warps(inter_live)
         if isinstance(warps, str):
             return warps
@@ -366,31 +361,88 @@ def _mxfp4_runtime(args: Sequence[Any]) -> str | None:
 
 
 def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """Per pair: up, then down. Per expert (from ``MXFP4_BY_EXPERT_FROM`` tokens, not served):
-    up also leaves each expert's pair list [E, 65] and zeroes the (token, 64-row tile) counters;
-    down writes each pair's weighted rows to an fp32 scratch [T, k, L] that the token's last
-    pair sums."""
+    """Per pair: up, then down."""
     (up, down), x = fns, args[0]
     weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
     live = args[10]
+    y, act = expert_outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
+    up(x.view(torch.int32), ids, w13, w13_scale.view(torch.int32), act)
+    down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y)
+    return y
+
+
+# ---- the router and the routed experts as one op, per chosen expert (k3f::routed_moe_mxfp4) ----
+_plans: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def routing_plan(device: torch.device, experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device's routing plan (int32: counts [E + 1], chosen [E], lists [E, cap]), zero where
+    the router counts: it is made once and every step leaves it so (``RouterTopkPlan`` fills it,
+    the per-expert down stage zeroes it). One per device: the MoE layers of a program run one
+    after another on one stream."""
+    key = (str(device), experts, cap)
+    if key not in _plans:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"k3f::routed_moe_mxfp4: the routing plan for {experts} experts on {device} is made "
+                               "on the first step outside a CUDA graph capture; run one step before capturing")
+        _plans[key] = (torch.zeros(experts + 1, dtype=torch.int32, device=device),
+                       torch.zeros(experts, dtype=torch.int32, device=device),
+                       torch.zeros((experts, cap), dtype=torch.int32, device=device))
+    return _plans[key]
+
+
+def _routing(tokens: int, top_k: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, ids [T, k] int64), what the router's kernel leaves (on ``meta`` for
+    the spec checks)."""
+    return (torch.empty((tokens, top_k), dtype=torch.float32, device=device),
+            torch.empty((tokens, top_k), dtype=torch.int64, device=device))
+
+
+def _moe_mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    from codegen.launchers.router_topk import router_topk_spec
+
+    x, logits, bias, w13, w13_scale, w2, w2_scale, top_k, renormalize, scaling = args[:10]
+    if x.dim() != 2 or logits.dim() != 2 or logits.shape[0] != x.shape[0]:
+        return f"x [T, L] and logits [T, E] expected, got {tuple(x.shape)} and {tuple(logits.shape)}"
+    if logits.shape[1] != w13.shape[0]:
+        return f"logits score {logits.shape[1]} experts, the weights hold {w13.shape[0]}"
+    router = router_topk_spec(op, arch, logits, bias, top_k, renormalize, scaling, plan_cap=EXPERTS_MAX_TOKENS)
+    if isinstance(router, str):
+        return router
+    weights, ids = _routing(x.shape[0], int(top_k), "meta")
+    experts = _mxfp4_specs(op, arch, (x, weights, ids, w13, w13_scale, w2, w2_scale, *args[10:]), by_expert=True)
+    return experts if isinstance(experts, str) else (router, *experts)
+
+
+def _moe_mxfp4_runtime(args: Sequence[Any]) -> str | None:
+    x, _, _, w13, w13_scale, w2, w2_scale = args[:7]
+    return aligned({"x": x, "w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale})
+
+
+def _moe_mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    """The router with its plan, then up and down per chosen expert; the down stage writes each
+    pair's weighted rows to an fp32 scratch [T, k, L] that the token's last pair sums. ``out``:
+    as ``expert_outputs``."""
+    (router, up, down), (x, logits, bias, w13, w13_scale, w2, w2_scale) = fns, args[:7]
+    top_k, live = int(args[7]), args[13]
     t, latent = x.shape
-    y, act = expert_outputs(x, latent, (t, ids.shape[1], live), out)
-    xs, s13, a, s2 = x.view(torch.int32), w13_scale.view(torch.int32), act.view(torch.int32), w2_scale.view(torch.int32)
-    if "by_expert_max_tokens" in specs[0].param_dict:
-        cap = specs[0].param_dict["by_expert_max_tokens"]
-        lists = torch.empty((w13.shape[0], cap + 1), dtype=torch.int32, device=x.device)
-        counts = torch.empty((t, latent // 64), dtype=torch.int32, device=x.device)
-        rows = torch.empty((t, ids.shape[1], latent), dtype=torch.float32, device=x.device)
-        up(xs, ids, w13, s13, act, lists, counts)
-        down(a, lists, weights, w2, s2, rows, counts, y)
-    else:
-        up(xs, ids, w13, s13, act)
-        down(a, ids, weights, w2, s2, y)
+    weights, ids = _routing(t, top_k, x.device)
+    counts, chosen, lists = routing_plan(x.device, w13.shape[0], specs[0].param_dict["plan_cap"])
+    y, act = expert_outputs(x, latent, (t, top_k, live), out)
+    records = torch.empty(w13.shape[0] + 1, dtype=torch.int32, device=x.device)
+    arrivals = torch.empty((t, latent // 64), dtype=torch.int32, device=x.device)
+    rows = torch.empty((t, top_k, latent), dtype=torch.float32, device=x.device)
+    router(logits, bias, weights, ids, counts, chosen, lists)
+    up(x.view(torch.int32), counts, chosen, lists, w13, w13_scale.view(torch.int32), act, records, arrivals)
+    down(act.view(torch.int32), counts, chosen, lists, records, weights, w2, w2_scale.view(torch.int32), rows,
+         arrivals, y)
     return y
 
 
 TEMPLATES = (*TEMPLATES, Template(
     "routed_experts_mxfp4", ("k3f::routed_experts_mxfp4",), _mxfp4_specs, _mxfp4_runtime, _mxfp4_launch,
     doc="routed experts on MXFP4 weights in Humming's layout, 1..64 tokens: dequantized in registers, "
-        "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair (the "
-        "per-expert grids built beside them are not served); the padding never read"))
+        "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair; the padding never read"),
+    Template("routed_moe_mxfp4", ("k3f::routed_moe_mxfp4",), _moe_mxfp4_specs, _moe_mxfp4_runtime, _moe_mxfp4_launch,
+             doc="the router's top-k filing the pairs by expert, then the MXFP4 experts per chosen expert: each "
+                 "selected expert read and dequantized once, its pairs as the MMA's columns"))

@@ -20,8 +20,10 @@ def router_threads(experts: int) -> int:
     return min(1024, max(32, -(-experts // 8 // 32) * 32))
 
 
-def _router_topk_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
-    logits, bias, top_k, renormalize, scaling = args
+def router_topk_spec(op: str, arch: str, logits, bias, top_k, renormalize, scaling,
+                     plan_cap: int | None = None) -> KernelSpec | str:
+    """The ``router_topk`` kernel's spec for these operands, or why not; ``plan_cap``: the variant
+    that also files the pairs by expert (``RouterTopkPlan``), for lists of up to that many pairs."""
     if logits.dim() != 2:
         return f"logits must be [tokens, experts], got {tuple(logits.shape)}"
     reason = check_tensors({"logits": logits, "bias": bias}, torch.float32)
@@ -34,10 +36,15 @@ def _router_topk_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | s
         return f"{e} experts outside 1..{ROUTER_MAX_EXPERTS}"
     if not 1 <= int(top_k) <= min(ROUTER_MAX_TOP_K, e):
         return f"top_k {top_k} outside 1..{min(ROUTER_MAX_TOP_K, e)}"
-    return (KernelSpec.make("router_topk", op, arch, shapes={"experts": e},
-                           dtypes={"logits": "fp32", "bias": "fp32"},
-                           params={"top_k": int(top_k), "renormalize": bool(renormalize), "scaling": float(scaling),
-                                   "threads": router_threads(e)}),)
+    params = {"top_k": int(top_k), "renormalize": bool(renormalize), "scaling": float(scaling),
+              "threads": router_threads(e)}
+    return KernelSpec.make("router_topk", op, arch, shapes={"experts": e}, dtypes={"logits": "fp32", "bias": "fp32"},
+                           params=params if plan_cap is None else {**params, "plan_cap": int(plan_cap)})
+
+
+def _router_topk_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec] | str:
+    spec = router_topk_spec(op, arch, *args)
+    return spec if isinstance(spec, str) else (spec,)
 
 
 def _router_topk_runtime(args: Sequence[Any]) -> str | None:
