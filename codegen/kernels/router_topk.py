@@ -219,7 +219,8 @@ class RouterTopk:
             mIds[token, tidx] = Int64(e)
             if const_expr(self.plan):  # a token chooses an expert once: its place is below the token count
                 place = cute.arch.atomic_add(mCount.iterator + e, Int32(1), sem="relaxed", scope="gpu")
-                mLists[e, place] = token * K + tidx
+                if place < mLists.shape[1]:  # (a plan left unzeroed must not write past the lists)
+                    mLists[e, place] = token * K + tidx
                 if place == 0:
                     mChosen[cute.arch.atomic_add(mCount.iterator + self.experts, Int32(1), sem="relaxed",
                                                  scope="gpu")] = e
