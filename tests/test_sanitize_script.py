@@ -50,3 +50,24 @@ def test_a_reported_error_fails_the_run(tmp_path):
     r = run(tmp_path, "--jobs", "1", "racecheck", "--", GPU_TEST, rc=99)
     summary = (tmp_path / "out" / "sanitize-summary.txt").read_text()
     assert r.returncode == 1 and "racecheck test_kernels_gemm.py::test_gemm_matches_the_reference: rc=99" in summary
+
+
+def test_per_test_runs_each_gpu_test_of_a_file_on_its_own(tmp_path):
+    """``--per-test``: a file becomes its GPU tests' node ids (as pytest collects them with
+    ``-m gpu``), each its own process under the tool; a node id stays as given."""
+    file = "tests/test_kernels_dense.py"
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                                "-p", "no:cacheprovider", file], cwd=ROOT, capture_output=True, text=True,
+                               env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"), timeout=600).stdout
+    nodes = sorted(n.split("/", 1)[1] for n in collected.splitlines() if "::" in n)
+    assert len(nodes) > 1
+    r = run(tmp_path, "--per-test", "--jobs", "2", "synccheck", "--", file, GPU_TEST)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = (tmp_path / "out" / "sanitize-summary.txt").read_text().splitlines()
+    ran = sorted(s.split(": rc=")[0].split(" ", 1)[1] for s in summary if s.startswith("synccheck "))
+    assert ran == sorted([*nodes, "test_kernels_gemm.py::test_gemm_matches_the_reference"])
+
+
+def test_per_test_without_gpu_tests_is_named(tmp_path):
+    r = run(tmp_path, "--per-test", "memcheck", "--", "tests/test_config.py")
+    assert r.returncode == 2 and "--per-test found no GPU tests in: tests/test_config.py" in r.stderr
