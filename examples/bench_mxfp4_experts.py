@@ -34,8 +34,8 @@ import torch
 
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4 and k3f::routed_moe_mxfp4)
 import patterns.router  # noqa: F401  (defines k3f::router_topk)
-from bench_kernels import graph_us  # examples/: CUDA-graph replay timing
-from codegen.bind import device_arch, load_kernels
+from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
+from codegen.bind import device_arch
 from rewriter.bench_cmd import profile_kernels, short_name
 from rewriter.cost import H200_COPY_TBPS
 from rewriter.layers.experts import GROUP, humming_relayout, random_mxfp4
@@ -85,17 +85,17 @@ def bench(tp, gen, token_counts, repeat=1) -> list[dict]:
         y = torch.empty(tokens, L, dtype=torch.bfloat16, device="cuda")
         act = torch.empty(tokens, K, live, dtype=torch.bfloat16, device="cuda")
 
-        tpl, specs, fns = loaded("k3f::routed_experts_mxfp4", args[0])
+        tpl, specs, fns = kernel("k3f::routed_experts_mxfp4", args[0])
         row["pair_us"] = graph_us(lambda: [tpl.launch(fns, specs, a, out=(y, act)) for a in args]) / ROUTINGS
         row["pair_diff"] = diff(lambda: tpl.launch(fns, specs, args[0], out=(y, act)), y, ref)
 
         # the router's operands: logits whose top-k are each routing's ids
         plans = [(*routing_logits(i, gen), K, True, SCALING) for _, i in routes]
-        tk_tpl, tk_specs, tk_fns = loaded("k3f::router_topk", plans[0])
+        tk_tpl, tk_specs, tk_fns = kernel("k3f::router_topk", plans[0])
         row["router_us"] = graph_us(lambda: [tk_tpl.launch(tk_fns, tk_specs, p) for p in plans]) / ROUTINGS
 
         moe = [(x, p[0], p[1], *laid["w13"], *laid["w2"], *p[2:], BETA, LINEAR_BETA, "humming", live) for p in plans]
-        m_tpl, m_specs, m_fns = loaded("k3f::routed_moe_mxfp4", moe[0])
+        m_tpl, m_specs, m_fns = kernel("k3f::routed_moe_mxfp4", moe[0])
         row["expert_us"] = graph_us(lambda: [m_tpl.launch(m_fns, m_specs, a, out=(y, act)) for a in moe]) / ROUTINGS
         weights, ids = route(plans[0][0], plans[0][1], top_k=K, renormalize=True, scaling=SCALING)
         ref_moe = peer(x, weights, ids, laid["w13"], laid["w2"], peer.align(ids))
@@ -114,12 +114,6 @@ def bench(tp, gen, token_counts, repeat=1) -> list[dict]:
         for form in ("pair", "expert"):
             print(f"    {form:>6}: " + ", ".join(f"{short_name(n)} {us:.1f} us" for n, us in row[f"{form}_stages"]))
     return out
-
-
-def loaded(op, args):
-    r = load_kernels(op, device_arch(), args)
-    assert not isinstance(r, str), r
-    return r
 
 
 def diff(launch, y, ref) -> float:

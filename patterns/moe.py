@@ -30,9 +30,9 @@ from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, tok
 SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
 # routed_moe_mxfp4 from this many tokens per step (router_topk + routed_experts_mxfp4 below); None: never.
 # On the H200 (examples/bench_mxfp4_experts.py, 2026-12-02) the router with the per-expert grids
-# was slower than the router with the per-pair grids at every count (TP 16: 214 against 104 us at
-# 16 tokens, 574 against 380 at 64; TP 8, 64 tokens: 1191 against 776), though each chosen expert
-# is read once: built, GPU-tested and kept for its redesign (docs/CODEGEN.md), not served.
+# was slower than the router with the per-pair grids at every count (TP 16: 206.5 against 103.7 us
+# at 16 tokens, 547.1 against 374.3 at 64; TP 8, 64 tokens: 1145.3 against 768.0), though each
+# chosen expert is read once: built, GPU-tested and kept for its redesign (docs/CODEGEN.md).
 MOE_BY_EXPERT_FROM: int | None = None
 
 
@@ -42,14 +42,21 @@ def routed_experts_op(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tenso
     return experts_down(experts_up(x_latent, ids, w13, beta=beta, linear_beta=linear_beta), weights, ids, w2)
 
 
+def mxfp4_experts(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor,
+                  w2_scale: Tensor, layout: str, beta: float | None, linear_beta: float | None) -> Tensor:
+    """The reference layer's routed experts on MXFP4 weights (what both MXFP4 rules match and
+    their ops compute)."""
+    return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, beta=beta, linear_beta=linear_beta),
+                        weights, ids, w2, w2_scale, layout=layout)
+
+
 @fused_op("routed_experts_mxfp4")
 def routed_experts_mxfp4_op(x_latent: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w13_scale: Tensor,
                             w2: Tensor, w2_scale: Tensor, beta: float | None, linear_beta: float | None, layout: str,
                             inter_live: int) -> Tensor:
     """The routed experts on MXFP4 weights in ``layout``; only the first ``inter_live`` channels
     of each half of w13 (and of w2's K) are real, the rest is zero padding a kernel skips."""
-    return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, beta=beta, linear_beta=linear_beta),
-                        weights, ids, w2, w2_scale, layout=layout)
+    return mxfp4_experts(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, layout, beta, linear_beta)
 
 
 @fused_op("routed_moe_mxfp4")
@@ -58,8 +65,7 @@ def routed_moe_mxfp4_op(x_latent: Tensor, logits: Tensor, bias: Tensor, w13: Ten
                         linear_beta: float | None, layout: str, inter_live: int) -> Tensor:
     """The router's top-k, then the routed experts on MXFP4 weights (``routed_experts_mxfp4``)."""
     weights, ids = route(logits, bias, top_k=top_k, renormalize=renormalize, scaling=scaling)
-    return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, beta=beta, linear_beta=linear_beta),
-                        weights, ids, w2, w2_scale, layout=layout)
+    return mxfp4_experts(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, layout, beta, linear_beta)
 
 
 @fused_op("shared_experts")
@@ -108,8 +114,7 @@ def _routed_mxfp4_variants(ctx: RuleContext):
     layout, live = routed.format.layout, routed.inter_live
 
     def pattern(x_latent, weights, ids, w13, w13_scale, w2, w2_scale):
-        return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, **act), weights, ids, w2,
-                            w2_scale, layout=layout)
+        return mxfp4_experts(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, layout, **act)
 
     def replacement(x_latent, weights, ids, w13, w13_scale, w2, w2_scale):
         return torch.ops.k3f.routed_experts_mxfp4(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, act["beta"],
@@ -128,8 +133,7 @@ def _moe_mxfp4_variants(ctx: RuleContext):
 
     def pattern(x_latent, logits, bias, w13, w13_scale, w2, w2_scale):
         weights, ids = route(logits, bias, top_k=k, renormalize=renorm, scaling=scale)
-        return experts_down(experts_up(x_latent, ids, w13, w13_scale, layout=layout, **act), weights, ids, w2,
-                            w2_scale, layout=layout)
+        return mxfp4_experts(x_latent, weights, ids, w13, w13_scale, w2, w2_scale, layout, **act)
 
     def replacement(x_latent, logits, bias, w13, w13_scale, w2, w2_scale):
         return torch.ops.k3f.routed_moe_mxfp4(x_latent, logits, bias, w13, w13_scale, w2, w2_scale, k, renorm, scale,

@@ -435,6 +435,12 @@ class Experts:
         (w13, s13), (w2, s2) = self.laid["w13"], self.laid["w2"]
         return (x, weights, ids, w13, s13, w2, s2, BETA, LINEAR_BETA, self.fmt.layout, self.live)
 
+    def moe_args(self, x, logits, bias, top_k=K):
+        """``k3f::routed_moe_mxfp4``'s: the router's logits and bias for the routing (renormalized
+        top-k, scaled by 2.5)."""
+        (w13, s13), (w2, s2) = self.laid["w13"], self.laid["w2"]
+        return (x, logits, bias, w13, s13, w2, s2, top_k, True, 2.5, BETA, LINEAR_BETA, self.fmt.layout, self.live)
+
     def reference(self, x, weights, ids):
         """(activation [T, k, I_live], output [T, L]) in fp32 from the checkpoint's values, one
         selected expert at a time (each dequantized once for all its (token, slot) pairs: a
@@ -511,8 +517,7 @@ def routing_logits(ids, gen, experts=E):
 def moe_step(experts, x, logits, bias, top_k=K):
     """``k3f::routed_moe_mxfp4`` on the kernels, outputs poisoned first: (y, activation), and the
     reference routing (weights, ids) the checks hold them to."""
-    (w13, s13), (w2, s2) = experts.laid["w13"], experts.laid["w2"]
-    args = (x, logits, bias, w13, s13, w2, s2, top_k, True, 2.5, BETA, LINEAR_BETA, experts.fmt.layout, experts.live)
+    args = experts.moe_args(x, logits, bias, top_k)
     tpl, specs, fns = gpu_kernels(MOE, args)
     assert tpl.kernel == "routed_moe_mxfp4" and "plan_cap" in specs[0].param_dict
     y = torch.full((x.shape[0], x.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -576,10 +581,9 @@ def test_moe_op_in_a_cuda_graph(humming_experts):
 
     bind.install_cuda_kernels()
     gen = torch.Generator().manual_seed(11)
-    (w13, s13), (w2, s2) = humming_experts.laid["w13"], humming_experts.laid["w2"]
     x = torch.randn(32, L, generator=gen).bfloat16().cuda()
     logits, bias = routing_logits(routing(32, gen)[1], gen)
-    args = (x, logits, bias, w13, s13, w2, s2, K, True, 2.5, BETA, LINEAR_BETA, "humming", humming_experts.live)
+    args = humming_experts.moe_args(x, logits, bias)
     torch.ops.k3f.routed_moe_mxfp4(*args)
     before = bind.stats()[MOE]["kernel"]
     graph = torch.cuda.CUDAGraph()

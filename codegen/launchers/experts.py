@@ -356,6 +356,7 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
 
 
 def _mxfp4_runtime(args: Sequence[Any]) -> str | None:
+    """Alignment of x and the weights, which both MXFP4 ops take in places 0 and 3..6."""
     x, _, _, w13, w13_scale, w2, w2_scale = args[:7]
     return aligned({"x": x, "w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale})
 
@@ -414,11 +415,6 @@ def _moe_mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
     return experts if isinstance(experts, str) else (router, *experts)
 
 
-def _moe_mxfp4_runtime(args: Sequence[Any]) -> str | None:
-    x, _, _, w13, w13_scale, w2, w2_scale = args[:7]
-    return aligned({"x": x, "w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale})
-
-
 def _moe_mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     """The router with its plan, then up and down per chosen expert; the down stage writes each
     pair's weighted rows to an fp32 scratch [T, k, L] that the token's last pair sums. ``out``:
@@ -443,6 +439,6 @@ TEMPLATES = (*TEMPLATES, Template(
     "routed_experts_mxfp4", ("k3f::routed_experts_mxfp4",), _mxfp4_specs, _mxfp4_runtime, _mxfp4_launch,
     doc="routed experts on MXFP4 weights in Humming's layout, 1..64 tokens: dequantized in registers, "
         "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair; the padding never read"),
-    Template("routed_moe_mxfp4", ("k3f::routed_moe_mxfp4",), _moe_mxfp4_specs, _moe_mxfp4_runtime, _moe_mxfp4_launch,
+    Template("routed_moe_mxfp4", ("k3f::routed_moe_mxfp4",), _moe_mxfp4_specs, _mxfp4_runtime, _moe_mxfp4_launch,
              doc="the router's top-k filing the pairs by expert, then the MXFP4 experts per chosen expert: each "
                  "selected expert read and dequantized once, its pairs as the MMA's columns"))
