@@ -11,10 +11,12 @@ bandwidth = the MXFP4 bytes a step must read (the selected experts' live rows: c
 scales, each distinct expert once) over the median time per launch; the floor is those bytes
 at 4.27 TB/s (the H200's measured copy bandwidth). Both of the rewriter's forms are timed at
 every token count: the per-pair grids (``k3f::routed_experts_mxfp4``, after ``k3f::router_topk``,
-timed alone beside them) and the router with the per-expert grids (``k3f::routed_moe_mxfp4``:
-the router files the pairs by expert, each chosen expert is read once; its logits are made so
-that their top-k are the drawn ids), so the table shows where the switch
-(``patterns.moe.MOE_BY_EXPERT_FROM``) should sit.
+timed alone beside them), and the router with its plan, the up stage per chosen expert and the
+per-pair down stage (``k3f::routed_moe_mxfp4``: the router files the pairs by expert, each chosen
+expert's w13 is read once; its logits are made so that their top-k are the drawn ids), so the
+table shows where the switch (``patterns.moe.MOE_BY_EXPERT_FROM``) should sit. ``--smem-weights
+always|never``: both stages' weights staged in shared memory at every token count, or at none
+(served: from ``codegen.launchers.experts.MXFP4_SMEM_WEIGHTS_FROM`` tokens).
 
     python examples/bench_mxfp4_experts.py                       # TP 16 and 8, 1 / 8 / 16 / 32 / 64 tokens
     python examples/bench_mxfp4_experts.py --tp 8 --tokens 16 24
@@ -36,6 +38,7 @@ import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4 and k3f::r
 import patterns.router  # noqa: F401  (defines k3f::router_topk)
 from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
 from codegen.bind import device_arch
+from codegen.launchers import experts as experts_launcher
 from rewriter.bench_cmd import profile_kernels, short_name
 from rewriter.cost import H200_COPY_TBPS
 from rewriter.layers.experts import GROUP, humming_relayout, random_mxfp4
@@ -95,23 +98,25 @@ def bench(tp, gen, token_counts, repeat=1) -> list[dict]:
         row["router_us"] = graph_us(lambda: [tk_tpl.launch(tk_fns, tk_specs, p) for p in plans]) / ROUTINGS
 
         moe = [(x, p[0], p[1], *laid["w13"], *laid["w2"], *p[2:], BETA, LINEAR_BETA, "humming", live) for p in plans]
-        m_tpl, m_specs, m_fns = kernel("k3f::routed_moe_mxfp4", moe[0])
-        row["expert_us"] = graph_us(lambda: [m_tpl.launch(m_fns, m_specs, a, out=(y, act)) for a in moe]) / ROUTINGS
         weights, ids = route(plans[0][0], plans[0][1], top_k=K, renormalize=True, scaling=SCALING)
         ref_moe = peer(x, weights, ids, laid["w13"], laid["w2"], peer.align(ids))
+        # the router's plan, the per-expert up stage and the per-pair down stage
+        m_tpl, m_specs, m_fns = kernel("k3f::routed_moe_mxfp4", moe[0])
+        row["expert_us"] = graph_us(lambda: [m_tpl.launch(m_fns, m_specs, a, out=(y, act)) for a in moe]) / ROUTINGS
         row["expert_diff"] = diff(lambda: m_tpl.launch(m_fns, m_specs, moe[0], out=(y, act)), y, ref_moe)
+        forms = {"pair": (tpl, specs, fns, args[0]), "expert": (m_tpl, m_specs, m_fns, moe[0])}
         # one un-captured call of each form, kernel by kernel (the first routing: the L2 holds
         # less of it than in the graphs, whose 20 routings it cycles through)
-        for form, (t_, s_, f_, a_) in (("pair", (tpl, specs, fns, args[0])), ("expert", (m_tpl, m_specs, m_fns, moe[0]))):
+        for form, (t_, s_, f_, a_) in forms.items():
             row[f"{form}_stages"] = profile_kernels(lambda: t_.launch(f_, s_, a_, out=(y, act)))
         nbytes = sum(must_read(i, live) for _, i in routes) / ROUTINGS
         row["mb"], row["floor_us"] = nbytes / 1e6, nbytes / (H200_COPY_TBPS * 1e6)
         out.append(row)
         print(f"TP {tp:>2} T {tokens:>2}: {row['mb']:7.1f} MB  floor {row['floor_us']:6.1f} us | router + per "
-              f"pair {row['router_us']:5.1f} + {row['pair_us']:7.1f} us | router and per expert {row['expert_us']:7.1f} us "
-              f"| Humming {theirs:7.1f} us | outputs differ from Humming's by {row['pair_diff']:.1e} / "
-              f"{row['expert_diff']:.1e}", flush=True)
-        for form in ("pair", "expert"):
+              f"pair {row['router_us']:5.1f} + {row['pair_us']:7.1f} us | router's plan, up per expert, down per "
+              f"pair {row['expert_us']:7.1f} us | Humming {theirs:7.1f} us | outputs differ from Humming's by "
+              f"{row['pair_diff']:.1e} / {row['expert_diff']:.1e}", flush=True)
+        for form in forms:
             print(f"    {form:>6}: " + ", ".join(f"{short_name(n)} {us:.1f} us" for n, us in row[f"{form}_stages"]))
     return out
 
@@ -136,13 +141,19 @@ def main() -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[16, 8], choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     ap.add_argument("--repeat", type=int, default=1, help="consecutive tokens sharing one expert set (default 1)")
+    ap.add_argument("--smem-weights", choices=("served", "always", "never"), default="served",
+                    help="both stages' weights staged in shared memory: as served (from "
+                         "codegen.launchers.experts.MXFP4_SMEM_WEIGHTS_FROM tokens), always or never")
     a = ap.parse_args()
+    if a.smem_weights != "served":
+        experts_launcher.MXFP4_SMEM_WEIGHTS_FROM = 1 if a.smem_weights == "always" else None
     bad = [f"--tokens {t} (1..64)" for t in a.tokens if not 1 <= t <= 64]
     bad += [f"--repeat {a.repeat} (at least 1)"] if a.repeat < 1 else []
     if bad:
         ap.error(", ".join(bad))
     print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
-          f"E = {E}, top-{K}, L = {L}; each expert set drawn for {a.repeat} consecutive token(s)", flush=True)
+          f"E = {E}, top-{K}, L = {L}; each expert set drawn for {a.repeat} consecutive token(s); the stages' weights "
+          f"in shared memory from {experts_launcher.MXFP4_SMEM_WEIGHTS_FROM} tokens", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     with torch.no_grad():
@@ -150,11 +161,11 @@ def main() -> int:
             rows += bench(tp, gen, a.tokens, a.repeat)
             torch.cuda.empty_cache()
     print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'router us':>10} {'per pair us':>12} "
-          f"{'router+pair':>12} {'router+expert':>14} {'% floor':>8} {'Humming us':>11}")
+          f"{'router+pair':>12} {'plan+expert up':>15} {'% floor':>8} {'Humming us':>11}")
     for r in rows:
         best = min(r["router_us"] + r["pair_us"], r["expert_us"])
         print(f"{r['tp']:>3} {r['tokens']:>6} {r['mb']:>8.1f} {r['floor_us']:>9.1f} {r['router_us']:>10.1f} "
-              f"{r['pair_us']:>12.1f} {r['router_us'] + r['pair_us']:>12.1f} {r['expert_us']:>14.1f} "
+              f"{r['pair_us']:>12.1f} {r['router_us'] + r['pair_us']:>12.1f} {r['expert_us']:>15.1f} "
               f"{100 * r['floor_us'] / best:>7.0f}% {r['humming_us']:>11.1f}")
     return 0
 

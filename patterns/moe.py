@@ -5,9 +5,9 @@ an auxiliary stream, and the latent tail.
   layout vLLM's MoE backend leaves): for each token, its selected experts' gate/up rows,
   SiTU, and down projections, weighted and summed;
 - ``routed_moe_mxfp4``: the router's top-k and the MXFP4 experts as one op, so that the router
-  can file the step's pairs by expert for grids that read and dequantize each chosen expert once;
-  from ``MOE_BY_EXPERT_FROM`` tokens, which is None (not served: measured slower than the
-  per-pair grids at every batch);
+  can file the step's pairs by expert for an up stage that reads and dequantizes each chosen
+  expert once (the down stage per pair); from ``MOE_BY_EXPERT_FROM`` tokens, which is None (not
+  served: measured no faster than the per-pair grids at any batch);
 - ``shared_experts.small`` / ``.large``: gate_up, SiTU, down on the un-projected rows (GEMVs
   at one token, the tensor-core GEMM from 2); it reads nothing of the routed branch, so it
   runs on the aux stream beside it;
@@ -29,10 +29,11 @@ from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, tok
 
 SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
 # routed_moe_mxfp4 from this many tokens per step (router_topk + routed_experts_mxfp4 below); None: never.
-# On the H200 (examples/bench_mxfp4_experts.py, 2026-12-02) the router with the per-expert grids
-# was slower than the router with the per-pair grids at every count (TP 16: 206.5 against 103.7 us
-# at 16 tokens, 547.1 against 374.3 at 64; TP 8, 64 tokens: 1145.3 against 768.0), though each
-# chosen expert is read once: built, GPU-tested and kept for its redesign (docs/CODEGEN.md).
+# On the H200 (examples/bench_mxfp4_experts.py, 2026-12-02, both with their weights staged in shared
+# memory) the router's plan with the up stage per chosen expert was no faster than the router with
+# the per-pair grids at any count (TP 16: 74.6 against 56.3 us at 8 tokens, 367.1 against 362.5 at
+# 64; TP 8, 64 tokens: 745.4 against 737.3), though each chosen expert's w13 is read once: built,
+# GPU-tested and kept for a pipelined per-expert GEMM (docs/CODEGEN.md).
 MOE_BY_EXPERT_FROM: int | None = None
 
 
@@ -193,7 +194,8 @@ RULES = [
     Rule("routed_experts_mxfp4", "moe", _routed_mxfp4_variants, common_guard, launches=2,
          doc="the same on MXFP4 experts in the layout vLLM's MoE backend leaves, dequantized in registers"),
     Rule("routed_moe_mxfp4", "moe", _moe_mxfp4_variants, _moe_guard, launches=3,
-         doc="router top-k filing the pairs by expert, then the MXFP4 experts per chosen expert (each read once)"),
+         doc="router top-k filing the pairs by expert, then the MXFP4 up stage per chosen expert (each read "
+             "once) and the down stage per pair"),
     Rule("shared_experts.small", "moe", _shared_variants,
          token_range_guard(1, SHARED_SMALL_MAX, "the GEMV rule takes 1 token"), kernel="shared_experts",
          stream="aux", launches=2,

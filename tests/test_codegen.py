@@ -500,12 +500,13 @@ BUILT_ON = {
     "router_topk": ("redux.sync.max.u32", "vote.sync.ballot.b32", "ex2.approx"),
     "expert_up": ("ld.global.L1::no_allocate.L2::256B.v4",),
     "expert_down": ("ld.global.L1::no_allocate.L2::256B.v4",),
-    "expert_up_mxfp4": ("ld.global.L1::no_allocate.v4.b32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-                        "mul.rn.bf16x2", "barrier.cluster.arrive"),
-    "expert_down_mxfp4": ("ld.global.L1::no_allocate.v4.b32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-                          "mul.rn.bf16x2"),
+    "expert_up_mxfp4": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mul.rn.bf16x2",
+                        "barrier.cluster.arrive"),
+    "expert_down_mxfp4": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mul.rn.bf16x2"),
 }
 BUILT_ON_MXFP4 = {"expert_down_mxfp4": ("barrier.cluster.arrive",)}  # the per-pair down stage's cluster (served)
+# the MXFP4 stages' weights: into registers, or (from MXFP4_SMEM_WEIGHTS_FROM tokens) into shared memory
+MXFP4_WEIGHT_LOADS = {False: ("ld.global.L1::no_allocate.v4.b32",), True: ("cp.async.cg.shared.global", "ld.shared.v4")}
 
 
 @needs_cutedsl
@@ -527,6 +528,8 @@ def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch,
         ptx = kcache.get(st["key"]).ptx
         assert f".target {arch}" in ptx, name
         extra = BUILT_ON_MXFP4.get(name, ())
+        if name.endswith("_mxfp4"):
+            extra += MXFP4_WEIGHT_LOADS[bool(st["spec"]["params"].get("smem_weights"))]
         missing = [instr for instr in (*BUILT_ON[name], *extra) if instr not in ptx]
         assert not missing, f"{name} ({arch}): PTX lacks {missing}"
         assert "ld.local" not in ptx and "st.local" not in ptx, f"{name} ({arch}) uses local memory"

@@ -114,7 +114,7 @@ def test_mxfp4_moe_rule_takes_the_router_with_the_experts_from_16_tokens(tiny, l
     """Not served (``MOE_BY_EXPERT_FROM`` is None: the rule has no pattern, so it neither matches
     nor refuses); set to 16, from 16 tokens ``routed_moe_mxfp4`` takes the router's top-k and the
     MXFP4 experts as one op (three kernels: the router files the pairs by expert for the
-    per-expert grids), equivalent to the layer; below, it refuses by name and the top-k and the
+    per-expert up stage), equivalent to the layer; below, it refuses by name and the top-k and the
     per-pair experts are matched apart."""
     import patterns.moe
 

@@ -22,7 +22,9 @@ Work split:
 Programmatic dependent launch: the kernel runs right after ``expert_up_mxfp4``, whose CTAs let it
 launch only once their own wait has seen the router finish; so a CTA reads its ids and routing
 weight and issues its rows before its wait (which only the activation needs), and those loads
-overlap the up stage's tail. It lets the next kernel launch after the wait.
+overlap the up stage's tail. It lets the next kernel launch after the wait. After the per-expert
+up stage (``k3f::routed_moe_mxfp4``) its first CTA also puts the router's plan back to zero once
+past that wait: the up stage, the plan's last reader, has completed, and this grid reads none of it.
 """
 from __future__ import annotations
 
@@ -32,22 +34,12 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, NO_CARVEOUT_PREFERENCE, ORDERS, cluster_barrier, cluster_sum,
-                                   load_b, load_scales, load_weights, tile_mma, warp_registers)
+from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS,
+                                   cluster_barrier, cluster_sum, issue_weights, load_b, load_scales, staged_words,
+                                   tile_mma, warp_registers, weight_staging)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
-
-
-def check_shapes(order: str, rows: int, inter: int, inter_live: int) -> None:
-    """What both down-stage grids need: a known nibble order, whole row tiles of L, whole scale
-    groups of the live intermediate."""
-    if order not in ORDERS:
-        raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
-    if rows % TILE:
-        raise ValueError(f"L {rows} is not a multiple of {TILE}")
-    if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
-        raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
 
 
 class ExpertDownMxfp4:
@@ -55,8 +47,16 @@ class ExpertDownMxfp4:
     nibble order, the cluster (CTAs splitting a token's slots) and the warps per slot."""
 
     def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
-                 cluster: int, warps_per_slot: int):
-        check_shapes(order, rows, inter, inter_live)
+                 cluster: int, warps_per_slot: int, zero_plan: bool = False, smem_weights: bool = False):
+        if order not in ORDERS:
+            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+        if rows % TILE:
+            raise ValueError(f"L {rows} is not a multiple of {TILE}")
+        if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
+            raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+        self.zero_plan_after_wait = zero_plan
+        self.smem_weights = smem_weights  # the weights staged in shared memory (``mxfp4.weight_staging``)
+        self.warps_per_sm = DOWN_WARPS_PER_SM_SMEM if smem_weights else DOWN_WARPS_PER_SM
         if cluster not in (1, 2, 4, 8) or top_k % cluster or TILE % cluster:
             raise ValueError(f"cluster {cluster}: 1, 2, 4 or 8 dividing top_k {top_k}")
         kb = inter_live // 16
@@ -77,16 +77,17 @@ class ExpertDownMxfp4:
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor,
-                 mS: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+                 mS: cute.Tensor, mOut: cute.Tensor, mCount: cute.Tensor | None, mChosen: cute.Tensor | None,
+                 stream: cuda.CUstream):
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
-        self.kernel(mA, mIds, mWeights, mW, mS, mOut).launch(
+        self.kernel(mA, mIds, mWeights, mW, mS, mOut, mCount, mChosen).launch(
             grid=[mIds.shape[0] * self.cluster, self.tiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
-            stream=stream, use_pdl=True, min_blocks_per_mp=max(1, DOWN_WARPS_PER_SM // self.warps),
+            stream=stream, use_pdl=True, min_blocks_per_mp=max(1, self.warps_per_sm // self.warps),
             preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor,
-               mOut: cute.Tensor):
+               mOut: cute.Tensor, mCount: cute.Tensor | None, mChosen: cute.Tensor | None):
         bidx, nt, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
@@ -102,9 +103,10 @@ class ExpertDownMxfp4:
         r = lane // 4
         q = lane - r * 4
 
-        rW, rS, acc = warp_registers(NKB)
+        _, rS, acc = warp_registers(NKB)
         rB = cute.make_rmem_tensor((2, NKB), Int32)
         smem = SmemAllocator()
+        rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps)), byte_alignment=16)
         sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), byte_alignment=16)
 
@@ -113,12 +115,15 @@ class ExpertDownMxfp4:
         # before this kernel's wait: the rows' DRAM latency overlaps the up stage's tail
         e = Int64(cutlass.max(cutlass.min(Int32(mIds[token, slot]), Int32(self.experts - 1)), Int32(0)))
         weight = Float32(mWeights[token, slot])
-        load_weights(mW, rW, e, kb0, NKB, nt, lane)
+        issue_weights(mW, rW, sW, e, kb0, NKB, nt, lane, warp)
         load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
         cute.arch.griddepcontrol_wait()  # the activation is the up stage's output
         cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.zero_plan_after_wait):
+            if (bidx == 0) & (nt == 0):
+                self.zero_plan(mCount, mChosen, tidx)
         load_b(mA, rB, (token, slot), kb0, NKB, q)
-        tile_mma(rW, rS, lambda i: (rB[0, i], rB[1, i]), acc, NKB, self.order)
+        tile_mma(staged_words(rW, sW, lane, warp), rS, lambda i: (rB[0, i], rB[1, i]), acc, NKB, self.order)
 
         if q == 0:
             for i3 in cutlass.range_constexpr(4):
@@ -138,159 +143,28 @@ class ExpertDownMxfp4:
             cluster_barrier(C)  # peers may still be reading this CTA's sums
 
 
-class ExpertDownMxfp4ByExpert:
-    """The per-expert down stage, after ``expert_up_mxfp4``'s per-expert grid: a CTA per
-    (chosen expert, 64-row tile of L), its ``warps`` splitting the live K blocks, so each selected
-    expert's W2 is read once per step; the expert's pairs (the routing plan's list, their count
-    and the chosen count from the up stage's records ``mRec``) run eight at a time as the MMA's N
-    columns, each lane's B its column's activation. A pair's weighted rows go to the fp32 scratch
-    ``mP`` [T, k, L]; then the pair counts in at its (token, tile) counter (``mCnt``, zeroed by the
-    up stage), and the CTA that brings a token's k-th pair sums its k rows in slot order (so
-    deterministically, whatever the lists' order) into the bf16 output: no extra launch, no
-    atomics on the data. Its first CTA zeroes the plan's counts for the next step (nothing after
-    the up stage reads them: this stage reads the records)."""
-
-    COLUMNS = 8
-
-    def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
-                 warps: int, max_tokens: int):
-        check_shapes(order, rows, inter, inter_live)
-        kb = inter_live // 16
-        if warps not in (1, 2, 4) or kb % warps or (kb // warps) % 2 or kb // warps > MAX_KB_PER_WARP:
-            raise ValueError(f"{kb} live K blocks do not split into even runs of at most {MAX_KB_PER_WARP} over "
-                             f"{warps} warps")
-        self.experts, self.top_k, self.rows = experts, top_k, rows
-        self.inter, self.inter_live, self.order, self.warps = inter, inter_live, order, warps
-        self.kb_per_warp = kb // warps
-        self.tiles = rows // TILE
-        self.pair_cap = max_tokens
-
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
-                 mRec: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mP: cute.Tensor,
-                 mCnt: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
-        entries = cutlass.min(mA.shape[0] * self.top_k, self.experts)
-        self.kernel(mA, mCount, mChosen, mLists, mRec, mWeights, mW, mS, mP, mCnt, mOut).launch(
-            grid=[entries, self.tiles, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
-            min_blocks_per_mp=max(1, DOWN_WARPS_PER_SM // self.warps),
-            preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
-
-    @cute.kernel
-    def kernel(self, mA: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
-               mRec: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mP: cute.Tensor,
-               mCnt: cute.Tensor, mOut: cute.Tensor):
-        entry, nt, _ = cute.arch.block_idx()
-        tidx, _, _ = cute.arch.thread_idx()
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
-        NKB = const_expr(self.kb_per_warp)
-        kb0 = warp * NKB
-        r = lane // 4
-        q = lane - r * 4
-
-        rW, rS, acc = warp_registers(NKB)
-        rB = cute.make_rmem_tensor((2, NKB), Int32)
-        smem = SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.COLUMNS, self.warps)), byte_alignment=16)
-        sLast = smem.allocate_tensor(Int32, cute.make_layout((self.COLUMNS,)), byte_alignment=16)
-
-        cute.arch.griddepcontrol_wait()  # the records, counters and activations are the up stage's
-        chosen = mRec[0]
-        if entry < chosen:
-            e = cutlass.max(cutlass.min(mChosen[entry], Int32(self.experts - 1)), Int32(0))
-            count = mRec[1 + entry]
-            load_weights(mW, rW, Int64(e), kb0, NKB, nt, lane)
-            load_scales(mS, rS, Int64(e), kb0 // 2, NKB // 2, nt, r)
-            cute.arch.griddepcontrol_launch_dependents()
-            for c0 in cutlass.range(0, count, self.COLUMNS, unroll=1):
-                self.columns(mA, mLists, mWeights, mP, mCnt, mOut, rW, rS, rB, acc, sPart, sLast, e, nt, c0, count,
-                             kb0, tidx, warp, r, q)
-        if (entry == 0) & (nt == 0):  # the plan back to zero for the next step's router
-            for i in cutlass.range(tidx, chosen, 32 * self.warps, unroll=1):
-                mCount[mChosen[i]] = Int32(0)
-            if tidx == 0:
-                mCount[self.experts] = Int32(0)
-
-    @cute.jit
-    def columns(self, mA, mLists, mWeights, mP, mCnt, mOut, rW, rS, rB, acc, sPart, sLast, e, nt, c0, count, kb0,
-                tidx, warp, r, q):
-        """Pairs ``c0 .. c0 + 7`` of expert ``e`` (those below ``count``) on this row tile: their
-        weighted rows into the scratch, their arrivals counted, and the tokens they complete summed."""
-        threads = 32 * self.warps
-        ncol = self.COLUMNS
-        k = self.top_k
-        pair = mLists[e, c0 + cutlass.select_(c0 + r < count, r, Int32(0))]  # this lane's B column
-        token = pair // k
-        load_b(mA, rB, (token, pair - token * k), kb0, self.kb_per_warp, q)
-        acc.fill(0.0)
-        tile_mma(rW, rS, lambda i: (rB[0, i], rB[1, i]), acc, self.kb_per_warp, self.order)
-        for i3 in cutlass.range_constexpr(4):
-            for j in cutlass.range_constexpr(4):
-                sPart[i3 * 16 + (j // 2) * 8 + r, 2 * q + j % 2, warp] = acc[j, i3]
-        cute.arch.barrier()
-        for j in cutlass.range_constexpr(-(-(TILE * ncol) // threads)):
-            i = tidx + j * threads
-            col = i // TILE
-            if i < TILE * ncol and c0 + col < count:
-                row = i - col * TILE
-                p = mLists[e, c0 + col]
-                tp = p // k
-                part = sPart[row, col, 0]
-                for w in cutlass.range_constexpr(1, self.warps):
-                    part = part + sPart[row, col, w]
-                mP[tp, p - tp * k, nt * TILE + row] = part * Float32(mWeights[tp, p - tp * k])
-        cute.arch.fence_acq_rel_gpu()  # this thread's rows are visible before the pair counts in
-        cute.arch.barrier()
-        if tidx < ncol:
-            last = Int32(-1)
-            if c0 + tidx < count:
-                ta = mLists[e, c0 + tidx] // k
-                seen = cute.arch.atomic_add(mCnt.iterator + (ta * self.tiles + nt), Int32(1), sem="acq_rel",
-                                            scope="gpu")
-                last = cutlass.select_(seen == k - 1, ta, Int32(-1))
-            sLast[tidx] = last
-        cute.arch.barrier()
-        cute.arch.fence_acq_rel_gpu()
-        for col in cutlass.range_constexpr(ncol):
-            tl = sLast[col]
-            if tl >= 0:  # this pair was its token's last on the tile: the k slots' rows, summed in order
-                for j in cutlass.range_constexpr(-(-TILE // threads)):
-                    orow = tidx + j * threads
-                    if const_expr(TILE % threads == 0) or orow < TILE:
-                        total = Float32(0.0)
-                        for slot in cutlass.range_constexpr(k):
-                            total = total + mP[tl, slot, nt * TILE + orow]
-                        mOut[tl, nt * TILE + orow] = total.to(BFloat16)
-        cute.arch.barrier()  # sPart and sLast serve the next columns
+    def zero_plan(self, mCount: cute.Tensor, mChosen: cute.Tensor, tidx):
+        """After the per-expert up stage (which read the router's plan and has completed: this
+        kernel passed its wait, and reads no plan itself), the plan's counts back to zero for the
+        next step's router."""
+        chosen = mCount[self.experts]
+        for i in cutlass.range(tidx, chosen, 32 * self.warps, unroll=1):
+            mCount[mChosen[i]] = Int32(0)
+        cute.arch.barrier()  # every thread has read the chosen count
+        if tidx == 0:
+            mCount[self.experts] = Int32(0)
 
 
-def build(spec) -> tuple[ExpertDownMxfp4 | ExpertDownMxfp4ByExpert, tuple]:
+def build(spec) -> tuple[ExpertDownMxfp4, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token
     count is a runtime size)."""
     s, p = spec.shape_dict, spec.param_dict
     e, k, rows, inter, live = s["experts"], s["top_k"], s["rows"], s["inter"], s["inter_live"]
     t = cute.sym_int32()
-    if p.get("by_expert_max_tokens"):
-        cap = p["by_expert_max_tokens"]
-        kernel = ExpertDownMxfp4ByExpert(experts=e, top_k=k, rows=rows, inter=inter, inter_live=live,
-                                         order=p["order"], warps=p["warps"], max_tokens=cap)
-        return kernel, (
-            make_fake_tensor(Int32, (t, k, live // 2), (k * live // 2, live // 2, 1), assumed_align=16),
-            make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),  # the plan: counts, chosen, lists
-            make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
-            make_fake_tensor(Int32, (e, cap), (cap, 1), assumed_align=4),
-            make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),  # the up stage's records
-            make_fake_tensor(Float32, (t, k), (k, 1), assumed_align=4),
-            make_fake_tensor(Int32, (e, inter // 16, 2 * rows), (inter // 16 * 2 * rows, 2 * rows, 1),
-                             assumed_align=16),
-            make_fake_tensor(Int32, (e, inter // 32, rows // 4), (inter // 32 * rows // 4, rows // 4, 1),
-                             assumed_align=16),
-            make_fake_tensor(Float32, (t, k, rows), (k * rows, rows, 1), assumed_align=16),
-            make_fake_tensor(Int32, (t, rows // TILE), (rows // TILE, 1), assumed_align=4),
-            make_fake_tensor(BFloat16, (t, rows), (rows, 1), assumed_align=2),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
     kernel = ExpertDownMxfp4(experts=e, top_k=k, rows=rows, inter=inter, inter_live=live, order=p["order"],
-                             cluster=p["cluster"], warps_per_slot=p["warps_per_slot"])
+                             cluster=p["cluster"], warps_per_slot=p["warps_per_slot"],
+                             zero_plan=bool(p.get("zero_plan")), smem_weights=bool(p.get("smem_weights")))
     args = (make_fake_tensor(Int32, (t, k, live // 2), (k * live // 2, live // 2, 1), assumed_align=16),
             make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8),
             make_fake_tensor(Float32, (t, k), (k, 1), assumed_align=4),
@@ -299,5 +173,8 @@ def build(spec) -> tuple[ExpertDownMxfp4 | ExpertDownMxfp4ByExpert, tuple]:
             make_fake_tensor(Int32, (e, inter // 32, rows // 4), (inter // 32 * rows // 4, rows // 4, 1),
                              assumed_align=16),
             make_fake_tensor(BFloat16, (t, rows), (rows, 1), assumed_align=2),
+            # after the per-expert up stage: the plan's counts and chosen experts, zeroed here
+            *((make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),
+               make_fake_tensor(Int32, (e,), (1,), assumed_align=4)) if p.get("zero_plan") else (None, None)),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return kernel, args

@@ -35,8 +35,9 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import gated_act
-from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, cluster_barrier, cluster_sum,
-                                   load_scales, load_weights, tile_mma, warp_registers)
+from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM,
+                                   cluster_barrier, cluster_sum, issue_weights, load_scales, staged_words, tile_mma,
+                                   warp_registers, weight_staging)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -48,7 +49,8 @@ class ExpertUpMxfp4:
     the warps per tile."""
 
     def __init__(self, *, experts: int, top_k: int, latent: int, inter: int, inter_live: int, beta: float | None,
-                 linear_beta: float | None, order: str, cluster: int, warps_per_tile: int):
+                 linear_beta: float | None, order: str, cluster: int, warps_per_tile: int, smem_weights: bool = False):
+        self.smem_weights = smem_weights  # the weights staged in shared memory (``mxfp4.weight_staging``)
         if order not in ORDERS:
             raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
         if inter % TILE or inter_live % TILE or not 0 < inter_live <= inter:
@@ -72,6 +74,7 @@ class ExpertUpMxfp4:
         self.up_tile0 = inter // TILE  # the up half's first tile
         self.share = TILE // cluster  # channels each CTA of a cluster finishes
         self.x_words = warps_per_tile * self.kb_per_warp * 8  # x's bf16 pairs in the CTA's share of L
+        self.warps_per_sm = UP_WARPS_PER_SM_SMEM if smem_weights else UP_WARPS_PER_SM
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor,
@@ -80,7 +83,7 @@ class ExpertUpMxfp4:
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
         self.kernel(mX, mIds, mW, mS, mA).launch(grid=[pairs * self.cluster, self.ctiles, 1],
                                                  block=[32 * self.warps, 1, 1], cluster=cluster, stream=stream,
-                                                 use_pdl=True, min_blocks_per_mp=max(1, UP_WARPS_PER_SM // self.warps),
+                                                 use_pdl=True, min_blocks_per_mp=max(1, self.warps_per_sm // self.warps),
                                                  preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     def roles(self, ctile, rank, lane):
@@ -107,8 +110,9 @@ class ExpertUpMxfp4:
         slot = pair - token * self.top_k
         warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
 
-        rW, rS, acc = warp_registers(NKB)
+        _, rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
+        rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps_per_tile, 2)), byte_alignment=16)
         sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, 2)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words,)), byte_alignment=16)
@@ -116,7 +120,7 @@ class ExpertUpMxfp4:
         cute.arch.griddepcontrol_wait()
         # the router's id; one out of range would read past the weights: clamp it
         e = Int64(cutlass.max(cutlass.min(Int32(mIds[token, slot]), Int32(self.experts - 1)), Int32(0)))
-        load_weights(mW, rW, e, kb0, NKB, nt, lane)
+        issue_weights(mW, rW, sW, e, kb0, NKB, nt, lane, warp)
         load_scales(mS, rS, e, kb0 // 2, NKB // 2, nt, r)
         # after the loads: ptxas moves no load across it, so they are all in flight at once
         cute.arch.griddepcontrol_launch_dependents()
@@ -128,7 +132,8 @@ class ExpertUpMxfp4:
                 sX[i] = mX[token, x0 + i]
         cute.arch.barrier()
         base = (kb0 - rank * self.warps_per_tile * NKB) * 8 + q
-        tile_mma(rW, rS, lambda i: (sX[base + i * 8], sX[base + i * 8 + 4]), acc, NKB, self.order)
+        tile_mma(staged_words(rW, sW, lane, warp), rS, lambda i: (sX[base + i * 8], sX[base + i * 8 + 4]), acc, NKB,
+                 self.order)
 
         # every C column is this token: lanes q = 0 hold rows 16 i3 + r (c0) and 16 i3 + 8 + r (c2)
         if q == 0:
@@ -172,33 +177,31 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
       distinct banks;
     - every lane's C is useful: rows r (+8) x columns 2q (+1); the warps' and the cluster's sums
       meet as in the per-pair kernel, now per (channel, column);
-    - for the down stage it copies the chosen count and each entry's pair count to ``mRec``
-      [1 + E] (the plan's own counts are zeroed by that stage, so it must not read them) and zeroes
-      its arrival counters ``mCnt`` [T, L / 64].
+    - the per-pair down stage follows it, and zeroes the plan once this grid has completed.
     """
 
     COLUMNS = 8  # the MMA's N: one pair of the expert per column
 
     def __init__(self, *, max_tokens: int, **kw):
         super().__init__(**kw)
+        self.warps_per_sm = UP_WARPS_PER_SM  # its shared memory (about 48 KB with staged weights) fits four CTAs
         # an expert's pairs in one step: one per token at most (a token's top-k ids are distinct)
         self.pair_cap = max_tokens
         self.x_stride = self.x_words + (4 - self.x_words) % 32
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
-                 mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, mRec: cute.Tensor, mCnt: cute.Tensor,
-                 stream: cuda.CUstream):
+                 mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, stream: cuda.CUstream):
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
         entries = cutlass.min(mA.shape[0] * self.top_k, self.experts)
-        self.kernel_by_expert(mX, mCount, mChosen, mLists, mW, mS, mA, mRec, mCnt).launch(
+        self.kernel_by_expert(mX, mCount, mChosen, mLists, mW, mS, mA).launch(
             grid=[entries * self.cluster, self.ctiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
-            stream=stream, use_pdl=True, min_blocks_per_mp=max(1, UP_WARPS_PER_SM // self.warps),
+            stream=stream, use_pdl=True, min_blocks_per_mp=max(1, self.warps_per_sm // self.warps),
             preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
     def kernel_by_expert(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
-                         mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, mRec: cute.Tensor, mCnt: cute.Tensor):
+                         mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):
         bidx, ctile, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
@@ -209,8 +212,9 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         entry = bidx // C
         warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
 
-        rW, rS, acc = warp_registers(NKB)
+        _, rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
+        rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, self.warps_per_tile, 2)), byte_alignment=16)
         sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, 2)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words, N), stride=(1, self.x_stride)),
@@ -223,37 +227,22 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
             # the expert (one out of range would read past the weights: clamped), its loads at once
             e = cutlass.max(cutlass.min(mChosen[entry], Int32(self.experts - 1)), Int32(0))
             count = cutlass.min(mCount[e], Int32(self.pair_cap))
-            load_weights(mW, rW, Int64(e), kb0, NKB, nt, lane)
+            issue_weights(mW, rW, sW, Int64(e), kb0, NKB, nt, lane, warp)
             load_scales(mS, rS, Int64(e), kb0 // 2, NKB // 2, nt, r)
             cute.arch.griddepcontrol_launch_dependents()
             for j in cutlass.range_constexpr(-(-self.pair_cap // (32 * self.warps))):
                 i = tidx + j * 32 * self.warps
                 if i < count:
                     sPairs[i] = mLists[e, i]
-            if (rank == 0) & (ctile == 0) & (tidx == 0):
-                mRec[1 + entry] = count
-                if entry == 0:
-                    mRec[0] = chosen
             cute.arch.barrier()
             base = (kb0 - rank * self.warps_per_tile * NKB) * 8 + q
             for c0 in cutlass.range(0, count, self.COLUMNS, unroll=1):
-                self.columns(mX, mA, rW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx,
-                             wslice, half, r, q)
-        if (bidx == 0) & (ctile == 0):
-            self.zero(mCnt, mA.shape[0], tidx)
+                self.columns(mX, mA, rW, sW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx,
+                             wslice, half, lane, r, q)
 
     @cute.jit
-    def zero(self, mCnt: cute.Tensor, tokens, tidx):
-        """The first ``tokens`` rows of the down stage's counters [T, tiles] set to 0."""
-        threads = 32 * self.warps
-        tiles = mCnt.shape[1]
-        for i in cutlass.range(tidx, tokens * tiles, threads, unroll=1):
-            t = i // tiles
-            mCnt[t, i - t * tiles] = Int32(0)
-
-    @cute.jit
-    def columns(self, mX, mA, rW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx, wslice,
-                half, r, q):
+    def columns(self, mX, mA, rW, sW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx, wslice,
+                half, lane, r, q):
         """Pairs ``c0 .. c0 + 7`` of the expert (those below ``count``) as the MMA's 8 columns:
         their x staged, the tile's sums, and the activations of this CTA's channel share."""
         threads = 32 * self.warps
@@ -268,7 +257,8 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
                 sX[xw, col] = mX[sPairs[c0 + col] // self.top_k, x0 + xw]
         cute.arch.barrier()
         acc.fill(0.0)
-        tile_mma(rW, rS, lambda i: (sX[base + i * 8, r], sX[base + i * 8 + 4, r]), acc, self.kb_per_warp,
+        tile_mma(staged_words(rW, sW, lane, cute.arch.warp_idx()), rS,
+                 lambda i: (sX[base + i * 8, r], sX[base + i * 8 + 4, r]), acc, self.kb_per_warp,
                  self.order)
         # C: rows 16 i3 + r (+8 for c2, c3), columns 2q (+1 for c1, c3)
         for i3 in cutlass.range_constexpr(4):
@@ -309,7 +299,7 @@ def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     e, k, lat, inter, live = s["experts"], s["top_k"], s["latent"], s["inter"], s["inter_live"]
     common = dict(experts=e, top_k=k, latent=lat, inter=inter, inter_live=live, beta=p["beta"],
                   linear_beta=p["linear_beta"], order=p["order"], cluster=p["cluster"],
-                  warps_per_tile=p["warps_per_tile"])
+                  warps_per_tile=p["warps_per_tile"], smem_weights=bool(p.get("smem_weights")))
     by_expert = p.get("by_expert_max_tokens")
     kernel = ExpertUpMxfp4ByExpert(max_tokens=by_expert, **common) if by_expert else ExpertUpMxfp4(**common)
     t = cute.sym_int32()
@@ -321,8 +311,7 @@ def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     if not by_expert:
         return kernel, (x, make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8), *weights, act, stream)
-    # the plan (counts [E + 1], chosen [E], lists [E, cap]), the records [1 + E], the down counters [T, L / 64]
+    # the plan: counts [E + 1], chosen [E], lists [E, cap]
     plan = (make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4), make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
             make_fake_tensor(Int32, (e, by_expert), (by_expert, 1), assumed_align=4))
-    return kernel, (x, *plan, *weights, act, make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),
-                    make_fake_tensor(Int32, (t, lat // TILE), (lat // TILE, 1), assumed_align=4), stream)
+    return kernel, (x, *plan, *weights, act, stream)

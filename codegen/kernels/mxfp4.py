@@ -26,6 +26,7 @@ ORDERS = ("interleaved", "natural")
 # some of them have loads in flight (the up stage's 129 registers a thread held three CTAs of 4
 # warps; 128 holds four)
 UP_WARPS_PER_SM, DOWN_WARPS_PER_SM = 16, 20
+UP_WARPS_PER_SM_SMEM, DOWN_WARPS_PER_SM_SMEM = 28, 32  # with the weights in shared memory (``weight_staging``)
 NO_CARVEOUT_PREFERENCE = -1
 
 # bf16 bits of code nibble c = s e1 e0 m: sign at 15, e1 e0 m at 8..6 (both halves at once)
@@ -117,6 +118,47 @@ def load_weights(mW: cute.Tensor, rW: cute.Tensor, e, kb0, nkb: int, nt, lane):
         cute.copy(atom, cute.local_tile(mW[e, kb0 + i, None], (4,), (nt * 32 + lane,)), rW[None, i])
 
 
+def weight_staging(smem: bool, allocator, nkb: int, warps: int):
+    """Where a warp's weight words wait for the MMA: in registers ([4, nkb], ``load_weights``: a
+    run held at once), or, with ``smem``, in the warp's share of shared memory ([4 words, K block,
+    lane, warp]: a lane's 16 bytes contiguous, a warp's 512 per block), copied by ``cp.async``
+    and read back one K block at a time, so that a thread holds about 56 registers fewer and an
+    SM more CTAs with loads in flight. Returns (registers, shared memory or None)."""
+    rW = cute.make_rmem_tensor((4, nkb), Int32)
+    if not smem:
+        return rW, None
+    return rW, allocator.allocate_tensor(Int32, cute.make_layout((4, nkb, 32, warps), stride=(1, 128, 4, 128 * nkb)),
+                                         byte_alignment=16)
+
+
+def issue_weights(mW: cute.Tensor, rW: cute.Tensor, sW, e, kb0, nkb: int, nt, lane, warp):
+    """The lane's 16 bytes of tile ``nt`` for K blocks ``kb0 ..`` of expert ``e``, into the
+    registers or (``sW`` not None) by ``cp.async`` into shared memory, one commit group."""
+    if sW is None:
+        load_weights(mW, rW, e, kb0, nkb, nt, lane)
+        return
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Int32,
+                               num_bits_per_copy=128)
+    for i in range(nkb):
+        cute.copy(atom, cute.local_tile(mW[e, kb0 + i, None], (4,), (nt * 32 + lane,)), sW[None, i, lane, warp])
+    cute.arch.cp_async_commit_group()
+
+
+def staged_words(rW: cute.Tensor, sW, lane, warp):
+    """``words(i)``: K block i's 4 weight words for ``tile_mma``; from shared memory after this
+    thread's copies landed (each lane reads back its own words, so no barrier is needed: a thread's
+    cp.async writes are visible to it after its wait)."""
+    if sW is None:
+        return lambda i: [rW[i3, i] for i3 in range(4)]
+    cute.arch.cp_async_wait_group(0)
+
+    def words(i):
+        v = cute.make_rmem_tensor((4,), Int32)
+        cute.autovec_copy(sW[None, i, lane, warp], v)
+        return [v[i3] for i3 in range(4)]
+    return words
+
+
 def load_scales(mS: cute.Tensor, rS: cute.Tensor, e, g0, ng: int, nt, r):
     """The 8 E8M0 bytes of rows ``r + 8 i4 + 16 i3`` of tile ``nt`` (Humming keeps them side by
     side) for scale groups ``g0 .. g0 + ng - 1`` (``mS`` the scales as int32 [E, K/32, N/4])."""
@@ -134,16 +176,19 @@ def load_b(mX: cute.Tensor, rB: cute.Tensor, row: tuple, kb0, nkb: int, q):
         rB[1, i] = mX[(*row, base + 4)]
 
 
-def tile_mma(rW: cute.Tensor, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: int, order: str):
+def tile_mma(rW, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: int, order: str):
     """acc[:, i3] += the 16 rows of subtile i3 times B over the warp's K blocks (two per scale
-    group: the 8 multipliers are made once per group); ``b_pair(i)`` gives K block i's B
-    fragment (read where it is used)."""
+    group: the 8 multipliers are made once per group); ``rW`` the weight words (a register
+    tensor [4, nkb], or ``staged_words``' accessor), ``b_pair(i)`` K block i's B fragment (read
+    where it is used)."""
+    words = rW if callable(rW) else (lambda i: [rW[i3, i] for i3 in range(4)])
     for g in range(nkb // 2):
         mult = [[scale_multiplier(rS[i3 // 2, g], (i3 % 2) * 2 + i4) for i4 in range(2)] for i3 in range(4)]
         for i in (2 * g, 2 * g + 1):
             b0, b1 = b_pair(i)
+            w = words(i)
             for i3 in range(4):
-                c = mma_mxfp4(rW[i3, i], mult[i3][0], mult[i3][1], b0, b1, [acc[j, i3] for j in range(4)], order)
+                c = mma_mxfp4(w[i3], mult[i3][0], mult[i3][1], b0, b1, [acc[j, i3] for j in range(4)], order)
                 for j in range(4):
                     acc[j, i3] = c[j]
 

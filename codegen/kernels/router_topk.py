@@ -39,12 +39,12 @@ Work split, with no barrier until the k candidates of every warp are known:
 The global top k is among the candidates: an expert beaten by k others of its own warp is
 beaten by k overall.
 
-With ``plan`` (``k3f::routed_moe_mxfp4``, whose per-expert grids read it) the same k lanes also
+With ``plan`` (``k3f::routed_moe_mxfp4``, whose per-expert up stage reads it) the same k lanes also
 file their pairs (token * k + slot) by expert, so that no later kernel has to scan the ids: each
 takes its place in its expert's list with an atomic add on the expert's count, and the pair that
 finds the count at 0 appends the expert to the list of chosen experts (a second atomic add). The
-counts and the chosen count must be zero when the kernel starts; the down stage that reads the
-plan last zeroes them again (``expert_down_mxfp4.ExpertDownMxfp4ByExpert``). The order within a
+counts and the chosen count must be zero when the kernel starts; the down stage after the experts'
+up stage, the plan's last reader, zeroes them again once past its wait (``expert_down_mxfp4``). The order within a
 list is the atomics' order, which varies from run to run; the kernels that read the lists give
 each pair the same result whatever its place.
 """

@@ -258,6 +258,12 @@ TEMPLATES = (
 MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
 MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
 MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
+# from this many tokens both stages' weights are staged in shared memory by cp.async rather than
+# held in registers (``codegen.kernels.mxfp4.weight_staging``: 7 and 8 CTAs per SM instead of 4
+# and 5); None: never. On the H200 (2026-12-02, ``examples/bench_mxfp4_experts.py``) it took the
+# two stages at TP 16 / 8 from 375.6 / 762.5 to 362.5 / 737.3 us at 64 tokens and from 57.5 /
+# 107.7 to 56.3 / 100.2 at 8; at one token it was a wash at TP 16 and 2 us slower at TP 8.
+MXFP4_SMEM_WEIGHTS_FROM: int | None = 8
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
@@ -293,19 +299,11 @@ def mxfp4_down_tiling(top_k: int, inter_live: int) -> dict[str, int] | str:
     return {"cluster": cluster, "warps_per_slot": warps}
 
 
-def mxfp4_down_by_expert_warps(inter_live: int) -> int | str:
-    """Warps of a per-expert ``expert_down_mxfp4`` CTA: the most (4, 2, 1) that split the live K
-    blocks into even runs of at most 14 (TP 16, I_live = 192: 2 warps of 6; TP 8: 4 of 6)."""
-    kb = inter_live // 16
-    warps = next((w for w in (4, 2, 1) if kb % w == 0 and kb // w % 2 == 0 and kb // w <= MXFP4_MAX_KB_PER_WARP),
-                 None)
-    return warps or f"I_live {inter_live}: {kb} K blocks do not split into even runs of at most 14 over 1, 2 or 4 warps"
-
-
 def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = False
                  ) -> tuple[KernelSpec, ...] | str:
-    """The up and down stages' specs, per (token, slot) pair, or ``by_expert`` per chosen expert
-    (the grids ``k3f::routed_moe_mxfp4`` runs on its router's plan)."""
+    """The up and down stages' specs, per (token, slot) pair, or with the up stage ``by_expert``
+    per chosen expert (``k3f::routed_moe_mxfp4``, on its router's plan, which the per-pair down
+    stage then zeroes)."""
     x, weights, ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, layout, inter_live = args
     if layout not in MXFP4_LAYOUTS:
         return (f"MXFP4 experts in the {layout!r} layout; the kernels read Humming's (vLLM's MoE backend on "
@@ -343,12 +341,10 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
     shapes = {"experts": e, "top_k": k, "inter": inter, "inter_live": inter_live}
     dtypes = {"act": "bf16", "routing": "fp32"}
     order = MXFP4_LAYOUTS[layout]
+    if MXFP4_SMEM_WEIGHTS_FROM is not None and t >= MXFP4_SMEM_WEIGHTS_FROM:
+        up, down = {**up, "smem_weights": True}, {**down, "smem_weights": True}
     if by_expert:
-        warps = mxfp4_down_by_expert_warps(inter_live)
-        if isinstance(warps, str):
-            return warps
-        up = {**up, "by_expert_max_tokens": EXPERTS_MAX_TOKENS}
-        down = {"by_expert_max_tokens": EXPERTS_MAX_TOKENS, "warps": warps}
+        up, down = {**up, "by_expert_max_tokens": EXPERTS_MAX_TOKENS}, {**down, "zero_plan": True}
     return (KernelSpec.make("expert_up_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
                             params={**up, **act, "order": order}),
             KernelSpec.make("expert_down_mxfp4", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes,
@@ -368,7 +364,7 @@ def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
     live = args[10]
     y, act = expert_outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
     up(x.view(torch.int32), ids, w13, w13_scale.view(torch.int32), act)
-    down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y)
+    down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y, None, None)
     return y
 
 
@@ -379,8 +375,8 @@ _plans: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def routing_plan(device: torch.device, experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The device's routing plan (int32: counts [E + 1], chosen [E], lists [E, cap]), zero where
     the router counts: it is made once and every step leaves it so (``RouterTopkPlan`` fills it,
-    the per-expert down stage zeroes it). One per device: the MoE layers of a program run one
-    after another on one stream."""
+    the down stage zeroes it). One per device: the MoE layers of a program run one after another
+    on one stream."""
     key = (str(device), experts, cap)
     if key not in _plans:
         if torch.cuda.is_current_stream_capturing():
@@ -416,22 +412,17 @@ def _moe_mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
 
 
 def _moe_mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """The router with its plan, then up and down per chosen expert; the down stage writes each
-    pair's weighted rows to an fp32 scratch [T, k, L] that the token's last pair sums. ``out``:
-    as ``expert_outputs``."""
+    """The router with its plan, the up stage per chosen expert, then the down stage per pair,
+    which zeroes the plan. ``out``: as ``expert_outputs``."""
     (router, up, down), (x, logits, bias, w13, w13_scale, w2, w2_scale) = fns, args[:7]
     top_k, live = int(args[7]), args[13]
     t, latent = x.shape
     weights, ids = _routing(t, top_k, x.device)
     counts, chosen, lists = routing_plan(x.device, w13.shape[0], specs[0].param_dict["plan_cap"])
     y, act = expert_outputs(x, latent, (t, top_k, live), out)
-    records = torch.empty(w13.shape[0] + 1, dtype=torch.int32, device=x.device)
-    arrivals = torch.empty((t, latent // 64), dtype=torch.int32, device=x.device)
-    rows = torch.empty((t, top_k, latent), dtype=torch.float32, device=x.device)
     router(logits, bias, weights, ids, counts, chosen, lists)
-    up(x.view(torch.int32), counts, chosen, lists, w13, w13_scale.view(torch.int32), act, records, arrivals)
-    down(act.view(torch.int32), counts, chosen, lists, records, weights, w2, w2_scale.view(torch.int32), rows,
-         arrivals, y)
+    up(x.view(torch.int32), counts, chosen, lists, w13, w13_scale.view(torch.int32), act)
+    down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y, counts, chosen)
     return y
 
 
@@ -440,5 +431,6 @@ TEMPLATES = (*TEMPLATES, Template(
     doc="routed experts on MXFP4 weights in Humming's layout, 1..64 tokens: dequantized in registers, "
         "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair; the padding never read"),
     Template("routed_moe_mxfp4", ("k3f::routed_moe_mxfp4",), _moe_mxfp4_specs, _mxfp4_runtime, _moe_mxfp4_launch,
-             doc="the router's top-k filing the pairs by expert, then the MXFP4 experts per chosen expert: each "
-                 "selected expert read and dequantized once, its pairs as the MMA's columns"))
+             doc="the router's top-k filing the pairs by expert, then the MXFP4 up stage per chosen expert (each "
+                 "selected expert's w13 read and dequantized once, its pairs as the MMA's columns) and the "
+                 "down stage per pair"))
