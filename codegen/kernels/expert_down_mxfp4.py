@@ -103,7 +103,7 @@ class ExpertDownMxfp4:
         r = lane // 4
         q = lane - r * 4
 
-        _, rS, acc = warp_registers(NKB)
+        rS, acc = warp_registers(NKB)
         rB = cute.make_rmem_tensor((2, NKB), Int32)
         smem = SmemAllocator()
         rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)

@@ -110,7 +110,7 @@ class ExpertUpMxfp4:
         slot = pair - token * self.top_k
         warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
 
-        _, rS, acc = warp_registers(NKB)
+        rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
         rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps_per_tile, 2)), byte_alignment=16)
@@ -212,7 +212,7 @@ class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
         entry = bidx // C
         warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
 
-        _, rS, acc = warp_registers(NKB)
+        rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
         rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, self.warps_per_tile, 2)), byte_alignment=16)

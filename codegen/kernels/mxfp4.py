@@ -194,11 +194,11 @@ def tile_mma(rW, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: int, order: str
 
 
 def warp_registers(nkb: int):
-    """A warp's registers for a run of ``nkb`` K blocks: weight words [4, nkb], scale words
-    [2, nkb / 2] and its four subtiles' fp32 accumulators [4, 4], zeroed."""
+    """A warp's scale words [2, nkb / 2] for a run of ``nkb`` K blocks and its four subtiles' fp32
+    accumulators [4, 4], zeroed (the weight words: ``weight_staging``)."""
     acc = cute.make_rmem_tensor((4, 4), Float32)
     acc.fill(0.0)
-    return cute.make_rmem_tensor((4, nkb), Int32), cute.make_rmem_tensor((2, nkb // 2), Int32), acc
+    return cute.make_rmem_tensor((2, nkb // 2), Int32), acc
 
 
 def cluster_barrier(cluster: int):
