@@ -123,15 +123,14 @@ def weight_staging(smem: bool, allocator, nkb: int, warps: int):
     run held at once), or, with ``smem``, in the warp's share of shared memory ([4 words, K block,
     lane, warp]: a lane's 16 bytes contiguous, a warp's 512 per block), copied by ``cp.async``
     and read back one K block at a time, so that a thread holds about 56 registers fewer and an
-    SM more CTAs with loads in flight. Returns (registers, shared memory or None)."""
-    rW = cute.make_rmem_tensor((4, nkb), Int32)
+    SM more CTAs with loads in flight. Returns (registers, None) or (None, shared memory)."""
     if not smem:
-        return rW, None
-    return rW, allocator.allocate_tensor(Int32, cute.make_layout((4, nkb, 32, warps), stride=(1, 128, 4, 128 * nkb)),
-                                         byte_alignment=16)
+        return cute.make_rmem_tensor((4, nkb), Int32), None
+    return None, allocator.allocate_tensor(Int32, cute.make_layout((4, nkb, 32, warps), stride=(1, 128, 4, 128 * nkb)),
+                                           byte_alignment=16)
 
 
-def issue_weights(mW: cute.Tensor, rW: cute.Tensor, sW, e, kb0, nkb: int, nt, lane, warp):
+def issue_weights(mW: cute.Tensor, rW, sW, e, kb0, nkb: int, nt, lane, warp):
     """The lane's 16 bytes of tile ``nt`` for K blocks ``kb0 ..`` of expert ``e``, into the
     registers or (``sW`` not None) by ``cp.async`` into shared memory, one commit group."""
     if sW is None:
@@ -144,7 +143,7 @@ def issue_weights(mW: cute.Tensor, rW: cute.Tensor, sW, e, kb0, nkb: int, nt, la
     cute.arch.cp_async_commit_group()
 
 
-def staged_words(rW: cute.Tensor, sW, lane, warp):
+def staged_words(rW, sW, lane, warp):
     """``words(i)``: K block i's 4 weight words for ``tile_mma``; from shared memory after this
     thread's copies landed (each lane reads back its own words, so no barrier is needed: a thread's
     cp.async writes are visible to it after its wait)."""
@@ -176,12 +175,10 @@ def load_b(mX: cute.Tensor, rB: cute.Tensor, row: tuple, kb0, nkb: int, q):
         rB[1, i] = mX[(*row, base + 4)]
 
 
-def tile_mma(rW, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: int, order: str):
+def tile_mma(words, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: int, order: str):
     """acc[:, i3] += the 16 rows of subtile i3 times B over the warp's K blocks (two per scale
-    group: the 8 multipliers are made once per group); ``rW`` the weight words (a register
-    tensor [4, nkb], or ``staged_words``' accessor), ``b_pair(i)`` K block i's B fragment (read
-    where it is used)."""
-    words = rW if callable(rW) else (lambda i: [rW[i3, i] for i3 in range(4)])
+    group: the 8 multipliers are made once per group); ``words(i)`` K block i's 4 weight words
+    (``staged_words``), ``b_pair(i)`` its B fragment (each read where it is used)."""
     for g in range(nkb // 2):
         mult = [[scale_multiplier(rS[i3 // 2, g], (i3 % 2) * 2 + i4) for i4 in range(2)] for i3 in range(4)]
         for i in (2 * g, 2 * g + 1):
