@@ -36,6 +36,9 @@ class Template:
     runtime_check: Callable[[Sequence[Any]], str | None]  # what only real tensors can tell (alignment)
     launch: Callable[..., Any]  # (fns, specs, op args, out=None) -> the op's outputs; one fn per stage
     doc: str = ""
+    # (stage spec, device) -> whether it made one: what that stage's kernels keep on the device from
+    # one step to the next (zeroed once), before any CUDA graph capture (``templates.make_workspaces``)
+    workspace: Callable[[KernelSpec, Any], bool] | None = None
 
 
 def check_tensors(named: dict[str, Any], dtype: torch.dtype) -> str | None:

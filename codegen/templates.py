@@ -8,7 +8,7 @@ refuses, runs the op's CPU reference (plain torch, which runs on the GPU too): s
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from codegen.template import Specs, Template
@@ -46,3 +46,15 @@ def spec_for_call(op: str, arch: str, args: Sequence[Any]) -> tuple[Template | N
             return t, specs
         reasons.append(f"{t.kernel}: {specs}")
     return None, "; ".join(reasons) or f"no CuTe DSL template for {op} yet"
+
+
+def make_workspaces(specs: Iterable[Any], device: Any) -> int:
+    """Every workspace the templates of ``specs`` keep across steps, made on ``device`` now: a
+    served step runs only inside a CUDA graph capture, where a workspace could be allocated but
+    not zeroed. Returns how many stages have one (a hook ignores the stages that keep none)."""
+    made = 0
+    for spec in set(specs):
+        for t in templates_for_op(spec.op):
+            if t.workspace is not None and t.workspace(spec, device):
+                made += 1
+    return made

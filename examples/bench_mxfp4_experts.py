@@ -144,16 +144,22 @@ def main() -> int:
     ap.add_argument("--smem-weights", choices=("served", "always", "never"), default="served",
                     help="both stages' weights staged in shared memory: as served (from "
                          "codegen.launchers.experts.MXFP4_SMEM_WEIGHTS_FROM tokens), always or never")
+    ap.add_argument("--stream-stages", type=int, default=experts_launcher.MXFP4_STREAM_STAGES,
+                    help="cp.async stages of the per-expert up stage (default "
+                         f"codegen.launchers.experts.MXFP4_STREAM_STAGES = {experts_launcher.MXFP4_STREAM_STAGES})")
     a = ap.parse_args()
+    experts_launcher.MXFP4_STREAM_STAGES = a.stream_stages
     if a.smem_weights != "served":
         experts_launcher.MXFP4_SMEM_WEIGHTS_FROM = 1 if a.smem_weights == "always" else None
     bad = [f"--tokens {t} (1..64)" for t in a.tokens if not 1 <= t <= 64]
     bad += [f"--repeat {a.repeat} (at least 1)"] if a.repeat < 1 else []
+    bad += [f"--stream-stages {a.stream_stages} (at least 1)"] if a.stream_stages < 1 else []
     if bad:
         ap.error(", ".join(bad))
     print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
           f"E = {E}, top-{K}, L = {L}; each expert set drawn for {a.repeat} consecutive token(s); the stages' weights "
-          f"in shared memory from {experts_launcher.MXFP4_SMEM_WEIGHTS_FROM} tokens", flush=True)
+          f"in shared memory from {experts_launcher.MXFP4_SMEM_WEIGHTS_FROM} tokens; the per-expert up stage streams "
+          f"through {a.stream_stages} stages", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     with torch.no_grad():

@@ -6,8 +6,8 @@ an auxiliary stream, and the latent tail.
   SiTU, and down projections, weighted and summed;
 - ``routed_moe_mxfp4``: the router's top-k and the MXFP4 experts as one op, so that the router
   can file the step's pairs by expert for an up stage that reads and dequantizes each chosen
-  expert once (the down stage per pair); from ``MOE_BY_EXPERT_FROM`` tokens, which is None (not
-  served: measured no faster than the per-pair grids at any batch);
+  expert once (the down stage per pair); from ``MOE_BY_EXPERT_FROM`` = 16 tokens, where it is
+  faster than the per-pair grids;
 - ``shared_experts.small`` / ``.large``: gate_up, SiTU, down on the un-projected rows (GEMVs
   at one token, the tensor-core GEMM from 2); it reads nothing of the routed branch, so it
   runs on the aux stream beside it;
@@ -29,12 +29,11 @@ from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, tok
 
 SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
 # routed_moe_mxfp4 from this many tokens per step (router_topk + routed_experts_mxfp4 below); None: never.
-# On the H200 (examples/bench_mxfp4_experts.py, 2026-12-02, both with their weights staged in shared
-# memory) the router's plan with the up stage per chosen expert was no faster than the router with
-# the per-pair grids at any count (TP 16: 74.6 against 56.3 us at 8 tokens, 367.1 against 362.5 at
-# 64; TP 8, 64 tokens: 745.4 against 737.3), though each chosen expert's w13 is read once: built,
-# GPU-tested and kept for a pipelined per-expert GEMM (docs/CODEGEN.md).
-MOE_BY_EXPERT_FROM: int | None = None
+# On the H200 (examples/bench_mxfp4_experts.py, 2026-12-02) the router's plan with the up stage per
+# chosen expert streaming its tiles' K (ExpertUpMxfp4ByExpert) against the router with the per-pair
+# grids: TP 16 60.2 / 54.3 us at 8 tokens, 93.6 / 96.6 at 16, 153.7 / 181.6 at 32, 263.3 / 350.8 at
+# 64; TP 8 100.4 / 102.0, 171.8 / 189.4, 313.8 / 371.3, 528.1 / 727.5.
+MOE_BY_EXPERT_FROM: int | None = 16
 
 
 @fused_op("routed_experts")

@@ -305,10 +305,32 @@ def test_specs_at_kimi_k3_shapes(shape):
         assert tpl.kernel == "routed_moe_mxfp4"
         assert router.kernel == "router_topk" and router.shape_dict == {"experts": E}
         assert router.param_dict == {"top_k": K, "renormalize": True, "scaling": 2.5, "threads": 128, "plan_cap": 64}
-        # the up stage per chosen expert; the per-pair down stage after it zeroes the plan
+        # the up stage per chosen expert, streaming L over 4 warps; the per-pair down stage after it
+        # zeroes the plan
         pair_up, pair_down = big if tokens >= smem_from else specs
-        assert up_e.param_dict == {**pair_up.param_dict, "by_expert_max_tokens": 64}
+        assert up_e.param_dict == {"warps": 4, "stages": experts_launcher.MXFP4_STREAM_STAGES,
+                                   "by_expert_max_tokens": 64, "beta": BETA, "linear_beta": LINEAR_BETA,
+                                   "order": "interleaved"}
         assert down_e.param_dict == {**pair_down.param_dict, "zero_plan": True}
+
+
+def test_routing_plan_is_made_before_any_capture(monkeypatch):
+    """A served step runs only inside a CUDA graph capture, where the plan (zeroed once, then left
+    zero by every step) could not be zeroed: ``make_workspaces`` (the vLLM plugin calls it once vLLM
+    has bound its caches) makes it from the router stage's spec, once per device and shape; the
+    per-pair op keeps none."""
+    from codegen.templates import make_workspaces
+
+    monkeypatch.setattr(experts_launcher, "_plans", {})
+    assert make_workspaces(spec_for_call(OP, "sm_90a", mxfp4_args(tokens=16))[1], "cpu") == 0
+    assert experts_launcher._plans == {}
+    specs = spec_for_call(MOE, "sm_90a", moe_args(tokens=16))[1] + spec_for_call(MOE, "sm_90a", moe_args(tokens=64))[1]
+    assert make_workspaces(specs, "cpu") == 1  # the router's stage: one spec for every batch
+    (key,) = experts_launcher._plans
+    assert key == ("cpu", E, 64)
+    counts, chosen, lists = experts_launcher._plans[key]
+    assert counts.shape == (E + 1,) and chosen.shape == (E,) and lists.shape == (E, 64)
+    assert not counts.any() and counts.dtype == torch.int32
 
 
 @pytest.mark.parametrize("args,reason", [
@@ -371,7 +393,8 @@ def test_ptx(compiled, arch, name):
         assert re.findall(r"atom\.global\.[\w.]+", body) == ["atom.global.add.u32"] * 2
         assert "ld.local" not in body and pdl_flags(router[0].spec) == [1]
     live_blocks = up.spec.shape_dict["inter_live"] // 16
-    for k, per_warp in ((up, 14), (down, live_blocks // down.spec.param_dict["warps_per_slot"])):
+    stages = ((down, live_blocks // down.spec.param_dict["warps_per_slot"]),)
+    for k, per_warp in stages if by_expert else ((up, 14), *stages):  # the streamed up stage: its own test
         ptx = k.ptx
         assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
         body = ptx[ptx.index(".entry"):]
@@ -395,21 +418,52 @@ def test_ptx(compiled, arch, name):
         early = between if waits_first else before
         assert ("ld.global" not in before) == waits_first
         assert _count(early, wload) == per_warp  # all in flight at once
-        if k is up and by_expert:  # with the weights, only the plan's words: the chosen count, the expert, its pairs' count
-            assert _count(early, "ld.global.b32") == 3
         # the B pairs after the weights: the down kernel's from global, the up kernel's x staged in
-        # shared memory once per CTA (224 words over 128 threads), for 8 tokens on the per-expert grid
-        # (after its pair list: one word per thread); after the per-expert up stage the down stage
-        # also reads the plan's chosen count and experts, to zero it
-        x_words = 8 * 14 * up.spec.param_dict["warps_per_tile"] * (8 if by_expert else 1)
-        threads = 64 * up.spec.param_dict["warps_per_tile"]
-        expected = -(-x_words // threads) + by_expert if k is up else 2 * per_warp + 2 * by_expert
+        # shared memory once per CTA (224 words over 128 threads); after the per-expert up stage the
+        # down stage also reads the plan's chosen count and experts, to zero it
+        expected = 2 if k is up else 2 * per_warp + 2 * by_expert
         assert _count(after, "ld.global.b32") == expected
         # no scan of the ids, no atomics: each pair's sums meet in its cluster's shared memory
         assert body.count("vote.sync.ballot.b32") == 0 and "atom.global" not in body
         assert "barrier.cluster.arrive" in body and "mapa.shared::cluster" in body  # clusters of 8 and 4 / 8
         assert re.search(r"\.minnctapersm\s+[2-8]\b", body)  # ptxas keeps room for several CTAs per SM
         assert pdl_flags(k.spec) == [1]
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_ptx_of_the_up_stage_per_expert(compiled, arch):
+    """The per-expert up stage streams L: each warp's first ``stages - 1`` scale groups issued by
+    cp.async between the wait and launch_dependents (after only the plan's words: the chosen
+    count, the expert and its pairs' count), then one group a step through the ring (16 MMAs and
+    six 16-byte shared loads a step, no barrier inside the loop), no cluster, no atomics, and
+    ptxas asked for four CTAs an SM with no spill."""
+    from conftest import ptxas_usage
+
+    _, up, _ = compiled["tp8_by_expert", arch]
+    p = up.spec.param_dict
+    S = p["stages"]
+    body = up.ptx[up.ptx.index(".entry"):]
+    assert "ld.local" not in body and "st.local" not in body
+    assert body.count(WAIT) == 1 and body.count(LAUNCH) == 1
+    before, rest = body.split(WAIT)
+    between, after = rest.split(LAUNCH)
+    assert "ld.global" not in before and "cp.async" not in before
+    assert _count(between, "ld.global.b32") == 3
+    # per scale group: 4 weight vectors (.cg, 16 bytes), 2 scale pairs and 4 x words (.ca): the
+    # prologue's S - 1 groups of weights before launch_dependents; after it the refill of weights
+    # for more than 8 pairs, the x of the prologue and one group in the loop
+    assert _count(between, "cp.async.cg.shared.global") == 4 * (S - 1)
+    assert _count(between, "cp.async.ca.shared.global") == 2 * (S - 1)
+    assert _count(after, "cp.async.cg.shared.global") == 4 * (S - 1) + 4
+    assert _count(after, "cp.async.ca.shared.global") == 2 * (S - 1) + 4 * (S - 1) + 6
+    assert body.count(MMA) == 16 and _count(body, "ld.shared.v4") == 6
+    assert _count(body, "cp.async.wait_group") == 1 and body.count("mul.rn.bf16x2") == 64
+    assert "barrier.cluster" not in body and "mapa" not in body and "atom.global" not in body
+    assert re.search(r"\.minnctapersm\s+4\b", body) and pdl_flags(up.spec) == [1]
+    if arch == "sm_90a":
+        registers, spilled = ptxas_usage(up.ptx, arch)
+        assert registers <= 128 and spilled == 0, (registers, spilled)
 
 
 @needs_cutedsl
@@ -591,12 +645,11 @@ def test_moe_grids_run_an_experts_pairs_eight_at_a_time(humming_experts, tokens)
 
 
 @on_gpu
-def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts):
-    """The two up-stage grids run the same MMAs over the same K split and sum them in the same
-    order; a column of the MMA is computed as if alone, so their activations agree exactly,
-    whatever place the plan's atomics gave each pair; the down stage is the per-pair kernel on
-    both, so the outputs differ only by the routing weights' rounding (the GPU router's against
-    the CPU reference's)."""
+def test_per_expert_grid_agrees_with_the_per_pair_kernel(humming_experts):
+    """The two up-stage grids run the same MMAs on the same words, summed over L in another order
+    (four warps' quarters against sixteen runs of 14 blocks), so their activations differ only by
+    that rounding, whatever place the plan's atomics gave each pair; the down stage is the per-pair
+    kernel on both."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(24, L, generator=gen).bfloat16().cuda()
     y_moe, act_moe, weights, ids = moe_step(humming_experts, x, *routing_logits(routing(24, gen, crowded=3)[1], gen))
@@ -606,25 +659,28 @@ def test_per_expert_grid_equals_the_per_pair_kernel_bit_for_bit(humming_experts)
     act = torch.full((24, K, humming_experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
     tpl.launch(fns, specs, args, out=(y, act))
     torch.cuda.synchronize()
-    assert torch.isfinite(act).all() and torch.equal(act, act_moe)
-    assert torch.isfinite(y_moe).all() and rel_err(y_moe, y) <= 1e-3
+    assert torch.isfinite(act).all() and torch.isfinite(act_moe).all() and rel_err(act_moe, act) <= 2e-3
+    assert torch.isfinite(y_moe).all() and rel_err(y_moe, y) <= 2e-3
 
 
 @on_gpu
 @pytest.mark.parametrize("tokens", [16, 32])
-def test_moe_op_in_a_cuda_graph(humming_experts, tokens):
-    """Through ``install_cuda_kernels``, captured after one eager step (which makes the plan),
-    then replayed on new x and logits three times: the plan is filled and emptied on the GPU
-    (by the per-pair down stage at 16 tokens, the per-expert one at 32)."""
+def test_moe_op_in_a_cuda_graph(humming_experts, tokens, monkeypatch):
+    """Through ``install_cuda_kernels``, captured with no eager step before, as vLLM serves it
+    (the plan made by ``make_workspaces``, the kernels loaded by ``prepare``), then replayed on
+    new x and logits three times: the plan is filled and emptied on the GPU."""
     from codegen import bind
+    from codegen.templates import make_workspaces
 
     bind.install_cuda_kernels()
+    monkeypatch.setattr(experts_launcher, "_plans", {})
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
     logits, bias = routing_logits(routing(tokens, gen)[1], gen)
     args = humming_experts.moe_args(x, logits, bias)
-    torch.ops.k3f.routed_moe_mxfp4(*args)
-    before = bind.stats()[MOE]["kernel"]
+    assert make_workspaces(spec_for_call(MOE, "sm_90a", args)[1], x.device) == 1
+    assert bind.registered()[MOE].prepare(*args) is None
+    before = bind.stats().get(MOE, {}).get("kernel", 0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = torch.ops.k3f.routed_moe_mxfp4(*args)
@@ -646,8 +702,7 @@ def test_moe_op_in_a_cuda_graph(humming_experts, tokens):
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_stages_with_weights_in_shared_memory(humming_experts, tokens, monkeypatch):
     """Both stages with their weights staged in shared memory: the same MMAs on the same words, so
-    activations and outputs bit-identical to the register form's; and the per-expert up stage so,
-    two steps on the router's plan."""
+    activations and outputs bit-identical to the register form's."""
     gen = torch.Generator().manual_seed(40 + tokens)
     x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
     weights, ids = routing(tokens, gen)
@@ -666,8 +721,6 @@ def test_stages_with_weights_in_shared_memory(humming_experts, tokens, monkeypat
     assert torch.isfinite(act1).all() and torch.equal(act0, act1)
     assert torch.isfinite(y1).all() and torch.equal(y0, y1)
     assert rel_err(y1, humming_experts.reference(x, weights, ids)[1]) <= TOL
-    if tokens == 64:
-        check_moe(humming_experts, tokens, gen)
 
 
 @on_gpu

@@ -111,20 +111,16 @@ def test_mxfp4_routed_experts_rule_matches_refuses_and_is_equivalent(tiny, layer
 
 @pytest.mark.parametrize("layer_idx", [1, 2])
 def test_mxfp4_moe_rule_takes_the_router_with_the_experts_from_16_tokens(tiny, layer_idx, monkeypatch):
-    """Not served (``MOE_BY_EXPERT_FROM`` is None: the rule has no pattern, so it neither matches
-    nor refuses); set to 16, from 16 tokens ``routed_moe_mxfp4`` takes the router's top-k and the
-    MXFP4 experts as one op (three kernels: the router files the pairs by expert for the
+    """Served from ``MOE_BY_EXPERT_FROM`` = 16 tokens: ``routed_moe_mxfp4`` takes the router's top-k
+    and the MXFP4 experts as one op (three kernels: the router files the pairs by expert for the
     per-expert up stage), equivalent to the layer; below, it refuses by name and the top-k and the
-    per-pair experts are matched apart."""
+    per-pair experts are matched apart; set to None, the rule has no pattern, so it neither
+    matches nor refuses."""
     import patterns.moe
 
     layer = make_layer(tiny, layer_idx, seed=50 + layer_idx, dtype=torch.bfloat16, experts="mxfp4")
     lg = trace(layer, DecodeShape(batch=16, context=5, block_size=4))
-    assert patterns.moe.MOE_BY_EXPERT_FROM is None
-    served = rewrite(lg)
-    assert {"router_topk", "routed_experts_mxfp4"} <= {m.rule for m in served.matches}
-    assert "routed_moe_mxfp4" not in {r.rule for r in served.refusals}
-    monkeypatch.setattr(patterns.moe, "MOE_BY_EXPERT_FROM", 16)
+    assert patterns.moe.MOE_BY_EXPERT_FROM == 16
     result = rewrite(lg)
     rules = {m.rule for m in result.matches}
     assert "routed_moe_mxfp4" in rules and not rules & {"router_topk", "routed_experts_mxfp4"}
@@ -135,6 +131,10 @@ def test_mxfp4_moe_rule_takes_the_router_with_the_experts_from_16_tokens(tiny, l
     assert {"router_topk", "routed_experts_mxfp4"} <= {m.rule for m in below.matches}
     assert ("routed_moe_mxfp4", "batch 15 outside 16..64 (per chosen expert from 16 tokens)") in {
         (r.rule, r.reason) for r in below.refusals}
+    monkeypatch.setattr(patterns.moe, "MOE_BY_EXPERT_FROM", None)
+    unserved = rewrite(lg)
+    assert {"router_topk", "routed_experts_mxfp4"} <= {m.rule for m in unserved.matches}
+    assert "routed_moe_mxfp4" not in {r.rule for r in unserved.refusals}
 
 
 def test_input_projection_rules_split_by_batch(tiny):

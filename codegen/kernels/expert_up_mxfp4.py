@@ -36,8 +36,8 @@ from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import gated_act
 from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM,
-                                   cluster_barrier, cluster_sum, issue_weights, load_scales, staged_words, tile_mma,
-                                   warp_registers, weight_staging)
+                                   cluster_barrier, cluster_sum, issue_weights, load_scales, mma_mxfp4,
+                                   scale_multiplier, staged_words, tile_mma, warp_registers, weight_staging)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -161,134 +161,195 @@ class ExpertUpMxfp4:
             cluster_barrier(C)  # peers may still be reading this CTA's sums
 
 
-class ExpertUpMxfp4ByExpert(ExpertUpMxfp4):
-    """The up stage with a CTA per (chosen expert, 64-channel tile, cluster rank) instead of per
-    (token, slot) pair: each selected expert's tile is read and dequantized once per step, however
-    many of the step's tokens chose it (at 64 tokens x 16 slots of 896 experts, about 610 experts
-    for 1024 pairs), and its pairs run through the MMA eight at a time as its 8 N columns.
+class ExpertUpMxfp4ByExpert:
+    """The up stage with a CTA per (chosen expert, 64-channel tile) that streams the tile's whole K
+    through a ring of ``cp.async`` stages: each selected expert's tile is read and dequantized once
+    per step, however many of the step's tokens chose it (at 64 tokens x 16 slots of 896 experts,
+    about 610 experts for 1024 pairs), its pairs eight at a time as the MMA's 8 N columns.
+
+    Why this shape (the per-pair kernel's CTAs load, then compute, then reduce across a cluster;
+    grouped that way per expert they did not pay, ``docs/CODEGEN.md``): here a CTA keeps
+    ``stages - 1`` scale groups of loads in flight while it multiplies one, and its only reduction
+    is the warps' sums once at the end, in shared memory; no cluster.
 
     - the experts and their pairs come from the routing plan that ``router_topk`` filed
       (``RouterTopkPlan``: the chosen experts' count and list, each expert's count and pairs): a
-      CTA reads its entry's expert and issues that expert's loads at once, as the per-pair CTA does
-      with its id; the grid has min(E, T k) entries, and those past the chosen count exit;
-    - x is staged for the expert's pairs among the 8 columns (a column past them keeps stale words,
-      so its sums are garbage it never stores: each MMA column is computed alone), column-major
-      with a stride of 4 mod 32 words, so that the lanes' 8 columns x 4 K pairs fall in 32
-      distinct banks;
-    - every lane's C is useful: rows r (+8) x columns 2q (+1); the warps' and the cluster's sums
-      meet as in the per-pair kernel, now per (channel, column);
-    - the per-pair down stage follows it, and zeroes the plan once this grid has completed.
+      CTA reads its entry's expert and issues that expert's first stages of weights at once, then
+      its pairs' x; the grid has min(E, T k) entries, and those past the chosen count exit;
+    - warp w takes the w-th quarter of L (gate and up tiles both), one scale group (two 16-wide K
+      blocks) per stage: per lane 4 weight vectors, the two tiles' 8 scale bytes and the lane's B
+      pairs of x (column r = lane / 4 is pair c0 + r); each lane copies and reads back only its
+      own words, so the ring needs no barrier;
+    - every lane's C is useful: rows r (+8) x columns 2q (+1); the warps' sums meet in shared
+      memory (the ring's bytes), then a thread per (channel, column) applies the activation.
+    The per-pair down stage follows it, and zeroes the plan once this grid has completed.
     """
 
     COLUMNS = 8  # the MMA's N: one pair of the expert per column
+    FIELDS = 6  # 16-byte fields per lane and stage: gate kb0, gate kb1, up kb0, up kb1, scales, x
+    PART_STRIDE = TILE + 4  # the warps' sums: a column's 64 rows, 4 words apart mod 32 (no bank conflicts)
 
-    def __init__(self, *, max_tokens: int, **kw):
-        super().__init__(**kw)
-        self.warps_per_sm = UP_WARPS_PER_SM  # its shared memory (about 48 KB with staged weights) fits four CTAs
+    def __init__(self, *, experts: int, top_k: int, latent: int, inter: int, inter_live: int, beta: float | None,
+                 linear_beta: float | None, order: str, warps: int, stages: int, max_tokens: int):
+        if order not in ORDERS:
+            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+        if inter % TILE or inter_live % TILE or not 0 < inter_live <= inter:
+            raise ValueError(f"I {inter} / live {inter_live}: multiples of {TILE}, live <= I")
+        kb = latent // 16
+        if latent % 32 or warps not in (1, 2, 4) or kb % (2 * warps):
+            raise ValueError(f"L {latent}: {kb} K blocks do not split into scale groups over {warps} warps")
+        if stages < 1:
+            raise ValueError(f"{stages} stages: at least 1")
+        self.experts, self.top_k, self.latent = experts, top_k, latent
+        self.inter, self.inter_live = inter, inter_live
+        self.beta = None if beta is None else float(beta)
+        self.linear_beta = None if linear_beta is None or beta is None else float(linear_beta)
+        self.order, self.warps = order, warps
+        self.groups = kb // (2 * warps)  # scale groups per warp
+        self.stages = min(stages, self.groups)
+        self.ctiles = inter_live // TILE
+        self.up_tile0 = inter // TILE  # the up half's first tile
         # an expert's pairs in one step: one per token at most (a token's top-k ids are distinct)
         self.pair_cap = max_tokens
-        self.x_stride = self.x_words + (4 - self.x_words) % 32
+        ring = 4 * self.FIELDS * 32 * warps * self.stages
+        part = self.PART_STRIDE * self.COLUMNS * warps * 2
+        self.smem_words = max(ring, part)
+        # as many CTAs per SM as the shared memory holds (228 KB, 1 KB reserved per CTA), for ptxas
+        self.ctas_per_sm = max(1, min(8, 228 * 1024 // (4 * self.smem_words + 1024)))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
                  mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, stream: cuda.CUstream):
-        cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
         entries = cutlass.min(mA.shape[0] * self.top_k, self.experts)
-        self.kernel_by_expert(mX, mCount, mChosen, mLists, mW, mS, mA).launch(
-            grid=[entries * self.cluster, self.ctiles, 1], block=[32 * self.warps, 1, 1], cluster=cluster,
-            stream=stream, use_pdl=True, min_blocks_per_mp=max(1, self.warps_per_sm // self.warps),
-            preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
+        self.kernel(mX, mCount, mChosen, mLists, mW, mS, mA).launch(
+            grid=[entries, self.ctiles, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
-    def kernel_by_expert(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
-                         mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):
-        bidx, ctile, _ = cute.arch.block_idx()
+    def kernel(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
+               mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):
+        entry, ctile, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
-        C = const_expr(self.cluster)
-        NKB = const_expr(self.kb_per_warp)
-        N = const_expr(self.COLUMNS)
-        rank = bidx % C
-        entry = bidx // C
-        warp, half, wslice, nt, kb0, r, q = self.roles(ctile, rank, lane)
+        warp = cute.arch.warp_idx()
+        r = lane // 4
+        q = lane - r * 4
+        G, S, N, W, F = (const_expr(v) for v in (self.groups, self.stages, self.COLUMNS, self.warps, self.FIELDS))
 
-        rS, acc = warp_registers(NKB)
         smem = SmemAllocator()
-        rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, self.warps_per_tile, 2)), byte_alignment=16)
-        sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, N, 2)), byte_alignment=16)
-        sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words, N), stride=(1, self.x_stride)),
-                                  byte_alignment=16)
-        sPairs = smem.allocate_tensor(Int32, cute.make_layout((self.pair_cap,)), byte_alignment=16)
+        buf = smem.allocate_tensor(Int32, cute.make_layout((self.smem_words,)), byte_alignment=16)
+        # [word, field, lane, warp, stage]: a warp's 16-byte vectors of one field contiguous
+        sRing = cute.make_tensor(buf.iterator, cute.make_layout(
+            (4, F, 32, W, S), stride=(1, 128, 4, 128 * F, 128 * F * W)))
+        # after the K loop the same bytes hold the warps' sums [row, column, warp, half]
+        PS = const_expr(self.PART_STRIDE)
+        sPart = cute.make_tensor(cute.recast_ptr(buf.iterator, dtype=Float32), cute.make_layout(
+            (TILE, N, W, 2), stride=(1, PS, PS * N, PS * N * W)))
+        acc = cute.make_rmem_tensor((4, 4, 2), Float32)  # [C register, subtile, half]
 
         cute.arch.griddepcontrol_wait()  # the plan is the router's
         chosen = mCount[self.experts]
         if entry < chosen:
-            # the expert (one out of range would read past the weights: clamped), its loads at once
+            # the expert (one out of range would read past the weights: clamped), its first stages at once
             e = cutlass.max(cutlass.min(mChosen[entry], Int32(self.experts - 1)), Int32(0))
             count = cutlass.min(mCount[e], Int32(self.pair_cap))
-            issue_weights(mW, rW, sW, Int64(e), kb0, NKB, nt, lane, warp)
-            load_scales(mS, rS, Int64(e), kb0 // 2, NKB // 2, nt, r)
+            g0 = warp * G  # the warp's first scale group
+            for s in cutlass.range_constexpr(S - 1):
+                self.issue_weights(mW, mS, sRing, Int64(e), g0 + s, s, ctile, lane, r, warp)
             cute.arch.griddepcontrol_launch_dependents()
-            for j in cutlass.range_constexpr(-(-self.pair_cap // (32 * self.warps))):
-                i = tidx + j * 32 * self.warps
-                if i < count:
-                    sPairs[i] = mLists[e, i]
-            cute.arch.barrier()
-            base = (kb0 - rank * self.warps_per_tile * NKB) * 8 + q
-            for c0 in cutlass.range(0, count, self.COLUMNS, unroll=1):
-                self.columns(mX, mA, rW, sW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx,
-                             wslice, half, lane, r, q)
+            for c0 in cutlass.range(0, count, N, unroll=1):
+                if c0 > 0:  # more than 8 pairs: the weights again for the next 8
+                    for s in cutlass.range_constexpr(S - 1):
+                        self.issue_weights(mW, mS, sRing, Int64(e), g0 + s, s, ctile, lane, r, warp)
+                # the lane's column: pair c0 + r (past the expert's pairs, its last: sums never stored)
+                pair = mLists[e, cutlass.min(c0 + r, count - 1)]
+                token = pair // self.top_k
+                for s in cutlass.range_constexpr(S - 1):  # group s = stage s (groups complete in order)
+                    self.issue_x(mX, sRing, token, g0 + s, s, q, lane, warp)
+                    cute.arch.cp_async_commit_group()
+                acc.fill(0.0)
+                read = Int32(0)  # stage holding group g
+                write = Int32(S - 1)  # stage receiving group g + S - 1 (the one read at g - 1)
+                for g in cutlass.range(G, unroll=1):
+                    if g + (S - 1) < G:
+                        self.issue_weights(mW, mS, sRing, Int64(e), g0 + g + (S - 1), write, ctile, lane, r, warp)
+                        self.issue_x(mX, sRing, token, g0 + g + (S - 1), write, q, lane, warp)
+                    cute.arch.cp_async_commit_group()  # empty at the end: keeps group g = stage g
+                    cute.arch.cp_async_wait_group(S - 1)
+                    self.group_mma(sRing, read, lane, warp, acc)
+                    write = read
+                    read = (read + 1) % S
+                self.finish(mLists, mA, sPart, acc, e, c0, count, ctile, tidx, warp, r, q)
+
+    def issue_weights(self, mW, mS, sRing, e, grp, stage, ctile, lane, r, warp):
+        """Scale group ``grp``'s weight vectors (gate and up, two K blocks) and the two tiles' 8
+        scale bytes of the lane into ``stage`` (trace-time helper; one commit group with its x)."""
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Int32,
+                                  num_bits_per_copy=128)
+        g2s8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
+                                   num_bits_per_copy=64)
+        for h in range(2):
+            nt = ctile + h * self.up_tile0
+            for blk in range(2):
+                cute.copy(g2s, cute.local_tile(mW[e, grp * 2 + blk, None], (4,), (nt * 32 + lane,)),
+                          sRing[None, h * 2 + blk, lane, warp, stage])
+            cute.copy(g2s8, cute.local_tile(mS[e, grp, None], (2,), (nt * 8 + r,)),
+                      cute.local_tile(sRing[None, 4, lane, warp, stage], (2,), (h,)))
+
+    def issue_x(self, mX, sRing, token, grp, stage, q, lane, warp):
+        """The lane's B pairs of x (int32 words ``kb * 8 + q`` and ``+ 4`` of ``token``'s row) for
+        the two K blocks of scale group ``grp``, into ``stage`` (trace-time helper)."""
+        g2s4 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
+                                   num_bits_per_copy=32)
+        for blk in range(2):
+            for hi in range(2):
+                cute.copy(g2s4, cute.local_tile(mX[token, None], (1,), ((grp * 2 + blk) * 8 + q + hi * 4,)),
+                          cute.local_tile(sRing[None, 5, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
     @cute.jit
-    def columns(self, mX, mA, rW, sW, rS, acc, sX, sPart, sTot, sPairs, c0, count, base, rank, ctile, tidx, wslice,
-                half, lane, r, q):
-        """Pairs ``c0 .. c0 + 7`` of the expert (those below ``count``) as the MMA's 8 columns:
-        their x staged, the tile's sums, and the activations of this CTA's channel share."""
-        threads = 32 * self.warps
-        ncol = self.COLUMNS
-        words = ncol * self.x_words
-        x0 = rank * self.x_words
-        for j in cutlass.range_constexpr(-(-words // threads)):
-            i = tidx + j * threads
-            col = i // self.x_words
-            if i < words and c0 + col < count:  # columns past the expert's pairs keep stale words, and store nothing
-                xw = i - col * self.x_words
-                sX[xw, col] = mX[sPairs[c0 + col] // self.top_k, x0 + xw]
+    def group_mma(self, sRing: cute.Tensor, stage, lane, warp, acc: cute.Tensor):
+        """acc += one scale group of both tiles (16 MMAs) from the lane's words in ``stage``."""
+        v = cute.make_rmem_tensor((4, self.FIELDS), Int32)
+        for f in cutlass.range_constexpr(self.FIELDS):
+            cute.autovec_copy(sRing[None, f, lane, warp, stage], v[None, f])
+        for h in cutlass.range_constexpr(2):
+            for i3 in cutlass.range_constexpr(4):
+                # subtile i3's multipliers, rows r and r + 8 (bytes of the tile's scale word i3 / 2)
+                lo, hi = (scale_multiplier(v[h * 2 + i3 // 2, 4], (i3 % 2) * 2 + i4) for i4 in range(2))
+                for blk in cutlass.range_constexpr(2):
+                    c = mma_mxfp4(v[i3, h * 2 + blk], lo, hi, v[blk * 2, 5], v[blk * 2 + 1, 5],
+                                  [acc[j, i3, h] for j in range(4)], self.order)
+                    for j in cutlass.range_constexpr(4):
+                        acc[j, i3, h] = c[j]
+
+    @cute.jit
+    def finish(self, mLists, mA, sPart, acc, e, c0, count, ctile, tidx, warp, r, q):
+        """The warps' sums of columns ``c0 ..`` through shared memory (the ring's bytes, once every
+        warp is done with them), then the activations of the expert's pairs among them."""
         cute.arch.barrier()
-        acc.fill(0.0)
-        tile_mma(staged_words(rW, sW, lane, cute.arch.warp_idx()), rS,
-                 lambda i: (sX[base + i * 8, r], sX[base + i * 8 + 4, r]), acc, self.kb_per_warp,
-                 self.order)
         # C: rows 16 i3 + r (+8 for c2, c3), columns 2q (+1 for c1, c3)
-        for i3 in cutlass.range_constexpr(4):
-            for j in cutlass.range_constexpr(4):
-                sPart[i3 * 16 + (j // 2) * 8 + r, 2 * q + j % 2, wslice, half] = acc[j, i3]
+        for h in cutlass.range_constexpr(2):
+            for i3 in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(4):
+                    sPart[i3 * 16 + (j // 2) * 8 + r, 2 * q + j % 2, warp, h] = acc[j, i3, h]
         cute.arch.barrier()
-        sums = TILE * ncol * 2
-        for j in cutlass.range_constexpr(-(-sums // threads)):
-            i = tidx + j * threads
-            if i < sums:
-                row = i % TILE
-                col = (i // TILE) % ncol
-                h = i // (TILE * ncol)
-                total = sPart[row, col, 0, h]
-                for w in cutlass.range_constexpr(1, self.warps_per_tile):
-                    total = total + sPart[row, col, w, h]
-                sTot[row, col, h] = total
-        cluster_barrier(self.cluster)
-        outs = self.share * ncol
+        threads = 32 * self.warps
+        outs = TILE * self.COLUMNS
         for j in cutlass.range_constexpr(-(-outs // threads)):
             i = tidx + j * threads
-            col = i // self.share
-            if i < outs and c0 + col < count:
-                ch = rank * self.share + i - col * self.share
-                pair = sPairs[c0 + col]
+            row = i % TILE
+            col = i // TILE
+            if (const_expr(outs % threads == 0) or i < outs) and c0 + col < count:
+                gate = sPart[row, col, 0, 0]
+                up = sPart[row, col, 0, 1]
+                for w in cutlass.range_constexpr(1, self.warps):
+                    gate = gate + sPart[row, col, w, 0]
+                    up = up + sPart[row, col, w, 1]
+                pair = mLists[e, c0 + col]
                 token = pair // self.top_k
-                total = cluster_sum(sTot, (1, 1, 2), (ch, col, 0), self.cluster)  # (gate, up)
-                a = gated_act(total[0, 0, 0], total[0, 0, 1], self.beta, self.linear_beta)
-                mA[token, pair - token * self.top_k, ctile * TILE + ch] = a.to(BFloat16)
-        cluster_barrier(self.cluster)  # the next columns overwrite sTot, which peers may still read
+                a = gated_act(gate, up, self.beta, self.linear_beta)
+                mA[token, pair - token * self.top_k, ctile * TILE + row] = a.to(BFloat16)
+        cute.arch.barrier()  # the next columns' copies overwrite these sums
 
 
 def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
@@ -298,10 +359,13 @@ def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     s, p = spec.shape_dict, spec.param_dict
     e, k, lat, inter, live = s["experts"], s["top_k"], s["latent"], s["inter"], s["inter_live"]
     common = dict(experts=e, top_k=k, latent=lat, inter=inter, inter_live=live, beta=p["beta"],
-                  linear_beta=p["linear_beta"], order=p["order"], cluster=p["cluster"],
-                  warps_per_tile=p["warps_per_tile"], smem_weights=bool(p.get("smem_weights")))
+                  linear_beta=p["linear_beta"], order=p["order"])
     by_expert = p.get("by_expert_max_tokens")
-    kernel = ExpertUpMxfp4ByExpert(max_tokens=by_expert, **common) if by_expert else ExpertUpMxfp4(**common)
+    if by_expert:
+        kernel = ExpertUpMxfp4ByExpert(max_tokens=by_expert, warps=p["warps"], stages=p["stages"], **common)
+    else:
+        kernel = ExpertUpMxfp4(cluster=p["cluster"], warps_per_tile=p["warps_per_tile"],
+                               smem_weights=bool(p.get("smem_weights")), **common)
     t = cute.sym_int32()
     n = 2 * inter
     x = make_fake_tensor(Int32, (t, lat // 2), (lat // 2, 1), assumed_align=16)

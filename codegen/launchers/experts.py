@@ -264,6 +264,9 @@ MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
 # two stages at TP 16 / 8 from 375.6 / 762.5 to 362.5 / 737.3 us at 64 tokens and from 57.5 /
 # 107.7 to 56.3 / 100.2 at 8; at one token it was a wash at TP 16 and 2 us slower at TP 8.
 MXFP4_SMEM_WEIGHTS_FROM: int | None = 8
+# the per-expert up stage (``k3f::routed_moe_mxfp4``) streams each tile's K through this many
+# cp.async stages of one scale group per warp (``ExpertUpMxfp4ByExpert``)
+MXFP4_STREAM_STAGES = 4
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
@@ -344,7 +347,10 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
     if MXFP4_SMEM_WEIGHTS_FROM is not None and t >= MXFP4_SMEM_WEIGHTS_FROM:
         up, down = {**up, "smem_weights": True}, {**down, "smem_weights": True}
     if by_expert:
-        up, down = {**up, "by_expert_max_tokens": EXPERTS_MAX_TOKENS}, {**down, "zero_plan": True}
+        # 4 warps where L's quarters are whole scale groups (L = 3584: 28 each), else 2 (L % 64 == 0)
+        warps = 4 if latent % 128 == 0 else 2
+        up = {"warps": warps, "stages": MXFP4_STREAM_STAGES, "by_expert_max_tokens": EXPERTS_MAX_TOKENS}
+        down = {**down, "zero_plan": True}
     return (KernelSpec.make("expert_up_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
                             params={**up, **act, "order": order}),
             KernelSpec.make("expert_down_mxfp4", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes,
@@ -379,13 +385,22 @@ def routing_plan(device: torch.device, experts: int, cap: int) -> tuple[torch.Te
     on one stream."""
     key = (str(device), experts, cap)
     if key not in _plans:
-        if torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"k3f::routed_moe_mxfp4: the routing plan for {experts} experts on {device} is made "
-                               "on the first step outside a CUDA graph capture; run one step before capturing")
+                               "outside a CUDA graph capture: by codegen.templates.make_workspaces (the vLLM "
+                               "plugin calls it once vLLM has bound its caches) or by one eager step")
         _plans[key] = (torch.zeros(experts + 1, dtype=torch.int32, device=device),
                        torch.zeros(experts, dtype=torch.int32, device=device),
                        torch.zeros((experts, cap), dtype=torch.int32, device=device))
     return _plans[key]
+
+
+def _moe_workspace(spec: KernelSpec, device: Any) -> bool:
+    """The router stage's routing plan (``routing_plan``), made before the first captured step."""
+    if spec.kernel != "router_topk" or "plan_cap" not in spec.param_dict:
+        return False
+    routing_plan(torch.device(device), spec.shape_dict["experts"], spec.param_dict["plan_cap"])
+    return True
 
 
 def _routing(tokens: int, top_k: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,5 +447,6 @@ TEMPLATES = (*TEMPLATES, Template(
         "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair; the padding never read"),
     Template("routed_moe_mxfp4", ("k3f::routed_moe_mxfp4",), _moe_mxfp4_specs, _mxfp4_runtime, _moe_mxfp4_launch,
              doc="the router's top-k filing the pairs by expert, then the MXFP4 up stage per chosen expert (each "
-                 "selected expert's w13 read and dequantized once, its pairs as the MMA's columns) and the "
-                 "down stage per pair"))
+                 "selected expert's w13 read and dequantized once, its K streamed through cp.async stages, its "
+                 "pairs as the MMA's columns) and the down stage per pair",
+             workspace=_moe_workspace))

@@ -26,6 +26,7 @@ import torch
 from vllm.models.kimi_k3.nvidia import model as stock
 from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 
+from codegen.templates import make_workspaces
 from rewriter.config import KimiK3Config
 from rewriter.program_cache import ProgramCache
 from rewriter.vllm.guard import (KV_CACHE_DTYPES, StepDecision, StepLog, arch_of, check_deployment, decide_step,
@@ -90,6 +91,11 @@ class RewriterDecode:
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         check_cache_layouts(self.programs, layers, arch_of(torch.cuda.get_device_capability()),
                             group=get_tp_group().cpu_group)
+        # what kernels keep across steps (the MoE router's plan), zeroed now: every served step is captured
+        made = make_workspaces({s for p in self.programs.programs.values() for s in p.kernel_specs},
+                               torch.cuda.current_device())
+        if made:
+            log.info("rewriter: %d kernel workspaces made before capture", made)
         log.info("rewriter: %d of %d layers rewritten on vLLM's caches", len(layers) - len(self.programs.fallbacks),
                  len(layers))
 
