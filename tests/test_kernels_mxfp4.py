@@ -305,13 +305,18 @@ def test_specs_at_kimi_k3_shapes(shape):
         assert tpl.kernel == "routed_moe_mxfp4"
         assert router.kernel == "router_topk" and router.shape_dict == {"experts": E}
         assert router.param_dict == {"top_k": K, "renormalize": True, "scaling": 2.5, "threads": 128, "plan_cap": 64}
-        # the up stage per chosen expert, streaming L over 4 warps; the per-pair down stage after it
-        # zeroes the plan
-        pair_up, pair_down = big if tokens >= smem_from else specs
+        # the up stage per chosen expert streams L over 4 warps; the down stage is the per-pair one,
+        # which zeroes the plan, or from MXFP4_DOWN_BY_EXPERT_FROM tokens per chosen expert too,
+        # streaming whole row tiles (TP 16: 6 scale groups a tile, 2 tiles a warp; TP 8: 12, one)
         assert up_e.param_dict == {"warps": 4, "stages": experts_launcher.MXFP4_STREAM_STAGES,
                                    "by_expert_max_tokens": 64, "beta": BETA, "linear_beta": LINEAR_BETA,
                                    "order": "interleaved"}
-        assert down_e.param_dict == {**pair_down.param_dict, "zero_plan": True}
+        if tokens < experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM:
+            assert down_e.param_dict == {**(big if tokens >= smem_from else specs)[1].param_dict, "zero_plan": True}
+        else:
+            assert down_e.param_dict == {"warps": 4, "tiles_per_warp": 2 if live == 192 else 1,
+                                         "stages": experts_launcher.MXFP4_DOWN_STREAM_STAGES,
+                                         "by_expert_max_tokens": 64, "order": "interleaved"}
 
 
 def test_routing_plan_is_made_before_any_capture(monkeypatch):
@@ -322,15 +327,18 @@ def test_routing_plan_is_made_before_any_capture(monkeypatch):
     from codegen.templates import make_workspaces
 
     monkeypatch.setattr(experts_launcher, "_plans", {})
+    monkeypatch.setattr(experts_launcher, "_arrivals", {})
     assert make_workspaces(spec_for_call(OP, "sm_90a", mxfp4_args(tokens=16))[1], "cpu") == 0
-    assert experts_launcher._plans == {}
+    assert experts_launcher._plans == {} and experts_launcher._arrivals == {}
     specs = spec_for_call(MOE, "sm_90a", moe_args(tokens=16))[1] + spec_for_call(MOE, "sm_90a", moe_args(tokens=64))[1]
-    assert make_workspaces(specs, "cpu") == 1  # the router's stage: one spec for every batch
+    assert make_workspaces(specs, "cpu") == 2  # the router's and the down stage's: one spec each for every batch
     (key,) = experts_launcher._plans
     assert key == ("cpu", E, 64)
-    counts, chosen, lists = experts_launcher._plans[key]
-    assert counts.shape == (E + 1,) and chosen.shape == (E,) and lists.shape == (E, 64)
+    counts, chosen, lists, records = experts_launcher._plans[key]
+    assert counts.shape == (E + 1,) and chosen.shape == (E,) and lists.shape == (E, 64) and records.shape == (E + 1,)
     assert not counts.any() and counts.dtype == torch.int32
+    (arrivals,) = experts_launcher._arrivals.values()
+    assert arrivals.shape == (64, L // 64) and not arrivals.any()
 
 
 @pytest.mark.parametrize("args,reason", [
@@ -357,7 +365,8 @@ def test_moe_template_refuses_with_a_reason(args, reason):
 
 COMPILED = {"tp16": mxfp4_args(inter=256, live=192), "tp8": mxfp4_args(inter=384, live=384),
             "native_tp16": mxfp4_args(inter=256, live=192, layout="humming_native"),
-            "tp8_by_expert": moe_args(tokens=64, inter=384, live=384)}
+            "tp8_by_expert": moe_args(tokens=64, inter=384, live=384),
+            "tp16_by_expert_16": moe_args(tokens=16, inter=256, live=192)}
 
 
 @pytest.fixture(scope="module")
@@ -387,14 +396,16 @@ def test_ptx(compiled, arch, name):
     there, no scan of the ids) and the tokens' sums by arrival counts."""
     *router, up, down = compiled[name, arch]
     by_expert = "by_expert_max_tokens" in up.spec.param_dict  # the up stage per chosen expert
-    assert bool(router) == by_expert == bool(down.spec.param_dict.get("zero_plan"))
+    down_by_expert = "by_expert_max_tokens" in down.spec.param_dict  # and the down stage
+    assert bool(router) == by_expert and by_expert == (down_by_expert or bool(down.spec.param_dict.get("zero_plan")))
     if router:  # each of the k lanes: its place in its expert's list, and the chosen list's for a first pair
         body = router[0].ptx[router[0].ptx.index(".entry"):]
         assert re.findall(r"atom\.global\.[\w.]+", body) == ["atom.global.add.u32"] * 2
         assert "ld.local" not in body and pdl_flags(router[0].spec) == [1]
     live_blocks = up.spec.shape_dict["inter_live"] // 16
-    stages = ((down, live_blocks // down.spec.param_dict["warps_per_slot"]),)
-    for k, per_warp in stages if by_expert else ((up, 14), *stages):  # the streamed up stage: its own test
+    # the streamed stages per expert: their own test
+    stages = () if down_by_expert else ((down, live_blocks // down.spec.param_dict["warps_per_slot"]),)
+    for k, per_warp in stages if by_expert else ((up, 14), *stages):
         ptx = k.ptx
         assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
         body = ptx[ptx.index(".entry"):]
@@ -420,7 +431,7 @@ def test_ptx(compiled, arch, name):
         assert _count(early, wload) == per_warp  # all in flight at once
         # the B pairs after the weights: the down kernel's from global, the up kernel's x staged in
         # shared memory once per CTA (224 words over 128 threads); after the per-expert up stage the
-        # down stage also reads the plan's chosen count and experts, to zero it
+        # per-pair down stage also reads the plan's chosen count and experts, to zero it
         expected = 2 if k is up else 2 * per_warp + 2 * by_expert
         assert _count(after, "ld.global.b32") == expected
         # no scan of the ids, no atomics: each pair's sums meet in its cluster's shared memory
@@ -432,38 +443,44 @@ def test_ptx(compiled, arch, name):
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_ptx_of_the_up_stage_per_expert(compiled, arch):
-    """The per-expert up stage streams L: each warp's first ``stages - 1`` scale groups issued by
-    cp.async between the wait and launch_dependents (after only the plan's words: the chosen
-    count, the expert and its pairs' count), then one group a step through the ring (16 MMAs and
-    six 16-byte shared loads a step, no barrier inside the loop), no cluster, no atomics, and
-    ptxas asked for four CTAs an SM with no spill."""
+def test_ptx_of_the_stages_per_expert(compiled, arch):
+    """Both stages per chosen expert stream their weights: each warp's first ``stages - 1`` scale
+    groups issued by cp.async between the wait and launch_dependents (after only the words that
+    say which expert: the up stage the plan's chosen count, expert and pair count, the down stage
+    the up stage's two records and, in its first CTA, the chosen experts whose counts it zeroes),
+    then one group a step through the ring (the up stage 16 MMAs and six
+    16-byte shared loads a step, the down stage 8 and four), no barrier inside the loops, no
+    cluster; the up stage with no atomics, the down stage with one: a pair's arrival at its
+    (token, tile) counter, between acq_rel fences. ptxas asked for four CTAs an SM, no spill."""
     from conftest import ptxas_usage
 
-    _, up, _ = compiled["tp8_by_expert", arch]
-    p = up.spec.param_dict
-    S = p["stages"]
-    body = up.ptx[up.ptx.index(".entry"):]
-    assert "ld.local" not in body and "st.local" not in body
-    assert body.count(WAIT) == 1 and body.count(LAUNCH) == 1
-    before, rest = body.split(WAIT)
-    between, after = rest.split(LAUNCH)
-    assert "ld.global" not in before and "cp.async" not in before
-    assert _count(between, "ld.global.b32") == 3
-    # per scale group: 4 weight vectors (.cg, 16 bytes), 2 scale pairs and 4 x words (.ca): the
-    # prologue's S - 1 groups of weights before launch_dependents; after it the refill of weights
-    # for more than 8 pairs, the x of the prologue and one group in the loop
-    assert _count(between, "cp.async.cg.shared.global") == 4 * (S - 1)
-    assert _count(between, "cp.async.ca.shared.global") == 2 * (S - 1)
-    assert _count(after, "cp.async.cg.shared.global") == 4 * (S - 1) + 4
-    assert _count(after, "cp.async.ca.shared.global") == 2 * (S - 1) + 4 * (S - 1) + 6
-    assert body.count(MMA) == 16 and _count(body, "ld.shared.v4") == 6
-    assert _count(body, "cp.async.wait_group") == 1 and body.count("mul.rn.bf16x2") == 64
-    assert "barrier.cluster" not in body and "mapa" not in body and "atom.global" not in body
-    assert re.search(r"\.minnctapersm\s+4\b", body) and pdl_flags(up.spec) == [1]
-    if arch == "sm_90a":
-        registers, spilled = ptxas_usage(up.ptx, arch)
-        assert registers <= 128 and spilled == 0, (registers, spilled)
+    _, up, down = compiled["tp8_by_expert", arch]
+    for k, fields, mmas, shared_loads, plan_words in ((up, (4, 2, 4), 16, 6, 3), (down, (2, 1, 4), 8, 4, 3)):
+        p = k.spec.param_dict
+        S = p["stages"]
+        w, sc, x = fields  # per scale group: weight vectors (.cg), scale pairs and x words (.ca)
+        body = k.ptx[k.ptx.index(".entry"):]
+        assert "ld.local" not in body and "st.local" not in body
+        assert body.count(WAIT) == 1 and body.count(LAUNCH) == 1
+        before, rest = body.split(WAIT)
+        between, after = rest.split(LAUNCH)
+        assert "ld.global" not in before and "cp.async" not in before
+        assert _count(between, "ld.global.b32") == plan_words, k.spec.kernel
+        # the prologue's S - 1 groups of weights before launch_dependents; after it the refill of
+        # weights for more than 8 pairs, the x of the prologue and one group in the loop
+        assert _count(between, "cp.async.cg.shared.global") == w * (S - 1)
+        assert _count(between, "cp.async.ca.shared.global") == sc * (S - 1)
+        assert _count(after, "cp.async.cg.shared.global") == w * (S - 1) + w
+        assert _count(after, "cp.async.ca.shared.global") == sc * (S - 1) + x * (S - 1) + sc + x
+        assert body.count(MMA) == mmas and _count(body, "ld.shared.v4") == shared_loads
+        assert _count(body, "cp.async.wait_group") == 1 and body.count("mul.rn.bf16x2") == 4 * mmas
+        assert "barrier.cluster" not in body and "mapa" not in body
+        atomics = re.findall(r"atom\.[\w.]+", body)
+        assert atomics == ([] if k is up else ["atom.global.acq_rel.add.u32"]), atomics
+        assert re.search(r"\.minnctapersm\s+4\b", body) and pdl_flags(k.spec) == [1]
+        if arch == "sm_90a":
+            registers, spilled = ptxas_usage(k.ptx, arch)
+            assert registers <= 128 and spilled == 0, (registers, spilled)
 
 
 @needs_cutedsl
@@ -614,6 +631,12 @@ def moe_step(experts, x, logits, bias, top_k=K):
     # the down stage left the plan's counts at zero for the next step's router
     counts = experts_launcher.routing_plan(x.device, logits.shape[1], specs[0].param_dict["plan_cap"])[0]
     assert not counts.any(), counts.nonzero()
+    # and, after the per-expert down stage, every (token, tile) arrival counter (each last arrival
+    # put its own back)
+    cap = specs[2].param_dict.get("by_expert_max_tokens")
+    if cap is not None:
+        arrivals = experts_launcher.arrival_counts(x.device, cap, x.shape[1] // 64)
+        assert not arrivals.any(), arrivals.nonzero()
     weights, ids = route(logits.cpu(), bias.cpu(), top_k=top_k, renormalize=True, scaling=2.5)
     return y, act, weights.cuda(), ids.cuda()
 
@@ -632,7 +655,7 @@ def check_moe(experts, tokens, gen, crowded=None, steps=2):
 @on_gpu
 @pytest.mark.parametrize("tokens", [16, 64])
 def test_moe_grids_read_the_layout_humming_leaves(humming_experts, tokens):
-    """The router's plan, the per-expert up stage and the per-pair down stage, two steps in a row."""
+    """The router's plan, both stages per chosen expert, two steps in a row."""
     check_moe(humming_experts, tokens, torch.Generator().manual_seed(tokens))
 
 
@@ -646,10 +669,10 @@ def test_moe_grids_run_an_experts_pairs_eight_at_a_time(humming_experts, tokens)
 
 @on_gpu
 def test_per_expert_grid_agrees_with_the_per_pair_kernel(humming_experts):
-    """The two up-stage grids run the same MMAs on the same words, summed over L in another order
-    (four warps' quarters against sixteen runs of 14 blocks), so their activations differ only by
-    that rounding, whatever place the plan's atomics gave each pair; the down stage is the per-pair
-    kernel on both."""
+    """The per-pair and per-expert grids run the same MMAs on the same words, summed in another
+    order (the up stage: four warps' quarters of L against sixteen runs of 14 blocks; the down
+    stage: the k slots in slot order against a cluster's), so activations and outputs differ only
+    by that rounding, whatever place the plan's atomics gave each pair."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(24, L, generator=gen).bfloat16().cuda()
     y_moe, act_moe, weights, ids = moe_step(humming_experts, x, *routing_logits(routing(24, gen, crowded=3)[1], gen))
@@ -664,7 +687,7 @@ def test_per_expert_grid_agrees_with_the_per_pair_kernel(humming_experts):
 
 
 @on_gpu
-@pytest.mark.parametrize("tokens", [16, 32])
+@pytest.mark.parametrize("tokens", [16, 64])  # the down stage per pair, per chosen expert
 def test_moe_op_in_a_cuda_graph(humming_experts, tokens, monkeypatch):
     """Through ``install_cuda_kernels``, captured with no eager step before, as vLLM serves it
     (the plan made by ``make_workspaces``, the kernels loaded by ``prepare``), then replayed on
@@ -674,11 +697,13 @@ def test_moe_op_in_a_cuda_graph(humming_experts, tokens, monkeypatch):
 
     bind.install_cuda_kernels()
     monkeypatch.setattr(experts_launcher, "_plans", {})
+    monkeypatch.setattr(experts_launcher, "_arrivals", {})
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
     logits, bias = routing_logits(routing(tokens, gen)[1], gen)
     args = humming_experts.moe_args(x, logits, bias)
-    assert make_workspaces(spec_for_call(MOE, "sm_90a", args)[1], x.device) == 1
+    per_expert_down = tokens >= experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM  # with its arrival counts
+    assert make_workspaces(spec_for_call(MOE, "sm_90a", args)[1], x.device) == 1 + per_expert_down
     assert bind.registered()[MOE].prepare(*args) is None
     before = bind.stats().get(MOE, {}).get("kernel", 0)
     graph = torch.cuda.CUDAGraph()

@@ -22,9 +22,12 @@ Work split:
 Programmatic dependent launch: the kernel runs right after ``expert_up_mxfp4``, whose CTAs let it
 launch only once their own wait has seen the router finish; so a CTA reads its ids and routing
 weight and issues its rows before its wait (which only the activation needs), and those loads
-overlap the up stage's tail. It lets the next kernel launch after the wait. After the per-expert
-up stage (``k3f::routed_moe_mxfp4``) its first CTA also puts the router's plan back to zero once
-past that wait: the up stage, the plan's last reader, has completed, and this grid reads none of it.
+overlap the up stage's tail. It lets the next kernel launch after the wait.
+
+After the per-expert up stage (``k3f::routed_moe_mxfp4``) below ``MXFP4_DOWN_BY_EXPERT_FROM``
+tokens its first CTA also puts the router's plan back to zero once past that wait (the up stage,
+the plan's last reader, has completed, and this grid reads none of it); from there the down stage
+is per chosen expert too (``ExpertDownMxfp4ByExpert``, below).
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS,
-                                   cluster_barrier, cluster_sum, issue_weights, load_b, load_scales, staged_words,
-                                   tile_mma, warp_registers, weight_staging)
+                                   cluster_barrier, cluster_sum, issue_weights, load_b, load_scales, mma_mxfp4,
+                                   scale_multiplier, staged_words, tile_mma, warp_registers, weight_staging)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -142,7 +145,6 @@ class ExpertDownMxfp4:
         if const_expr(C > 1):
             cluster_barrier(C)  # peers may still be reading this CTA's sums
 
-
     @cute.jit
     def zero_plan(self, mCount: cute.Tensor, mChosen: cute.Tensor, tidx):
         """After the per-expert up stage (which read the router's plan and has completed: this
@@ -156,22 +158,246 @@ class ExpertDownMxfp4:
             mCount[self.experts] = Int32(0)
 
 
-def build(spec) -> tuple[ExpertDownMxfp4, tuple]:
+class ExpertDownMxfp4ByExpert:
+    """The down stage after the per-expert up stage: a CTA per (chosen expert, run of row tiles)
+    whose warps each stream their tiles' live K through a ring of ``cp.async`` stages (one scale
+    group a stage: 2 weight vectors, the tile's 8 scale bytes, the lane's B pairs of its column's
+    activation), so each selected expert's W2 is read once per step, its pairs eight at a time as
+    the MMA's 8 N columns.
+
+    - the experts and their pairs: the up stage's records (``mRec``: the chosen count, then
+      ``expert + (pairs << 16)`` per entry, written once the up stage had read the plan) and the
+      plan's lists; this grid reads no count, so its first CTA, once past its wait (the up stage
+      complete), puts the plan's counts back to zero for the next step's router;
+    - a warp owns whole 64-row tiles over the whole live K: no reduction across warps or CTAs for
+      a pair. At a tile's end each lane stores its C (rows r (+8), columns 2q (+1)) times the
+      pairs' routing weights into the fp32 scratch ``mP`` [T, k, L]; the warp then counts each
+      pair in at its (token, tile) counter (``mCnt``, zero between steps), and the pair that brings
+      a token's k-th sums the token's k rows of the tile in slot order (deterministic whatever the
+      lists' order or the arrival order) into the bf16 output and puts the counter back to zero.
+      The next tile's first stages are in flight meanwhile.
+    """
+
+    COLUMNS = 8
+    FIELDS = 4  # 16-byte fields per lane and stage: weights kb0, weights kb1, scales (2 words), x (4 words)
+
+    def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
+                 warps: int, tiles_per_warp: int, stages: int, max_tokens: int):
+        if order not in ORDERS:
+            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+        if rows % TILE:
+            raise ValueError(f"L {rows} is not a multiple of {TILE}")
+        if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
+            raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+        self.tiles = rows // TILE
+        if warps not in (1, 2, 4) or tiles_per_warp < 1 or self.tiles % (warps * tiles_per_warp):
+            raise ValueError(f"{self.tiles} row tiles do not split into CTAs of {warps} warps x {tiles_per_warp}")
+        if stages < 1:
+            raise ValueError(f"{stages} stages: at least 1")
+        self.experts, self.top_k, self.rows = experts, top_k, rows
+        self.inter, self.inter_live, self.order = inter, inter_live, order
+        self.warps, self.tiles_per_warp = warps, tiles_per_warp
+        self.groups = inter_live // 32  # scale groups of a tile's live K
+        self.steps = tiles_per_warp * self.groups  # a warp's stages, tile after tile
+        self.stages = min(stages, self.steps)
+        self.ctas_per_expert = self.tiles // (warps * tiles_per_warp)
+        self.pair_cap = max_tokens
+        self.smem_words = 4 * self.FIELDS * 32 * warps * self.stages
+        self.ctas_per_sm = max(1, min(8, 228 * 1024 // (4 * self.smem_words + 1024)))
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
+                 mRec: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mP: cute.Tensor,
+                 mCnt: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+        entries = cutlass.min(mA.shape[0] * self.top_k, self.experts)
+        self.kernel(mA, mCount, mChosen, mLists, mRec, mWeights, mW, mS, mP, mCnt, mOut).launch(
+            grid=[entries, self.ctas_per_expert, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
+               mRec: cute.Tensor, mWeights: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mP: cute.Tensor,
+               mCnt: cute.Tensor, mOut: cute.Tensor):
+        entry, part, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        r = lane // 4
+        q = lane - r * 4
+        G, S, N, W, F = (const_expr(v) for v in (self.groups, self.stages, self.COLUMNS, self.warps, self.FIELDS))
+        n = const_expr(self.steps)
+        nt0 = (part * W + warp) * self.tiles_per_warp  # the warp's first row tile
+
+        smem = SmemAllocator()
+        sRing = smem.allocate_tensor(Int32, cute.make_layout((4, F, 32, W, S), stride=(1, 128, 4, 128 * F, 128 * F * W)),
+                                     byte_alignment=16)
+        acc = cute.make_rmem_tensor((4, 4), Float32)
+        pairs = cute.make_rmem_tensor((2,), Int32)  # the lane's C columns' pairs (-1: none)
+        wts = cute.make_rmem_tensor((2,), Float32)  # and their routing weights
+
+        cute.arch.griddepcontrol_wait()  # the records and activations are the up stage's
+        chosen = mRec[0]
+        if (entry == 0) & (part == 0):  # nothing reads the plan's counts any more: zero for the next step
+            for i in cutlass.range(tidx, chosen, 32 * W, unroll=1):
+                mCount[mChosen[i]] = Int32(0)
+            cute.arch.barrier()  # every thread has read the chosen count
+            if tidx == 0:
+                mCount[self.experts] = Int32(0)
+        if entry < chosen:
+            rec = mRec[1 + entry]
+            e = cutlass.max(cutlass.min(rec & Int32(0xFFFF), Int32(self.experts - 1)), Int32(0))
+            count = cutlass.min(rec >> 16, Int32(self.pair_cap))
+            for s in cutlass.range_constexpr(S - 1):
+                self.issue_weights(mW, mS, sRing, Int64(e), nt0 + s // G, s % G, s, lane, r, warp)
+            cute.arch.griddepcontrol_launch_dependents()
+            for c0 in cutlass.range(0, count, N, unroll=1):
+                if c0 > 0:  # more than 8 pairs: the weights again for the next 8
+                    for s in cutlass.range_constexpr(S - 1):
+                        self.issue_weights(mW, mS, sRing, Int64(e), nt0 + s // G, s % G, s, lane, r, warp)
+                # the lane's B column: pair c0 + r (past the expert's pairs, its last: never stored)
+                mine = mLists[e, cutlass.min(c0 + r, count - 1)]
+                for h in cutlass.range_constexpr(2):
+                    col = c0 + 2 * q + h
+                    pairs[h] = Int32(-1)
+                    wts[h] = Float32(0.0)
+                    if col < count:
+                        pairs[h] = mLists[e, col]
+                        wts[h] = Float32(mWeights[pairs[h] // self.top_k, pairs[h] % self.top_k])
+                for s in cutlass.range_constexpr(S - 1):  # group s = stage s (groups complete in order)
+                    self.issue_x(mA, sRing, mine, s % G, s, q, lane, warp)
+                    cute.arch.cp_async_commit_group()
+                acc.fill(0.0)
+                read = Int32(0)
+                write = Int32(S - 1)
+                for st in cutlass.range(n, unroll=1):
+                    nxt = st + (S - 1)
+                    if nxt < n:
+                        self.issue_weights(mW, mS, sRing, Int64(e), nt0 + nxt // G, nxt % G, write, lane, r, warp)
+                        self.issue_x(mA, sRing, mine, nxt % G, write, q, lane, warp)
+                    cute.arch.cp_async_commit_group()  # empty at the end: keeps group st = stage st
+                    cute.arch.cp_async_wait_group(S - 1)
+                    self.group_mma(sRing, read, lane, warp, acc)
+                    write = read
+                    read = (read + 1) % S
+                    if st % G == G - 1:  # the tile's whole K: its rows out, counted in, and the tokens it completes
+                        self.finish_tile(mP, mCnt, mOut, acc, pairs, wts, nt0 + st // G, lane, r, q)
+                        acc.fill(0.0)
+
+    def issue_weights(self, mW, mS, sRing, e, nt, grp, stage, lane, r, warp):
+        """Row tile ``nt``'s weight vectors for the two K blocks of scale group ``grp`` and its 8
+        scale bytes of the lane, into ``stage`` (trace-time helper; one commit group with its x)."""
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Int32,
+                                  num_bits_per_copy=128)
+        g2s8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
+                                   num_bits_per_copy=64)
+        for blk in range(2):
+            cute.copy(g2s, cute.local_tile(mW[e, grp * 2 + blk, None], (4,), (nt * 32 + lane,)),
+                      sRing[None, blk, lane, warp, stage])
+        cute.copy(g2s8, cute.local_tile(mS[e, grp, None], (2,), (nt * 8 + r,)),
+                  cute.local_tile(sRing[None, 2, lane, warp, stage], (2,), (0,)))
+
+    def issue_x(self, mA, sRing, pair, grp, stage, q, lane, warp):
+        """The lane's B pairs of ``pair``'s activation (int32 words ``kb * 8 + q`` and ``+ 4``) for
+        the two K blocks of scale group ``grp``, into ``stage`` (trace-time helper)."""
+        g2s4 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
+                                   num_bits_per_copy=32)
+        token = pair // self.top_k
+        row = mA[token, pair - token * self.top_k, None]
+        for blk in range(2):
+            for hi in range(2):
+                cute.copy(g2s4, cute.local_tile(row, (1,), ((grp * 2 + blk) * 8 + q + hi * 4,)),
+                          cute.local_tile(sRing[None, 3, lane, warp, stage], (1,), (blk * 2 + hi,)))
+
+    @cute.jit
+    def group_mma(self, sRing: cute.Tensor, stage, lane, warp, acc: cute.Tensor):
+        """acc += one scale group of the tile (8 MMAs) from the lane's words in ``stage``."""
+        v = cute.make_rmem_tensor((4, self.FIELDS), Int32)
+        for f in cutlass.range_constexpr(self.FIELDS):
+            cute.autovec_copy(sRing[None, f, lane, warp, stage], v[None, f])
+        for i3 in cutlass.range_constexpr(4):
+            lo, hi = (scale_multiplier(v[i3 // 2, 2], (i3 % 2) * 2 + i4) for i4 in range(2))
+            for blk in cutlass.range_constexpr(2):
+                c = mma_mxfp4(v[i3, blk], lo, hi, v[blk * 2, 3], v[blk * 2 + 1, 3], [acc[j, i3] for j in range(4)],
+                              self.order)
+                for j in cutlass.range_constexpr(4):
+                    acc[j, i3] = c[j]
+
+    @cute.jit
+    def finish_tile(self, mP, mCnt, mOut, acc, pairs, wts, nt, lane, r, q):
+        """Tile ``nt``'s weighted rows of the warp's 8 columns into the scratch; each pair counted
+        in at its (token, tile); a token's k-th pair sums its k slots' rows in slot order."""
+        k = self.top_k
+        for h in cutlass.range_constexpr(2):
+            p = pairs[h]
+            if p >= 0:
+                tp = p // k
+                for i3 in cutlass.range_constexpr(4):
+                    for half in cutlass.range_constexpr(2):
+                        mP[tp, p - tp * k, nt * TILE + i3 * 16 + half * 8 + r] = acc[half * 2 + h, i3] * wts[h]
+        cute.arch.fence_acq_rel_gpu()  # this lane's rows visible before its column counts in
+        cute.arch.sync_warp()
+        # lanes 0..7 count the 8 columns in: column c's pair is pairs[c % 2] of lane c / 2 (q = c / 2)
+        p0 = cute.arch.shuffle_sync(pairs[0], (lane // 2) % 4)
+        p1 = cute.arch.shuffle_sync(pairs[1], (lane // 2) % 4)
+        last = Int32(-1)
+        if lane < self.COLUMNS:
+            p = cutlass.select_(lane % 2 == 0, p0, p1)
+            if p >= 0:
+                tp = p // k
+                seen = cute.arch.atomic_add(mCnt.iterator + (tp * self.tiles + nt), Int32(1), sem="acq_rel",
+                                            scope="gpu")
+                if seen == k - 1:
+                    last = tp
+        cute.arch.sync_warp()  # the counting lanes' acquires before every lane's reads of the rows
+        cute.arch.fence_acq_rel_gpu()
+        for col in cutlass.range_constexpr(self.COLUMNS):
+            tl = cute.arch.shuffle_sync(last, col)
+            if tl >= 0:  # the token's k rows of this tile, summed in slot order; its counter back to zero
+                for j in cutlass.range_constexpr(TILE // 32):
+                    row = nt * TILE + lane + j * 32
+                    total = Float32(0.0)
+                    for slot in cutlass.range_constexpr(k):
+                        total = total + mP[tl, slot, row]
+                    mOut[tl, row] = total.to(BFloat16)
+                if lane == col:
+                    mCnt[tl, nt] = Int32(0)
+
+
+def build(spec) -> tuple[ExpertDownMxfp4 | ExpertDownMxfp4ByExpert, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec`` (the token
     count is a runtime size)."""
     s, p = spec.shape_dict, spec.param_dict
     e, k, rows, inter, live = s["experts"], s["top_k"], s["rows"], s["inter"], s["inter_live"]
     t = cute.sym_int32()
+    weights = (make_fake_tensor(Int32, (e, inter // 16, 2 * rows), (inter // 16 * 2 * rows, 2 * rows, 1),
+                                assumed_align=16),
+               make_fake_tensor(Int32, (e, inter // 32, rows // 4), (inter // 32 * rows // 4, rows // 4, 1),
+                                assumed_align=16))
+    act = make_fake_tensor(Int32, (t, k, live // 2), (k * live // 2, live // 2, 1), assumed_align=16)
+    if p.get("by_expert_max_tokens"):
+        cap = p["by_expert_max_tokens"]
+        kernel = ExpertDownMxfp4ByExpert(experts=e, top_k=k, rows=rows, inter=inter, inter_live=live,
+                                         order=p["order"], warps=p["warps"], tiles_per_warp=p["tiles_per_warp"],
+                                         stages=p["stages"], max_tokens=cap)
+        return kernel, (
+            act,
+            make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),  # the plan: counts, chosen, lists
+            make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
+            make_fake_tensor(Int32, (e, cap), (cap, 1), assumed_align=4),
+            make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),  # the up stage's records
+            make_fake_tensor(Float32, (t, k), (k, 1), assumed_align=4),
+            *weights,
+            make_fake_tensor(Float32, (t, k, rows), (k * rows, rows, 1), assumed_align=16),  # the scratch
+            make_fake_tensor(Int32, (cap, rows // TILE), (rows // TILE, 1), assumed_align=4),  # arrival counts
+            make_fake_tensor(BFloat16, (t, rows), (rows, 1), assumed_align=2),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
     kernel = ExpertDownMxfp4(experts=e, top_k=k, rows=rows, inter=inter, inter_live=live, order=p["order"],
                              cluster=p["cluster"], warps_per_slot=p["warps_per_slot"],
                              zero_plan=bool(p.get("zero_plan")), smem_weights=bool(p.get("smem_weights")))
-    args = (make_fake_tensor(Int32, (t, k, live // 2), (k * live // 2, live // 2, 1), assumed_align=16),
+    args = (act,
             make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8),
             make_fake_tensor(Float32, (t, k), (k, 1), assumed_align=4),
-            make_fake_tensor(Int32, (e, inter // 16, 2 * rows), (inter // 16 * 2 * rows, 2 * rows, 1),
-                             assumed_align=16),
-            make_fake_tensor(Int32, (e, inter // 32, rows // 4), (inter // 32 * rows // 4, rows // 4, 1),
-                             assumed_align=16),
+            *weights,
             make_fake_tensor(BFloat16, (t, rows), (rows, 1), assumed_align=2),
             # after the per-expert up stage: the plan's counts and chosen experts, zeroed here
             *((make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),

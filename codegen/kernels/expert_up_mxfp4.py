@@ -182,7 +182,9 @@ class ExpertUpMxfp4ByExpert:
       own words, so the ring needs no barrier;
     - every lane's C is useful: rows r (+8) x columns 2q (+1); the warps' sums meet in shared
       memory (the ring's bytes), then a thread per (channel, column) applies the activation.
-    The per-pair down stage follows it, and zeroes the plan once this grid has completed.
+    - its (entry, tile 0) CTA records the entry's expert and pair count (``mRec``: the chosen
+      count, then ``expert + (pairs << 16)`` per entry) for the per-expert down stage, which reads
+      those instead of the plan's counts and so can zero the counts once this grid has completed.
     """
 
     COLUMNS = 8  # the MMA's N: one pair of the expert per column
@@ -219,15 +221,15 @@ class ExpertUpMxfp4ByExpert:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
-                 mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, stream: cuda.CUstream):
+                 mRec: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor, stream: cuda.CUstream):
         entries = cutlass.min(mA.shape[0] * self.top_k, self.experts)
-        self.kernel(mX, mCount, mChosen, mLists, mW, mS, mA).launch(
+        self.kernel(mX, mCount, mChosen, mLists, mRec, mW, mS, mA).launch(
             grid=[entries, self.ctiles, 1], block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mCount: cute.Tensor, mChosen: cute.Tensor, mLists: cute.Tensor,
-               mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):
+               mRec: cute.Tensor, mW: cute.Tensor, mS: cute.Tensor, mA: cute.Tensor):
         entry, ctile, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
@@ -253,6 +255,10 @@ class ExpertUpMxfp4ByExpert:
             # the expert (one out of range would read past the weights: clamped), its first stages at once
             e = cutlass.max(cutlass.min(mChosen[entry], Int32(self.experts - 1)), Int32(0))
             count = cutlass.min(mCount[e], Int32(self.pair_cap))
+            if (ctile == 0) & (tidx == 0):  # the records the down stage reads instead of the counts
+                mRec[1 + entry] = e | (count << 16)
+                if entry == 0:
+                    mRec[0] = chosen
             g0 = warp * G  # the warp's first scale group
             for s in cutlass.range_constexpr(S - 1):
                 self.issue_weights(mW, mS, sRing, Int64(e), g0 + s, s, ctile, lane, r, warp)
@@ -375,7 +381,8 @@ def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     if not by_expert:
         return kernel, (x, make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8), *weights, act, stream)
-    # the plan: counts [E + 1], chosen [E], lists [E, cap]
+    # the plan: counts [E + 1], chosen [E], lists [E, cap]; the records for the down stage [E + 1]
     plan = (make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4), make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
-            make_fake_tensor(Int32, (e, by_expert), (by_expert, 1), assumed_align=4))
+            make_fake_tensor(Int32, (e, by_expert), (by_expert, 1), assumed_align=4),
+            make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4))
     return kernel, (x, *plan, *weights, act, stream)

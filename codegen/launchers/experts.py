@@ -267,6 +267,16 @@ MXFP4_SMEM_WEIGHTS_FROM: int | None = 8
 # the per-expert up stage (``k3f::routed_moe_mxfp4``) streams each tile's K through this many
 # cp.async stages of one scale group per warp (``ExpertUpMxfp4ByExpert``)
 MXFP4_STREAM_STAGES = 4
+# and, from MXFP4_DOWN_BY_EXPERT_FROM tokens, its down stage too (``ExpertDownMxfp4ByExpert``: a
+# warp streams whole 64-row tiles of W2, about 12 scale groups a warp, through this many stages);
+# below, the per-pair down stage. On the H200 (2026-12-02, examples/bench_mxfp4_experts.py, down
+# stage per expert / per pair): TP 16 74.8 / 35.2 us at 16 tokens, 111.6 / 65.0 at 32, 141.9 /
+# 124.4 at 64; TP 8 105.6 / 69.6, 155.5 / 125.5, 228.9 / 258.9. The layer at 64 tokens: 331.6 ->
+# 313.2 us (TP 16), 583.5 -> 499.0 (TP 8). A pair's tile of W2 is too short a stream for the
+# arrival counts' round trips until most experts have several pairs.
+MXFP4_DOWN_BY_EXPERT_FROM = 64
+MXFP4_DOWN_STREAM_STAGES = 6
+MXFP4_DOWN_GROUPS_PER_WARP = 12
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
@@ -300,6 +310,16 @@ def mxfp4_down_tiling(top_k: int, inter_live: int) -> dict[str, int] | str:
         return (f"top_k {top_k} x {warps} warps per slot do not split into a cluster of 1, 2, 4 or 8 CTAs of "
                 f"{MXFP4_DOWN_CTA_WARPS} warps")
     return {"cluster": cluster, "warps_per_slot": warps}
+
+
+def mxfp4_down_stream_tiling(rows: int, inter_live: int) -> dict[str, int]:
+    """(warps, row tiles per warp) of the per-expert down stage: up to 4 warps a CTA, each with
+    as many whole 64-row tiles as keep it near ``MXFP4_DOWN_GROUPS_PER_WARP`` scale groups (TP 16,
+    I_live 192: 6 groups a tile, 2 tiles a warp, 7 CTAs an expert; TP 8: 1 tile, 14 CTAs)."""
+    tiles, groups = rows // 64, inter_live // 32
+    warps = next(w for w in (4, 2, 1) if tiles % w == 0)
+    per_warp = next(t for t in range(max(1, MXFP4_DOWN_GROUPS_PER_WARP // groups), 0, -1) if tiles % (warps * t) == 0)
+    return {"warps": warps, "tiles_per_warp": per_warp}
 
 
 def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = False
@@ -350,7 +370,11 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
         # 4 warps where L's quarters are whole scale groups (L = 3584: 28 each), else 2 (L % 64 == 0)
         warps = 4 if latent % 128 == 0 else 2
         up = {"warps": warps, "stages": MXFP4_STREAM_STAGES, "by_expert_max_tokens": EXPERTS_MAX_TOKENS}
-        down = {**down, "zero_plan": True}
+        if t >= MXFP4_DOWN_BY_EXPERT_FROM:
+            down = {**mxfp4_down_stream_tiling(latent, inter_live), "stages": MXFP4_DOWN_STREAM_STAGES,
+                    "by_expert_max_tokens": EXPERTS_MAX_TOKENS}
+        else:
+            down = {**down, "zero_plan": True}
     return (KernelSpec.make("expert_up_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
                             params={**up, **act, "order": order}),
             KernelSpec.make("expert_down_mxfp4", op, arch, shapes={**shapes, "rows": latent}, dtypes=dtypes,
@@ -375,32 +399,53 @@ def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
 
 
 # ---- the router and the routed experts as one op, per chosen expert (k3f::routed_moe_mxfp4) ----
-_plans: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_plans: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
+_arrivals: dict[tuple[str, int, int], torch.Tensor] = {}
 
 
-def routing_plan(device: torch.device, experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _outside_capture(device: torch.device, what: str) -> None:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"k3f::routed_moe_mxfp4: {what} on {device} is made outside a CUDA graph capture: by "
+                           "codegen.templates.make_workspaces (the vLLM plugin calls it once vLLM has bound its "
+                           "caches) or by one eager step")
+
+
+def routing_plan(device: torch.device, experts: int, cap: int) -> tuple[torch.Tensor, ...]:
     """The device's routing plan (int32: counts [E + 1], chosen [E], lists [E, cap]), zero where
     the router counts: it is made once and every step leaves it so (``RouterTopkPlan`` fills it,
-    the down stage zeroes it). One per device: the MoE layers of a program run one after another
-    on one stream."""
+    the down stage zeroes it); and the up stage's records for the down stage [E + 1]. One per
+    device: the MoE layers of a program run one after another on one stream."""
     key = (str(device), experts, cap)
     if key not in _plans:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"k3f::routed_moe_mxfp4: the routing plan for {experts} experts on {device} is made "
-                               "outside a CUDA graph capture: by codegen.templates.make_workspaces (the vLLM "
-                               "plugin calls it once vLLM has bound its caches) or by one eager step")
+        _outside_capture(device, f"the routing plan for {experts} experts")
         _plans[key] = (torch.zeros(experts + 1, dtype=torch.int32, device=device),
                        torch.zeros(experts, dtype=torch.int32, device=device),
-                       torch.zeros((experts, cap), dtype=torch.int32, device=device))
+                       torch.zeros((experts, cap), dtype=torch.int32, device=device),
+                       torch.zeros(experts + 1, dtype=torch.int32, device=device))
     return _plans[key]
 
 
+def arrival_counts(device: torch.device, cap: int, tiles: int) -> torch.Tensor:
+    """The per-expert down stage's (token, row tile) arrival counters, int32 [cap, tiles], zero
+    between steps (each step's last arrival puts its counter back). One per device and shape."""
+    key = (str(device), cap, tiles)
+    if key not in _arrivals:
+        _outside_capture(device, f"the arrival counts of {tiles} row tiles")
+        _arrivals[key] = torch.zeros((cap, tiles), dtype=torch.int32, device=device)
+    return _arrivals[key]
+
+
 def _moe_workspace(spec: KernelSpec, device: Any) -> bool:
-    """The router stage's routing plan (``routing_plan``), made before the first captured step."""
-    if spec.kernel != "router_topk" or "plan_cap" not in spec.param_dict:
-        return False
-    routing_plan(torch.device(device), spec.shape_dict["experts"], spec.param_dict["plan_cap"])
-    return True
+    """The router stage's routing plan (``routing_plan``) and the down stage's arrival counts
+    (``arrival_counts``), made before the first captured step."""
+    p = spec.param_dict
+    if spec.kernel == "router_topk" and "plan_cap" in p:
+        routing_plan(torch.device(device), spec.shape_dict["experts"], p["plan_cap"])
+        return True
+    if spec.kernel == "expert_down_mxfp4" and "by_expert_max_tokens" in p:
+        arrival_counts(torch.device(device), p["by_expert_max_tokens"], spec.shape_dict["rows"] // 64)
+        return True
+    return False
 
 
 def _routing(tokens: int, top_k: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,17 +472,24 @@ def _moe_mxfp4_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
 
 
 def _moe_mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """The router with its plan, the up stage per chosen expert, then the down stage per pair,
-    which zeroes the plan. ``out``: as ``expert_outputs``."""
+    """The router with its plan, the up stage per chosen expert, then the down stage per pair or
+    (from ``MXFP4_DOWN_BY_EXPERT_FROM`` tokens) per chosen expert, which zeroes the plan's counts.
+    ``out``: as ``expert_outputs``."""
     (router, up, down), (x, logits, bias, w13, w13_scale, w2, w2_scale) = fns, args[:7]
     top_k, live = int(args[7]), args[13]
     t, latent = x.shape
     weights, ids = _routing(t, top_k, x.device)
-    counts, chosen, lists = routing_plan(x.device, w13.shape[0], specs[0].param_dict["plan_cap"])
+    counts, chosen, lists, records = routing_plan(x.device, w13.shape[0], specs[0].param_dict["plan_cap"])
     y, act = expert_outputs(x, latent, (t, top_k, live), out)
     router(logits, bias, weights, ids, counts, chosen, lists)
-    up(x.view(torch.int32), counts, chosen, lists, w13, w13_scale.view(torch.int32), act)
-    down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y, counts, chosen)
+    up(x.view(torch.int32), counts, chosen, lists, records, w13, w13_scale.view(torch.int32), act)
+    cap = specs[2].param_dict.get("by_expert_max_tokens")
+    if cap is None:  # the per-pair down stage, which zeroes the plan's counts
+        down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y, counts, chosen)
+        return y
+    rows = torch.empty((t, top_k, latent), dtype=torch.float32, device=x.device)  # each pair's weighted rows
+    down(act.view(torch.int32), counts, chosen, lists, records, weights, w2, w2_scale.view(torch.int32), rows,
+         arrival_counts(x.device, cap, latent // 64), y)
     return y
 
 
