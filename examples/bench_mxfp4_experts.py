@@ -12,9 +12,10 @@ scales, each distinct expert once) over the median time per launch; the floor is
 at 4.27 TB/s (the H200's measured copy bandwidth). Both of the rewriter's forms are timed at
 every token count: the per-pair grids (``k3f::routed_experts_mxfp4``, after ``k3f::router_topk``,
 timed alone beside them), and the router with its plan, the up stage per chosen expert and the
-per-pair down stage (``k3f::routed_moe_mxfp4``: the router files the pairs by expert, each chosen
-expert's w13 is read once; its logits are made so that their top-k are the drawn ids), so the
-table shows where the switch (``patterns.moe.MOE_BY_EXPERT_FROM``) should sit. ``--smem-weights
+down stage per pair or, from ``MXFP4_DOWN_BY_EXPERT_FROM`` tokens, per chosen expert
+(``k3f::routed_moe_mxfp4``: the router files the pairs by expert, each chosen expert's weights are
+read once; its logits are made so that their top-k are the drawn ids), so the table shows where
+the switches (``patterns.moe.MOE_BY_EXPERT_FROM``, ``MXFP4_DOWN_BY_EXPERT_FROM``) should sit. ``--smem-weights
 always|never``: both stages' weights staged in shared memory at every token count, or at none
 (served: from ``codegen.launchers.experts.MXFP4_SMEM_WEIGHTS_FROM`` tokens).
 
@@ -100,7 +101,7 @@ def bench(tp, gen, token_counts, repeat=1) -> list[dict]:
         moe = [(x, p[0], p[1], *laid["w13"], *laid["w2"], *p[2:], BETA, LINEAR_BETA, "humming", live) for p in plans]
         weights, ids = route(plans[0][0], plans[0][1], top_k=K, renormalize=True, scaling=SCALING)
         ref_moe = peer(x, weights, ids, laid["w13"], laid["w2"], peer.align(ids))
-        # the router's plan, the per-expert up stage and the per-pair down stage
+        # the router's plan, the per-expert up stage and the down stage (per expert from 64 tokens)
         m_tpl, m_specs, m_fns = kernel("k3f::routed_moe_mxfp4", moe[0])
         row["expert_us"] = graph_us(lambda: [m_tpl.launch(m_fns, m_specs, a, out=(y, act)) for a in moe]) / ROUTINGS
         row["expert_diff"] = diff(lambda: m_tpl.launch(m_fns, m_specs, moe[0], out=(y, act)), y, ref_moe)
@@ -114,7 +115,8 @@ def bench(tp, gen, token_counts, repeat=1) -> list[dict]:
         out.append(row)
         print(f"TP {tp:>2} T {tokens:>2}: {row['mb']:7.1f} MB  floor {row['floor_us']:6.1f} us | router + per "
               f"pair {row['router_us']:5.1f} + {row['pair_us']:7.1f} us | router's plan, up per expert, down per "
-              f"pair {row['expert_us']:7.1f} us | Humming {theirs:7.1f} us | outputs differ from Humming's by "
+              f"{'expert' if tokens >= experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM else 'pair'} "
+              f"{row['expert_us']:7.1f} us | Humming {theirs:7.1f} us | outputs differ from Humming's by "
               f"{row['pair_diff']:.1e} / {row['expert_diff']:.1e}", flush=True)
         for form in forms:
             print(f"    {form:>6}: " + ", ".join(f"{short_name(n)} {us:.1f} us" for n, us in row[f"{form}_stages"]))
@@ -167,7 +169,7 @@ def main() -> int:
             rows += bench(tp, gen, a.tokens, a.repeat)
             torch.cuda.empty_cache()
     print(f"\n{'TP':>3} {'tokens':>6} {'MB read':>8} {'floor us':>9} {'router us':>10} {'per pair us':>12} "
-          f"{'router+pair':>12} {'plan+expert up':>15} {'% floor':>8} {'Humming us':>11}")
+          f"{'router+pair':>12} {'plan+per expert':>15} {'% floor':>8} {'Humming us':>11}")
     for r in rows:
         best = min(r["router_us"] + r["pair_us"], r["expert_us"])
         print(f"{r['tp']:>3} {r['tokens']:>6} {r['mb']:>8.1f} {r['floor_us']:>9.1f} {r['router_us']:>10.1f} "

@@ -6,8 +6,8 @@ an auxiliary stream, and the latent tail.
   SiTU, and down projections, weighted and summed;
 - ``routed_moe_mxfp4``: the router's top-k and the MXFP4 experts as one op, so that the router
   can file the step's pairs by expert for an up stage that reads and dequantizes each chosen
-  expert once (the down stage per pair); from ``MOE_BY_EXPERT_FROM`` = 16 tokens, where it is
-  faster than the per-pair grids;
+  expert once (the down stage too from 64 tokens, per pair below); from ``MOE_BY_EXPERT_FROM`` =
+  16 tokens, where it is faster than the per-pair grids;
 - ``shared_experts.small`` / ``.large``: gate_up, SiTU, down on the un-projected rows (GEMVs
   at one token, the tensor-core GEMM from 2); it reads nothing of the routed branch, so it
   runs on the aux stream beside it;
@@ -194,7 +194,7 @@ RULES = [
          doc="the same on MXFP4 experts in the layout vLLM's MoE backend leaves, dequantized in registers"),
     Rule("routed_moe_mxfp4", "moe", _moe_mxfp4_variants, _moe_guard, launches=3,
          doc="router top-k filing the pairs by expert, then the MXFP4 up stage per chosen expert (each read "
-             "once) and the down stage per pair"),
+             "once) and the down stage per pair or, from 64 tokens, per chosen expert"),
     Rule("shared_experts.small", "moe", _shared_variants,
          token_range_guard(1, SHARED_SMALL_MAX, "the GEMV rule takes 1 token"), kernel="shared_experts",
          stream="aux", launches=2,

@@ -324,9 +324,10 @@ def mxfp4_down_stream_tiling(rows: int, inter_live: int) -> dict[str, int]:
 
 def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = False
                  ) -> tuple[KernelSpec, ...] | str:
-    """The up and down stages' specs, per (token, slot) pair, or with the up stage ``by_expert``
-    per chosen expert (``k3f::routed_moe_mxfp4``, on its router's plan, which the per-pair down
-    stage then zeroes)."""
+    """The up and down stages' specs, per (token, slot) pair, or ``by_expert``
+    (``k3f::routed_moe_mxfp4``, on its router's plan) the up stage per chosen expert, and the down
+    stage per pair (zeroing the plan) or from ``MXFP4_DOWN_BY_EXPERT_FROM`` tokens per chosen
+    expert too."""
     x, weights, ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, layout, inter_live = args
     if layout not in MXFP4_LAYOUTS:
         return (f"MXFP4 experts in the {layout!r} layout; the kernels read Humming's (vLLM's MoE backend on "
@@ -500,5 +501,5 @@ TEMPLATES = (*TEMPLATES, Template(
     Template("routed_moe_mxfp4", ("k3f::routed_moe_mxfp4",), _moe_mxfp4_specs, _mxfp4_runtime, _moe_mxfp4_launch,
              doc="the router's top-k filing the pairs by expert, then the MXFP4 up stage per chosen expert (each "
                  "selected expert's w13 read and dequantized once, its K streamed through cp.async stages, its "
-                 "pairs as the MMA's columns) and the down stage per pair",
+                 "pairs as the MMA's columns) and the down stage per pair or, from 64 tokens, per chosen expert",
              workspace=_moe_workspace))
