@@ -71,6 +71,7 @@ def _reference(layer, inputs):
     (1, 16, 1, "bf16", "bf16"), (1, 16, 8, "bf16", "bf16"), (1, 16, 64, "bf16", "bf16"), (1, 8, 1, "bf16", "bf16"),
     (1, 8, 8, "bf16", "bf16"), (1, 16, 1, "mxfp4", "bf16"), (1, 16, 8, "mxfp4", "bf16"), (1, 8, 1, "mxfp4", "bf16"),
     (1, 8, 8, "mxfp4", "bf16"), (1, 16, 16, "mxfp4", "bf16"), (1, 8, 64, "mxfp4", "bf16"),  # the router GEMM, MoE at 64
+    (1, 16, 64, "mxfp4", "bf16"),  # both MXFP4 stages per chosen expert, the down stage two tiles a warp
     (0, 16, 1, None, "bf16"), (0, 16, 8, None, "bf16"), (0, 8, 5, None, "bf16"),  # layer 0: KDA + dense MLP
     (0, 16, 64, None, "bf16"), (0, 8, 24, None, "bf16"),  # ... on its GEMMs
     (3, 16, 1, "mxfp4", "bf16"), (3, 16, 8, "mxfp4", "fp8"), (3, 8, 1, "mxfp4", "fp8"), (3, 8, 8, "bf16", "bf16"),

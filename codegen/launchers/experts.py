@@ -270,12 +270,14 @@ MXFP4_STREAM_STAGES = 4
 # and, from MXFP4_DOWN_BY_EXPERT_FROM tokens, its down stage too (``ExpertDownMxfp4ByExpert``: a
 # warp streams whole 64-row tiles of W2, about 12 scale groups a warp, through this many stages);
 # below, the per-pair down stage. On the H200 (2026-12-02, examples/bench_mxfp4_experts.py, down
-# stage per expert / per pair): TP 16 74.8 / 35.2 us at 16 tokens, 111.6 / 65.0 at 32, 141.9 /
-# 124.4 at 64; TP 8 105.6 / 69.6, 155.5 / 125.5, 228.9 / 258.9. The layer at 64 tokens: 331.6 ->
-# 313.2 us (TP 16), 583.5 -> 499.0 (TP 8). A pair's tile of W2 is too short a stream for the
-# arrival counts' round trips until most experts have several pairs.
+# stage per expert / per pair, 6 stages): TP 16 74.8 / 35.2 us at 16 tokens, 111.6 / 65.0 at 32,
+# 141.9 / 124.4 at 64; TP 8 105.6 / 69.6, 155.5 / 125.5, 228.9 / 258.9. A pair's tile of W2 is
+# too short a stream for the arrival counts' round trips until most experts have several pairs.
+# Fewer stages hold more CTAs an SM (3: 24 KB, eight), which paid more than depth: router and both
+# stages at 64 tokens, TP 16, 269.2 / 251.1 / 245.6 us with 6 / 4 / 3 stages; TP 8 498.5 / 479.1
+# with 6 / 3.
 MXFP4_DOWN_BY_EXPERT_FROM = 64
-MXFP4_DOWN_STREAM_STAGES = 6
+MXFP4_DOWN_STREAM_STAGES = 3
 MXFP4_DOWN_GROUPS_PER_WARP = 12
 
 
