@@ -99,7 +99,9 @@ class ProgramCache:
         return self.dir / f"{key}.pkl"
 
     def load(self, key: str) -> StoredRewrite | None:
-        import rewriter.rules  # noqa: F401  (imports patterns: the fused ops an entry names)
+        from rewriter.rules import builtin_pattern_modules
+
+        builtin_pattern_modules()  # defines the fused ops an entry names
 
         path = self.path(key)
 

@@ -144,12 +144,18 @@ class RuleSet:
         return len(self.rules)
 
 
-def default_rules() -> RuleSet:
-    """The built-in rules of ``patterns/``, one module per family."""
+def builtin_pattern_modules() -> tuple:
+    """The modules of ``patterns/``, one per family, imported: importing one defines its fused
+    ops (``torch.ops.k3f``), which a stored program names."""
     from patterns import attention_projection, layer, moe, output_projection, router
 
+    return attention_projection, output_projection, router, moe, layer
+
+
+def default_rules() -> RuleSet:
+    """The built-in rules of ``patterns/``, one module per family."""
     rs = RuleSet()
-    for module in (attention_projection, output_projection, router, moe, layer):
+    for module in builtin_pattern_modules():
         for rule in module.RULES:
             rs.add(rule)
     return rs

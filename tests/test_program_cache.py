@@ -3,6 +3,10 @@ start and run to the same result; keys that change with what the graphs depend o
 entry rewritten, never trusted."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from conftest import make_inputs, make_layer
 
@@ -61,3 +65,21 @@ def test_a_corrupt_entry_is_rewritten(tiny, tmp_path, caplog):
     result = rewrite_cached(layer, shape, cache)
     assert result.matches and "unreadable" in caplog.text
     assert cache.load(entry.stem) is not None  # stored again, whole
+
+
+def test_a_fresh_process_reads_every_layer_kinds_entry(tiny, tmp_path):
+    """A server start reads entries before anything else imported ``patterns``: every fused op
+    an entry names (the dense layer's ``k3f::dense_mlp`` among them) must resolve."""
+    cache = ProgramCache(tmp_path)
+    keys = []
+    for index in (0, 1, 2):  # dense, KDA + MoE, MLA + MoE
+        layer = make_layer(tiny, index)
+        shape = DecodeShape(batch=1, dtype=torch.float32)
+        rewrite_cached(layer, shape, cache)
+        keys.append(program_key(tiny, layer.structure, shape, layer))
+    code = ("import sys; from rewriter.program_cache import ProgramCache; c = ProgramCache(sys.argv[1]); "
+            "print([c.load(k) is not None for k in sys.argv[2:]])")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path), *keys], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[True, True, True]" and "unreadable" not in run.stderr, run.stderr
