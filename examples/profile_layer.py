@@ -4,12 +4,15 @@ programmatic-dependent-launch overlap (ncu serializes kernels), so the sum over 
 against ``python -m rewriter bench``'s figure tells what the overlap gains.
 
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,\\
-        dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,\\
-        sm__warps_active.avg.pct_of_peak_sustained_active \\
+        dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__registers_per_thread,\\
+        sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,\\
+        sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \\
         python3 examples/profile_layer.py --layer 3 --tp 16 --batch 1 > ncu.csv
     python3 examples/profile_layer.py --summarize ncu.csv      # the call's kernels, in launch order
 
-(Several ``--batch`` values profile one call each, listed one after the other.)
+(Several ``--batch`` values profile one call each, listed one after the other.) The write, DRAM
+throughput and tensor-pipe columns are printed where the CSV has their metrics: a kernel far
+below its DRAM peak with its tensor pipe busy is compute-bound, with neither busy latency-bound.
 
 Needs CUDA and the cutedsl extra. Collectives are excluded as in ``bench``.
 """
@@ -52,6 +55,10 @@ def profile(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
+OPTIONAL_COLUMNS = (("dram__bytes_write.sum", "MB wrote"), ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram%"),
+                    ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", "tensor%"))
+
+
 def summarize(path: str) -> None:
     """A per-kernel table from ncu's ``--csv`` output (one row per kernel and metric)."""
     rows: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
@@ -64,16 +71,19 @@ def summarize(path: str) -> None:
             order.append(key)
         rows[key][rec["Metric Name"]] = rec["Metric Value"].replace(",", "")
     total = 0.0
-    print(f"{'us':>7} {'MB read':>8} {'TB/s':>5} {'grid':>6} {'regs':>5} {'warps%':>6}  kernel")
+    optional = [(metric, title) for metric, title in OPTIONAL_COLUMNS if any(metric in rows[k] for k in order)]
+    print(f"{'us':>7} {'MB read':>8} {'TB/s':>5} {'grid':>6} {'regs':>5} {'warps%':>6}"
+          + "".join(f" {title:>8}" for _, title in optional) + "  kernel")
     for key in order:
         m = rows[key]
         ns = float(m.get("gpu__time_duration.sum", 0))
         mb = float(m.get("dram__bytes_read.sum", 0)) / 1e6
         total += ns / 1e3
         name = key[1].split("codegenkernels")[-1].split("_object_at_")[0][:60]
+        extra = "".join(f" {float(m.get(metric, 0)) / (1e6 if 'bytes' in metric else 1):8.1f}" for metric, _ in optional)
         print(f"{ns / 1e3:7.1f} {mb:8.1f} {mb / max(ns / 1e3, 1e-9):5.2f} {m.get('launch__grid_size', ''):>6} "
               f"{m.get('launch__registers_per_thread', ''):>5} "
-              f"{float(m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0)):6.1f}  {name}")
+              f"{float(m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0)):6.1f}{extra}  {name}")
     print(f"{total:7.1f} us over {len(order)} kernels")
 
 
