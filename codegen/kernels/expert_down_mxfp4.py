@@ -45,18 +45,23 @@ TILE = 64
 MAX_KB_PER_WARP = 14
 
 
+def check_down_shape(order: str, rows: int, inter: int, inter_live: int) -> None:
+    """Both down-stage grids' shape contract: whole 64-row tiles of L, whole scale groups of I."""
+    if order not in ORDERS:
+        raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
+    if rows % TILE:
+        raise ValueError(f"L {rows} is not a multiple of {TILE}")
+    if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
+        raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+
+
 class ExpertDownMxfp4:
     """Compile-time configuration: experts E, slots k, output rows L, I (padded) and I_live, the
     nibble order, the cluster (CTAs splitting a token's slots) and the warps per slot."""
 
     def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
                  cluster: int, warps_per_slot: int, zero_plan: bool = False, smem_weights: bool = False):
-        if order not in ORDERS:
-            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
-        if rows % TILE:
-            raise ValueError(f"L {rows} is not a multiple of {TILE}")
-        if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
-            raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+        check_down_shape(order, rows, inter, inter_live)
         self.zero_plan_after_wait = zero_plan
         self.smem_weights = smem_weights  # the weights staged in shared memory (``mxfp4.weight_staging``)
         self.warps_per_sm = DOWN_WARPS_PER_SM_SMEM if smem_weights else DOWN_WARPS_PER_SM
@@ -183,12 +188,7 @@ class ExpertDownMxfp4ByExpert:
 
     def __init__(self, *, experts: int, top_k: int, rows: int, inter: int, inter_live: int, order: str,
                  warps: int, tiles_per_warp: int, stages: int, max_tokens: int):
-        if order not in ORDERS:
-            raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
-        if rows % TILE:
-            raise ValueError(f"L {rows} is not a multiple of {TILE}")
-        if inter_live % 32 or not 0 < inter_live <= inter or inter % 16:
-            raise ValueError(f"I {inter} / live {inter_live}: live a multiple of 32 (whole scale groups), <= I")
+        check_down_shape(order, rows, inter, inter_live)
         self.tiles = rows // TILE
         if warps not in (1, 2, 4) or tiles_per_warp < 1 or self.tiles % (warps * tiles_per_warp):
             raise ValueError(f"{self.tiles} row tiles do not split into CTAs of {warps} warps x {tiles_per_warp}")
