@@ -55,8 +55,10 @@ def profile(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
-OPTIONAL_COLUMNS = (("dram__bytes_write.sum", "MB wrote"), ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram%"),
-                    ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", "tensor%"))
+OPTIONAL_COLUMNS = (  # (metric, title, divisor)
+    ("dram__bytes_write.sum", "MB wrote", 1e6),
+    ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram%", 1),
+    ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", "tensor%", 1))
 
 
 def summarize(path: str) -> None:
@@ -71,16 +73,16 @@ def summarize(path: str) -> None:
             order.append(key)
         rows[key][rec["Metric Name"]] = rec["Metric Value"].replace(",", "")
     total = 0.0
-    optional = [(metric, title) for metric, title in OPTIONAL_COLUMNS if any(metric in rows[k] for k in order)]
+    optional = [column for column in OPTIONAL_COLUMNS if any(column[0] in rows[k] for k in order)]
     print(f"{'us':>7} {'MB read':>8} {'TB/s':>5} {'grid':>6} {'regs':>5} {'warps%':>6}"
-          + "".join(f" {title:>8}" for _, title in optional) + "  kernel")
+          + "".join(f" {title:>8}" for _, title, _ in optional) + "  kernel")
     for key in order:
         m = rows[key]
         ns = float(m.get("gpu__time_duration.sum", 0))
         mb = float(m.get("dram__bytes_read.sum", 0)) / 1e6
         total += ns / 1e3
         name = key[1].split("codegenkernels")[-1].split("_object_at_")[0][:60]
-        extra = "".join(f" {float(m.get(metric, 0)) / (1e6 if 'bytes' in metric else 1):8.1f}" for metric, _ in optional)
+        extra = "".join(f" {float(m.get(metric, 0)) / divisor:8.1f}" for metric, _, divisor in optional)
         print(f"{ns / 1e3:7.1f} {mb:8.1f} {mb / max(ns / 1e3, 1e-9):5.2f} {m.get('launch__grid_size', ''):>6} "
               f"{m.get('launch__registers_per_thread', ''):>5} "
               f"{float(m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0)):6.1f}{extra}  {name}")
