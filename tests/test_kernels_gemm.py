@@ -30,7 +30,7 @@ SPLITS = {  # Kimi K3 packed input projections: (op, split sizes incl. padding)
     "mla_tp16": ("k3f::mla_in_proj", [1536, 512, 64, 768]),
     "mla_tp8": ("k3f::mla_in_proj", [1536, 512, 64, 1536]),
 }
-GPU_TOKENS = (9, 16, 33, 64)
+GPU_TOKENS = (9, 16, 32, 33, 64)
 
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -90,7 +90,12 @@ def test_tiling_follows_the_sm_count():
     assert gemm_tiling(64, D, 3648, "sm_100a")["split_k"] == 8
     assert gemm_tiling(64, D, 128, "sm_90a")["split_k"] == 8  # one tile: the largest cluster
     assert gemm_tiling(16, 1024, 40 * 128, "sm_90a") == {"rows_per_cta": 128, "split_k": 4, "stages": 4,
-                                                          "token_tile": 16}  # 16 K tiles / 4: 4 per CTA
+                                                          "token_groups": 1, "token_tile": 16}  # 4 K tiles a CTA
+
+
+@pytest.mark.parametrize("tokens,groups", [(2, 1), (16, 1), (17, 2), (32, 2), (33, 1), (48, 1), (49, 2), (64, 2)])
+def test_two_token_groups_from_a_32_token_tile(tokens, groups):
+    assert gemm_tiling(tokens, D, 3648, "sm_90a")["token_groups"] == groups
 
 
 @pytest.mark.parametrize("tokens,kernel", [(1, "attn_in_proj_gemv"), (2, "attn_in_proj_gemm"),
@@ -160,26 +165,30 @@ def _count(ptx: str, instr: str) -> int:
 def test_gemm_ptx(compiled, case):
     k = compiled[case]
     ptx, p, s = k.ptx, k.spec.param_dict, k.spec.shape_dict
-    tile, split, stages = s["token_tile"], p["split_k"], p["stages"]
+    tile, split, stages, groups = s["token_tile"], p["split_k"], p["stages"], p["token_groups"]
+    threads, group_n = 128 * groups, tile // groups  # two token groups from a 32-token tile, 4 warps each
+    assert groups == (2 if tile % 32 == 0 else 1)
     k_steps = 64 // 16  # 16-K MMA steps per pipeline stage (one copy of the K loop's body)
     assert f".target {case[2]}" in ptx and k.cache == "miss" and k.obj
-    # tensor cores: per warp and 16-K step, 2 m16 tiles x (tokens / 8) n8 tiles
-    assert _count(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == k_steps * 2 * tile // 8
-    # cp.async ring, 16 bytes per copy bypassing L1: per stage 8 weight chunks (128 rows x 128 B / 128
-    # threads) and tile / 16 x chunks per thread; the prologue's stages - 1 stages and the loop's one
-    assert _count(ptx, "cp.async.cg.shared.global") == stages * (8 + tile // 16)
+    assert f".reqntid {threads}" in ptx or f".maxntid {threads}" in ptx
+    # tensor cores: per warp and 16-K step, 2 m16 tiles x (its group's tokens / 8) n8 tiles
+    assert _count(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == k_steps * 2 * group_n // 8
+    # cp.async ring, 16 bytes per copy bypassing L1: per stage 128 rows x 128 B of weights and
+    # tile rows of x over the CTA's threads; the prologue's stages - 1 stages and the loop's one
+    w_chunks, x_chunks = 128 * 8 // threads, tile * 8 // threads
+    assert _count(ptx, "cp.async.cg.shared.global") == stages * (w_chunks + x_chunks)
     assert _count(ptx, "cp.async.commit_group") == stages and _count(ptx, "cp.async.wait_group") == 3
     # PDL: the prologue's stages - 1 weight tiles are all that comes before griddepcontrol.wait
     # (x is the previous kernel's output); launch_dependents right after it, both once
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     before, after = ptx.split("griddepcontrol.wait;")
-    assert _count(before, "cp.async.cg.shared.global") == (stages - 1) * 8
+    assert _count(before, "cp.async.cg.shared.global") == (stages - 1) * w_chunks
     assert _count(before, "cp.async.commit_group") == 0 and _count(before, "st.global") == 0
     assert "griddepcontrol.launch_dependents" in after
-    # swizzled shared memory -> fragments: 2 ldmatrix.x4 (weights) + tile / 16 (x) per 16-K step
-    assert _count(ptx, "ldmatrix.sync.aligned.m8n8.x4.shared.b16") == (k_steps + 1) * (2 + tile // 16)
+    # swizzled shared memory -> fragments: 2 ldmatrix.x4 (weights) + group_n / 16 (x) per 16-K step
+    assert _count(ptx, "ldmatrix.sync.aligned.m8n8.x4.shared.b16") == (k_steps + 1) * (2 + group_n // 16)
     # split-K over the cluster: partials summed from every CTA's shared memory, 128-bit at a time
-    vecs = -(-(128 // split // 4) * tile // 128)  # 4-row vectors each thread sums
+    vecs = -(-(128 // split // 4) * tile // threads)  # 4-row vectors each thread sums
     assert _count(ptx, "barrier.cluster.arrive") == 2 and _count(ptx, "barrier.cluster.wait") == 2
     assert len(re.findall(r"ld\.shared::cluster\.v(?:4\.b32|2\.b64)", ptx)) == vecs * split
     assert _count(ptx, "mapa.shared::cluster") == vecs * split

@@ -26,9 +26,11 @@ a tile). ``out_fp32`` names the outputs stored in fp32 (the router's logits), un
 
 Work split (decode is bound by reading W once from HBM; x is small and stays in L2):
 - the MMA's M is the weight rows, its N the tokens (padded to ``token_tile``, a multiple of 16;
-  the real count T is a runtime size), K is streamed. One CTA of 4 warps owns ``rows_per_cta``
-  rows (128) and a ``1 / split_k`` slice of K; the ``split_k`` CTAs of one row tile form a
-  cluster. A whole CTA tile reads x's K slice once, so x costs ``token_tile / rows_per_cta`` of
+  the real count T is a runtime size), K is streamed. One CTA owns ``rows_per_cta`` rows
+  (128, 64 or 32) and a ``1 / split_k`` slice of K; its warps are one or two token groups
+  (each all the rows, 4 warps of 32 or 16 rows, 2 of 16 on 32-row tiles, over its half of
+  the token tile), all sharing the shared-memory tiles; the ``split_k`` CTAs of one row tile
+  form a cluster. A whole CTA tile reads x's K slice once, so x costs ``token_tile / rows_per_cta`` of
   the weight bytes in L2 traffic whatever the split; the split only fills the SMs
   (3206 rows / 128 = 26 tiles at TP 16);
 - W and x tiles of 64 K (128-byte rows) go global -> shared with ``cp.async.cg`` (16 bytes, L2
@@ -62,8 +64,8 @@ from codegen.kernels.common import BITS, VEC, gated_act
 
 MAX_TOKENS = 64
 MAX_SEGMENTS = 4
-WARPS = 4  # along M: each warp owns rows_per_cta / 4 rows and every token
-THREADS = 32 * WARPS
+ROW_WARPS = 4  # along M: each warp of a token group owns rows_per_cta / 4 rows (2 warps of 16 on 32-row tiles)
+TOKEN_GROUPS = (1, 2)  # warp groups along the tokens: 4 or 8 warps a CTA
 MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16: bf16 A (weights, row) x bf16 B (tokens, col) -> fp32
 TILE_K = 64  # K per pipeline stage: 128-byte rows, one XOR-swizzle atom wide
 PAD = 4  # fp32 partial tile: column stride rows + 4 words keeps the accumulator stores conflict-free
@@ -72,12 +74,13 @@ ACC_VEC = 4  # fp32 partials summed per 128-bit shared::cluster load
 
 class SkinnyGemm:
     """Compile-time configuration: token tile (tokens padded to a multiple of 16), K, weight
-    rows, output segments, rows per CTA, the K split (= cluster size), pipeline stages, and
-    ``glu``: ``(beta, linear_beta)`` of a gated activation over ``[gate; up]`` rows (one
+    rows, output segments, rows per CTA, the K split (= cluster size), pipeline stages, the
+    token groups (each the CTA's rows over its own half of the token tile where there are two:
+    more warps to hide the MMA chain's latency, fewer accumulators each), and ``glu``: ``(beta, linear_beta)`` of a gated activation over ``[gate; up]`` rows (one
     segment of I = rows / 2 channels), or None for a plain projection."""
 
     def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
-                 split_k: int = 1, stages: int = 4, glu: tuple[float | None, float | None] | None = None,
+                 split_k: int = 1, stages: int = 4, token_groups: int = 1, glu: tuple[float | None, float | None] | None = None,
                  norm_eps: float | None = None, residual: bool = False, x_stride: int | None = None,
                  r_stride: int | None = None, second_weight: bool = False, out_fp32: tuple[bool, ...] = ()):
         if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:
@@ -86,8 +89,11 @@ class SkinnyGemm:
             raise ValueError(f"segments {segments}: 1..{MAX_SEGMENTS} positive sizes summing to at most {rows}")
         if glu is not None and (len(segments) != 1 or 2 * segments[0] != rows):
             raise ValueError(f"a gated projection writes one segment of rows / 2 channels, got {segments} of {rows}")
-        if rows_per_cta % (WARPS * MMA_SHAPE[0]):
-            raise ValueError(f"rows per CTA {rows_per_cta} must be a multiple of {WARPS * MMA_SHAPE[0]}")
+        if token_groups not in TOKEN_GROUPS or token_tile % (16 * token_groups):
+            raise ValueError(f"token groups {token_groups}: 1, or 2 where each takes a multiple of 16 of the "
+                             f"{token_tile}-token tile")
+        if rows_per_cta != 32 and rows_per_cta % (ROW_WARPS * MMA_SHAPE[0]):
+            raise ValueError(f"rows per CTA {rows_per_cta}: 32, or a multiple of {ROW_WARPS * MMA_SHAPE[0]}")
         if (norm_eps is not None or residual) and (glu is not None or len(segments) != 1):
             raise ValueError("the norm prologue and the residual epilogue go with one plain output segment")
         if second_weight and (glu is not None or len(segments) != 2 or rows != segments[0]):
@@ -119,6 +125,10 @@ class SkinnyGemm:
         if self.rows_out < self.tile_out and not self.two:
             raise ValueError(f"{self.rows_out} output rows < {self.tile_out} per CTA tile")
         self.tile_m = rows_per_cta
+        self.groups = token_groups
+        self.warps_m = min(ROW_WARPS, rows_per_cta // MMA_SHAPE[0])
+        self.threads = 32 * self.warps_m * token_groups
+        self.group_n = token_tile // token_groups  # tokens each group's warps multiply
         self.split_k = split_k
         self.k_tiles = k // split_k // TILE_K
         if not 2 <= stages <= self.k_tiles:
@@ -146,16 +156,16 @@ class SkinnyGemm:
         sX_layout = cute.tile_to_shape(atom, (self.tile_n, TILE_K, self.stages), (0, 1, 2))
         g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=BITS)
-        # 8 threads per 128-byte row, 16 rows per pass
-        tiled_g2s = cute.make_tiled_copy_tv(g2s, cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
+        # 8 threads per 128-byte row, 16 rows a pass per token group
+        tiled_g2s = cute.make_tiled_copy_tv(g2s, cute.make_layout((self.threads // 8, 8), stride=(8, 1)),
                                             cute.make_layout((1, VEC)))
-        # 4 warps along M; N permuted to 16 so one ldmatrix.x4 feeds two n8 MMAs
+        # one token group's warps along M; N permuted to 16 so one ldmatrix.x4 feeds two n8 MMAs
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, MMA_SHAPE),
-                                        cute.make_layout((WARPS, 1, 1)),
-                                        permutation_mnk=(WARPS * MMA_SHAPE[0], 16, MMA_SHAPE[2]))
+                                        cute.make_layout((self.warps_m, 1, 1)),
+                                        permutation_mnk=(self.warps_m * MMA_SHAPE[0], 16, MMA_SHAPE[2]))
         cluster = [self.split_k, 1, 1] if const_expr(self.split_k > 1) else None
         self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, mW1, sW_layout, sX_layout, tiled_g2s, tiled_mma).launch(
-            grid=[self.grid, 1, 1], block=[THREADS, 1, 1], cluster=cluster, stream=stream, use_pdl=True)
+            grid=[self.grid, 1, 1], block=[self.threads, 1, 1], cluster=cluster, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
@@ -217,7 +227,7 @@ class SkinnyGemm:
                                       BFloat16, num_bits_per_copy=BITS)
             gNw = cute.domain_offset((k0,), mNw)
             gNw = cute.make_tensor(gNw.iterator.align(16), gNw.layout)  # k0: whole 64-element tiles
-            for v in cutlass.range(tidx, NK * TILE_K // VEC, THREADS, unroll=1):
+            for v in cutlass.range(tidx, NK * TILE_K // VEC, self.threads, unroll=1):
                 cute.copy(g2s, cute.local_tile(gNw, (VEC,), (v,)), cute.local_tile(sNw, (VEC,), (v,)))
 
         thr_g2s = tiled_g2s.get_slice(tidx)
@@ -257,23 +267,31 @@ class SkinnyGemm:
         for s in cutlass.range_constexpr(S - 1):
             cute.arch.cp_async_commit_group()
 
-        thr_mma = tiled_mma.get_slice(tidx)
+        # the MMA's threads: one token group's warps, over the group's tokens of x and of the partials
+        mtid = tidx
+        sXg, sPg = sX, sP
+        if const_expr(self.groups > 1):
+            group = tidx // (32 * self.warps_m)
+            mtid = tidx % (32 * self.warps_m)
+            sXg = cute.local_tile(sX, (self.group_n, TILE_K, S), (group, 0, 0))
+            sPg = cute.local_tile(sP, (BM, self.group_n), (0, group))
+        thr_mma = tiled_mma.get_slice(mtid)
         tCsW = thr_mma.partition_A(sW)
-        tCsX = thr_mma.partition_B(sX)
+        tCsX = thr_mma.partition_B(sXg)
         tCrW = tiled_mma.make_fragment_A(tCsW[None, None, None, 0])
         tCrX = tiled_mma.make_fragment_B(tCsX[None, None, None, 0])
-        tCsP = thr_mma.partition_C(sP)
+        tCsP = thr_mma.partition_C(sPg)
         acc = tiled_mma.make_fragment_C(tCsP)
         acc.fill(0.0)
 
         ldm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), BFloat16)
         s2r_W = cute.make_tiled_copy_A(ldm, tiled_mma)
         s2r_X = cute.make_tiled_copy_B(ldm, tiled_mma)
-        thr_s2r_W = s2r_W.get_slice(tidx)
-        thr_s2r_X = s2r_X.get_slice(tidx)
+        thr_s2r_W = s2r_W.get_slice(mtid)
+        thr_s2r_X = s2r_X.get_slice(mtid)
         tLsW = thr_s2r_W.partition_S(sW)
         tLrW = thr_s2r_W.retile(tCrW)
-        tLsX = thr_s2r_X.partition_S(sX)
+        tLsX = thr_s2r_X.partition_S(sXg)
         tLrX = thr_s2r_X.retile(tCrX)
 
         # the first K step's fragments
@@ -384,11 +402,11 @@ class SkinnyGemm:
         up_groups = self.tile_out // ACC_VEC  # 4-row groups from a gate row to its up row
         gate = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
         up = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
-        for j in cutlass.range_constexpr(-(-nvec // THREADS)):
-            v = tidx + j * THREADS
+        for j in cutlass.range_constexpr(-(-nvec // self.threads)):
+            v = tidx + j * self.threads
             t = v // per_token
             mv = rank * per_token + v % per_token  # 4-row group inside the CTA's output rows
-            if (const_expr(nvec % THREADS == 0) or v < nvec) and t < tokens:
+            if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
                 rstd = Float32(1.0)
                 if const_expr(self.norm):
                     sq = Float32(0.0)
@@ -454,7 +472,7 @@ def build(spec) -> tuple[SkinnyGemm, tuple]:
     segments = tuple(p["segments"])
     glu = (p["beta"], p["linear_beta"]) if p.get("glu") else None
     kernel = SkinnyGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
-                        stages=p["stages"], glu=glu, norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
+                        stages=p["stages"], token_groups=p.get("token_groups", 1), glu=glu, norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
                         x_stride=p.get("x_stride"), r_stride=p.get("r_stride"),
                         second_weight=p.get("second_weight", False), out_fp32=tuple(p.get("out_fp32", ())))
     tokens = cute.sym_int32()

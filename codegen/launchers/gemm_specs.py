@@ -20,20 +20,28 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
                 weights: Sequence[int] = ()) -> dict[str, Any]:
     """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
     128 weight rows per CTA (x then costs at most half the weight bytes in L2 traffic), 64
-    where that alone fills more SMs; the largest K split (cluster of 8, 4, 2 CTAs) that keeps
-    the grid within 1.6 CTAs per SM, so every SM streams weights and the clusters stay
-    resident in one wave (two CTAs per SM by shared memory, less where a GPC's SM count is
-    not a multiple of the cluster); as many pipeline stages (at most 6) as fit two CTAs per
-    SM. ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many outputs.
-    ``weights``: the row counts of two weights whose tiles do not mix (``second_weight``)."""
+    where that alone fills more SMs, 32 where even 64 leaves half the SMs idle and the token
+    tile is a multiple of 32 (the router and the latent tail at TP 16: x then costs twice the
+    weight bytes, but each SM streams at a few tens of GB/s, so SMs, not bytes, bound them);
+    the largest K split (cluster of 8, 4, 2 CTAs) that keeps the grid within 1.6 CTAs per SM,
+    so every SM streams weights and the clusters stay resident in one wave (two CTAs per SM by
+    shared memory, less where a GPC's SM count is not a multiple of the cluster); as many
+    pipeline stages (at most 6) as fit two CTAs per SM; two token groups of 4 warps (2 on
+    32-row tiles) where the token tile is a multiple of 32, so each warp's MMA chain is half
+    as long. ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many
+    outputs. ``weights``: the row counts of two weights whose tiles do not mix
+    (``second_weight``)."""
     token_tile = -(-tokens // 16) * 16
+    groups = 2 if token_tile % 32 == 0 else 1
     k_tiles = k // GEMM_TILE_K
     sms = SM_COUNT.get(arch, 132)
     limit = int(1.6 * sms)
     best = None
-    for rows_per_cta in (GEMM_ROWS_PER_CTA, GEMM_ROWS_PER_CTA // 2):
+    for rows_per_cta in (GEMM_ROWS_PER_CTA, GEMM_ROWS_PER_CTA // 2, GEMM_ROWS_PER_CTA // 4):
         per_tile = rows_per_cta // 2 if glu else rows_per_cta
         if rows_out < per_tile and not weights:
+            continue
+        if rows_per_cta == GEMM_ROWS_PER_CTA // 4 and (glu or groups == 1 or best is None or best[0] >= sms // 2):
             continue
         tiles = sum(-(-n // per_tile) for n in weights) if weights else -(-rows_out // per_tile)
         split = next(c for c in (8, 4, 2, 1)
@@ -44,7 +52,8 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     _, rows_per_cta, split = best
     stage_bytes = (rows_per_cta + token_tile) * GEMM_TILE_K * 2
     stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
-    return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_tile": token_tile}
+    return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_groups": groups,
+            "token_tile": token_tile}
 
 
 def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int, segments: Sequence[int],
