@@ -95,7 +95,10 @@ def test_tiling_follows_the_sm_count():
 
 @pytest.mark.parametrize("tokens,groups", [(2, 1), (16, 1), (17, 2), (32, 2), (33, 1), (48, 1), (49, 2), (64, 2)])
 def test_two_token_groups_from_a_32_token_tile(tokens, groups):
-    assert gemm_tiling(tokens, D, 3648, "sm_90a")["token_groups"] == groups
+    # the output projection at TP 16 (K 768, 112 CTAs): two groups where the tile splits in 16s
+    assert gemm_tiling(tokens, 768, D, "sm_90a")["token_groups"] == groups
+    # the input projection (208 CTAs): 8 warps would hold one CTA an SM, so one group
+    assert gemm_tiling(tokens, D, 3216, "sm_90a")["token_groups"] == 1
 
 
 @pytest.mark.parametrize("tokens,kernel", [(1, "attn_in_proj_gemv"), (2, "attn_in_proj_gemm"),
@@ -167,7 +170,7 @@ def test_gemm_ptx(compiled, case):
     ptx, p, s = k.ptx, k.spec.param_dict, k.spec.shape_dict
     tile, split, stages, groups = s["token_tile"], p["split_k"], p["stages"], p["token_groups"]
     threads, group_n = 128 * groups, tile // groups  # two token groups from a 32-token tile, 4 warps each
-    assert groups == (2 if tile % 32 == 0 else 1)
+    assert groups == 1  # the input projection's 208 CTAs: 8 warps would hold one CTA an SM
     k_steps = 64 // 16  # 16-K MMA steps per pipeline stage (one copy of the K loop's body)
     assert f".target {case[2]}" in ptx and k.cache == "miss" and k.obj
     assert f".reqntid {threads}" in ptx or f".maxntid {threads}" in ptx

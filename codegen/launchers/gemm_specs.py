@@ -27,8 +27,9 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     so every SM streams weights and the clusters stay resident in one wave (two CTAs per SM by
     shared memory, less where a GPC's SM count is not a multiple of the cluster); as many
     pipeline stages (at most 6) as fit two CTAs per SM; two token groups of 4 warps (2 on
-    32-row tiles) where the token tile is a multiple of 32, so each warp's MMA chain is half
-    as long. ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many
+    32-row tiles) where the token tile is a multiple of 32 and the grid is one CTA an SM at
+    most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
+    group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many
     outputs. ``weights``: the row counts of two weights whose tiles do not mix
     (``second_weight``)."""
     token_tile = -(-tokens // 16) * 16
@@ -49,7 +50,9 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
                      and (tiles * c <= limit or c == 1))
         if best is None or (best[0] < sms and tiles * split > best[0]):
             best = (tiles * split, rows_per_cta, split)
-    _, rows_per_cta, split = best
+    ctas, rows_per_cta, split = best
+    if rows_per_cta > GEMM_ROWS_PER_CTA // 4 and ctas > sms:
+        groups = 1  # 8 warps of ~160 registers hold one CTA an SM: a second wave (the input projection)
     stage_bytes = (rows_per_cta + token_tile) * GEMM_TILE_K * 2
     stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
     return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_groups": groups,
