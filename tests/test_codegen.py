@@ -278,8 +278,11 @@ def test_attn_res_norm_ptx(compiled, arch):
     k = compiled["attn_res_norm", arch]
     ptx = k.ptx
     assert f".target {arch}" in ptx and k.cache == "miss" and k.obj
-    # prefix, delta, one block (x2 vectors per thread): 128-bit read-only loads
-    assert _count(ptx, "ld.global.nc.v4.b32") == 2 * 3
+    # prefix and delta (x2 vectors per thread): 128-bit read-only loads; the block: cp.async
+    # straight into shared memory, committed once and waited for once
+    assert _count(ptx, "ld.global.nc.v4.b32") == 2 * 2
+    assert _count(ptx, "cp.async.cg.shared.global") == 2 * 1
+    assert _count(ptx, "cp.async.commit_group") == 1 and _count(ptx, "cp.async.wait_group") == 1
     # PDL: the three weights (plain loads: ptxas keeps them above the wait) are all that comes
     # before griddepcontrol.wait; launch_dependents right after it, both once
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
@@ -288,12 +291,15 @@ def test_attn_res_norm_ptx(compiled, arch):
     assert "ld.global.L1::no_allocate" not in after and "ld.global.nc" not in before and _count(before, "st.") == 0
     assert "griddepcontrol.launch_dependents" in after
     assert _count(ptx, "st.global.v4.b32") == 2 * 2  # new prefix and output, 128-bit stores
-    assert _count(ptx, "st.shared.v4.b32") == 2 * 2  # both sources staged for the mix
+    assert _count(ptx, "st.shared.v4.b32") == 2 * 1  # the new prefix staged (the block came by cp.async)
     assert _count(ptx, "shfl.sync.bfly.b32") >= 5 * (2 * 2 + 1)  # warp sums: 2 per source + the mix
     assert _count(ptx, "bar.sync") == 2 and _count(ptx, "ex2.approx") == 2  # softmax over 2 sources
     assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx  # nothing scalar
     nine = compiled["attn_res_norm_9", arch].ptx  # 8 blocks + the prefix: 9 sources
-    assert _count(nine, "ld.global.nc.v4.b32") == 2 * 10 and _count(nine, "ex2.approx") == 9
+    assert _count(nine, "ld.global.nc.v4.b32") == 2 * 2 and _count(nine, "ex2.approx") == 9
+    assert _count(nine, "cp.async.cg.shared.global") == 2 * 8  # every block's copies issued before any wait
+    before_wait = nine.split("cp.async.wait_group")[0]
+    assert _count(before_wait, "cp.async.cg.shared.global") == 2 * 8 and _count(before_wait, "ld.shared") == 0
     assert _count(nine, "griddepcontrol.wait") == 1 and _count(nine, "griddepcontrol.launch_dependents") == 1
 
 

@@ -12,10 +12,13 @@ The math is ``rewriter/layers/attn_res.py`` (the CPU reference of ``k3f::attn_re
 
 Work split: the row of D = 7168 values is cut into 128-bit vectors (8 bf16); thread i of
 the CTA owns vectors i, i + threads, ... (coalesced: one warp reads 512 contiguous bytes
-per step). Every source is read from HBM exactly once and kept in registers as bf16; the
-2 (n + 1) partial sums (squares, dot with q) are reduced with warp shuffles and one pass
-through shared memory, then each thread computes the softmax weights itself, mixes its
-vectors and a second (1-value) block reduction gives the norm of the mix.
+per step). Every source is read from HBM exactly once, the finished blocks by ``cp.async``
+straight into shared memory (all of a thread's copies in flight at once, beside the prefix
+and delta loads: one HBM round trip; staged through registers, ptxas let a few out at a time),
+each thread reading back only its own vectors; the 2 (n + 1) partial sums (squares, dot with
+q) are reduced with warp shuffles and one pass through shared memory, then each thread
+computes the softmax weights itself, mixes its vectors and a second (1-value) block
+reduction gives the norm of the mix.
 
 Programmatic dependent launch: the kernel launches with PDL; the three weight vectors are
 loaded before ``griddepcontrol.wait`` (no kernel writes them; plain loads, which ptxas keeps
@@ -31,7 +34,7 @@ import cutlass
 from cutlass import BFloat16, Float32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2g_atom, r2s_atom
+from codegen.kernels.common import BITS, VEC, g2r_atom, g2r_stream_atom, r2g_atom, r2s_atom
 
 MAX_SOURCES = 9
 
@@ -84,7 +87,8 @@ class AttnResNorm:
         inv_d = const_expr(1.0 / self.hidden)
 
         smem = cutlass.memory.SmemAllocator()
-        # the sources, as read (bf16): pass 2 mixes them from here instead of reading HBM again
+        # the sources, as read (bf16): the finished blocks land here straight from HBM (cp.async,
+        # no registers, so all of them are in flight at once) and the mix reads them back
         sSrc = smem.allocate_tensor(BFloat16, cute.make_layout((self.hidden, S)), byte_alignment=16)
         sPartial = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_warps)), byte_alignment=16)
         sMixSq = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), byte_alignment=16)
@@ -92,6 +96,8 @@ class AttnResNorm:
         ld = g2r_atom(BFloat16)
         st = r2g_atom(BFloat16)
         st_s = r2s_atom(BFloat16)
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=BITS)
         rV = cute.make_rmem_tensor((VEC,), BFloat16)
         rW = cute.make_rmem_tensor((VEC,), BFloat16)
         rQ = cute.make_rmem_tensor((VEC, V), Float32)
@@ -122,7 +128,18 @@ class AttnResNorm:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # 1. the new prefix p: stored, written as a block, staged
+        # 1. the finished blocks, each read from HBM once, all in flight together (staged through
+        # registers they went out a few at a time, each batch behind the last one's data)
+        for s in cutlass.range_constexpr(P):
+            if const_expr(s != self.write_idx):  # the block about to be written is p itself
+                for j in cutlass.range_constexpr(V):
+                    v = tidx + j * self.threads
+                    if const_expr(self.even) or v < self.num_vec:
+                        cute.copy(g2s, cute.local_tile(mBlocks[token, s, None], (VEC,), (v,)),
+                                  cute.local_tile(sSrc[None, s], (VEC,), (v,)))
+        cute.arch.cp_async_commit_group()
+
+        # 2. meanwhile the new prefix p: stored, written as a block, staged
         for j in cutlass.range_constexpr(V):
             v = tidx + j * self.threads
             if const_expr(self.even) or v < self.num_vec:
@@ -138,21 +155,20 @@ class AttnResNorm:
                 rSq[P] = rSq[P] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 rDot[P] = rDot[P] + (x * rQ[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
-        # 2. the finished blocks, each read from HBM once: partial sums, staged in shared memory
+        # the blocks' partial sums, from this thread's own copies (complete after its wait)
+        cute.arch.cp_async_wait_group(0)
         for s in cutlass.range_constexpr(P):
-            if const_expr(s == self.write_idx):  # the block just written is p itself
+            if const_expr(s == self.write_idx):
                 rSq[s] = rSq[P]
                 rDot[s] = rDot[P]
-            for j in cutlass.range_constexpr(V):
-                v = tidx + j * self.threads
-                if const_expr(s == self.write_idx):
-                    pass
-                elif const_expr(self.even) or v < self.num_vec:
-                    cute.copy(ld, cute.local_tile(mBlocks[token, s, None], (VEC,), (v,)), rV)
-                    cute.copy(st_s, rV, cute.local_tile(sSrc[None, s], (VEC,), (v,)))
-                    x = rV.load().to(Float32)
-                    rSq[s] = rSq[s] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    rDot[s] = rDot[s] + (x * rQ[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            else:
+                for j in cutlass.range_constexpr(V):
+                    v = tidx + j * self.threads
+                    if const_expr(self.even) or v < self.num_vec:
+                        cute.autovec_copy(cute.local_tile(sSrc[None, s], (VEC,), (v,)), rV)
+                        x = rV.load().to(Float32)
+                        rSq[s] = rSq[s] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        rDot[s] = rDot[s] + (x * rQ[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
         # 3. reduce the 2S partial sums over the warp (shuffles), then over the CTA (shared memory)
         for s in cutlass.range_constexpr(S):

@@ -80,7 +80,8 @@ class SkinnyGemm:
     segment of I = rows / 2 channels), or None for a plain projection."""
 
     def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
-                 split_k: int = 1, stages: int = 4, token_groups: int = 1, glu: tuple[float | None, float | None] | None = None,
+                 split_k: int = 1, stages: int = 4, token_groups: int = 1,
+                 glu: tuple[float | None, float | None] | None = None,
                  norm_eps: float | None = None, residual: bool = False, x_stride: int | None = None,
                  r_stride: int | None = None, second_weight: bool = False, out_fp32: tuple[bool, ...] = ()):
         if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:

@@ -29,9 +29,9 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     pipeline stages (at most 6) as fit two CTAs per SM; two token groups of 4 warps (2 on
     32-row tiles) where the token tile is a multiple of 32 and the grid is one CTA an SM at
     most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
-    group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many
-    outputs. ``weights``: the row counts of two weights whose tiles do not mix
-    (``second_weight``)."""
+    group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a
+    CTA's rows are half gate, half up rows, so it writes half as many outputs. ``weights``:
+    the row counts of two weights whose tiles do not mix (``second_weight``)."""
     token_tile = -(-tokens // 16) * 16
     groups = 2 if token_tile % 32 == 0 else 1
     k_tiles = k // GEMM_TILE_K
