@@ -30,9 +30,9 @@ Work split (decode is bound by reading W once from HBM; x is small and stays in 
   (128, 64 or 32) and a ``1 / split_k`` slice of K; its warps are one or two token groups
   (each all the rows, 4 warps of 32 or 16 rows, 2 of 16 on 32-row tiles, over its half of
   the token tile), all sharing the shared-memory tiles; the ``split_k`` CTAs of one row tile
-  form a cluster. A whole CTA tile reads x's K slice once, so x costs ``token_tile / rows_per_cta`` of
-  the weight bytes in L2 traffic whatever the split; the split only fills the SMs
-  (3206 rows / 128 = 26 tiles at TP 16);
+  form a cluster. A whole CTA tile reads x's K slice once, so x costs
+  ``token_tile / rows_per_cta`` of the weight bytes in L2 traffic whatever the split; the
+  split only fills the SMs (3206 rows / 128 = 26 tiles at TP 16);
 - W and x tiles of 64 K (128-byte rows) go global -> shared with ``cp.async.cg`` (16 bytes, L2
   only: W is read once) through a ``stages``-deep ring (``stages - 1`` tiles in flight), into
   a 128-byte XOR swizzle so that ``ldmatrix.x4`` reads them without bank conflicts; each warp
@@ -76,8 +76,9 @@ class SkinnyGemm:
     """Compile-time configuration: token tile (tokens padded to a multiple of 16), K, weight
     rows, output segments, rows per CTA, the K split (= cluster size), pipeline stages, the
     token groups (each the CTA's rows over its own half of the token tile where there are two:
-    more warps to hide the MMA chain's latency, fewer accumulators each), and ``glu``: ``(beta, linear_beta)`` of a gated activation over ``[gate; up]`` rows (one
-    segment of I = rows / 2 channels), or None for a plain projection."""
+    more warps to hide the MMA chain's latency, fewer accumulators each), and ``glu``:
+    ``(beta, linear_beta)`` of a gated activation over ``[gate; up]`` rows (one segment of
+    I = rows / 2 channels), or None for a plain projection."""
 
     def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
                  split_k: int = 1, stages: int = 4, token_groups: int = 1,
@@ -157,7 +158,7 @@ class SkinnyGemm:
         sX_layout = cute.tile_to_shape(atom, (self.tile_n, TILE_K, self.stages), (0, 1, 2))
         g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=BITS)
-        # 8 threads per 128-byte row, 16 rows a pass per token group
+        # 8 threads per 128-byte row, threads / 8 rows a pass
         tiled_g2s = cute.make_tiled_copy_tv(g2s, cute.make_layout((self.threads // 8, 8), stride=(8, 1)),
                                             cute.make_layout((1, VEC)))
         # one token group's warps along M; N permuted to 16 so one ldmatrix.x4 feeds two n8 MMAs
@@ -473,7 +474,8 @@ def build(spec) -> tuple[SkinnyGemm, tuple]:
     segments = tuple(p["segments"])
     glu = (p["beta"], p["linear_beta"]) if p.get("glu") else None
     kernel = SkinnyGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
-                        stages=p["stages"], token_groups=p.get("token_groups", 1), glu=glu, norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
+                        stages=p["stages"], token_groups=p.get("token_groups", 1), glu=glu,
+                        norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
                         x_stride=p.get("x_stride"), r_stride=p.get("r_stride"),
                         second_weight=p.get("second_weight", False), out_fp32=tuple(p.get("out_fp32", ())))
     tokens = cute.sym_int32()
