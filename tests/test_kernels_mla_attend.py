@@ -108,10 +108,25 @@ def test_compiles_without_spills(arch, batch, heads, cache, q, kcache):
     k = compile_kernel(spec, cache=kcache)
     registers, spilled = ptxas_usage(k.ptx, arch)
     assert spilled == 0 and registers <= 255, (spec.label(), registers, spilled)
-    # two grid-wide barriers (an acq_rel arrival, acquire loads while waiting), dependents
-    # launched only after the first, and PDL on the launch
-    assert k.ptx.count("atom.global.acq_rel.add") == 2 and "ld.acquire.gpu" in k.ptx
-    assert k.ptx.index("griddepcontrol.launch_dependents") > k.ptx.index("atom.global.acq_rel.add")
+    # two grid-wide barriers (fence, one relaxed arrival on the one word, relaxed loads while
+    # waiting, fence), dependents launched only after the first, and PDL on the launch
+    ptx = k.ptx
+    assert ptx.count("atom.global.add") == 2 and ptx.count("fence.acq_rel.gpu") == 4
+    assert "ld.relaxed.gpu" in ptx and "ld.acquire" not in ptx
+    assert ptx.index("griddepcontrol.launch_dependents") > ptx.index("atom.global.add")
+    # the first tile's entries of earlier steps are in flight before the wait; the queries after it
+    # (each thread's 16-byte loads of a tile: cp.async for bf16, streaming loads for fp8 beside
+    # the W_UV rows' two a row)
+    from codegen.kernels.mla_attend import build
+
+    kernel, _ = build(spec)
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.count("griddepcontrol.wait") == 1
+    if cache == torch.bfloat16:
+        assert ptx[:wait].count("cp.async.cg.shared.global") == kernel.loads
+    else:
+        assert ptx[:wait].count("ld.global.L1") == kernel.loads + 2 * kernel.rows_per_warp
+    assert "ld.global.v4" not in ptx[:wait] and "ld.global.v4" in ptx[wait:]
     if arch == "sm_90a" and batch == 1:
         assert pdl_flags(spec) == [1]
 
@@ -245,3 +260,33 @@ def test_op_dispatches_to_the_kernel_in_a_cuda_graph():
         assert rel_err(out, reference(cpu_step)) <= TOL
     assert rel_err(torch.ops.k3f.mla_attend(*cuda(cpu)), ref) <= TOL
     assert bind.stats()[OP]["kernel"] >= before + 2
+
+
+@on_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("requests, q, seq", [(1, 1, [4096]), (8, 1, [4096, 1, 300, 64, 63, 2000, 129, 5]),
+                                              (2, 4, [700, 66])])
+def test_step_inserts_are_read_after_the_wait(requests, q, seq, fp8):
+    """The kernel loads the cache's older entries before ``griddepcontrol.wait`` (no kernel of
+    the step writes them) and the step's own inserts only after it: behind a predecessor that
+    writes the inserts 200 us after letting it launch, the result is the one over the new rows."""
+    cpu = attend_inputs(requests, 6, seq, fp8=fp8, seed=5 + q, q_len=q)
+    gpu = cuda(cpu)
+    run(gpu)  # compiled and loaded before the timed pair
+    cache, table = gpu[1], cpu[2]
+    block = cache.shape[1]
+    rows = [int(table[r, p // block]) * block + p % block for r, n in enumerate(seq) for p in range(max(n - q, 0), n)]
+    fresh = attend_inputs(requests, 6, seq, fp8=fp8, seed=99, q_len=q)[1].flatten(0, 1)[rows]
+    flat = cache.view(torch.uint8).flatten(0, 1)
+    src = fresh.view(torch.uint8).reshape(len(rows), -1).cuda()
+    idx = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    from late_insert import late_insert_kernel
+
+    late = late_insert_kernel(len(rows), flat.shape[1], 200_000)
+    late(src, flat, idx)  # loaded; the cache now holds the fresh rows
+    expect = reference((cpu[0], cache.cpu(), *cpu[2:]))
+    flat[idx.long()] = src.flip(0).roll(1, 1)  # stale bytes where the inserts go
+    late(src, flat, idx)
+    out = run(gpu)
+    assert torch.equal(flat[idx.long()], src)
+    assert rel_err(out, expect) <= TOL, rel_err(out, expect)

@@ -29,16 +29,20 @@ count), 256 threads, three phases separated by two grid-wide barriers:
    from the same tile with ``ldmatrix.trans``). The split's (max, sum, unnormalized latent)
    go to a global scratch.
 2. after the first barrier, a group of lanes (as many as splits, at most 32) combines the
-   splits of one (request, head, 8 values) unit, each lane a share of the splits, a butterfly
-   over the group, and writes the bf16 latent to a second scratch;
-3. after the second barrier, warps take rows of W_UV (loaded before ``griddepcontrol.wait``:
-   weights only) for every request, a 32-lane butterfly per (row, request), one lane gates
-   and stores.
+   splits of one (request, head, 8 values) unit, each lane a share of the splits (all its
+   loads at once), a butterfly over the group, and writes the bf16 latent to a second scratch;
+3. after the second barrier, warps take rows of W_UV for every request, a 32-lane butterfly
+   per (row, request), one lane gates and stores.
 
-The barrier is a sense-reversing one on two int32 words (count, generation) that ends with the
-count back at 0, so the scratch serves every launch (and every MLA layer, which run in turn).
-PDL: ``griddepcontrol.launch_dependents`` only after the first barrier, when every CTA is
-resident; a dependent launched earlier could take the SMs some CTAs still wait for.
+Programmatic dependent launch: before ``griddepcontrol.wait`` go the loads no kernel of the
+step writes: the W_UV rows, the sequence lengths and block table, and the first tile's entries
+of earlier steps (the bulk of the cache: at batch 1 every split's whole share). After it: the
+queries and the step's own inserts (the last ``q_len`` entries of the request, which the
+q-front writes). ``griddepcontrol.launch_dependents`` only after the first barrier, when every
+CTA is resident; a dependent launched earlier could take the SMs some CTAs still wait for.
+The barrier is one int32 word whose top bit flips as the last CTA arrives and whose low bits
+are back at 0 after each barrier, so the scratch serves every launch (and every MLA layer,
+which run in turn).
 """
 from __future__ import annotations
 
@@ -135,11 +139,11 @@ class MlaAttend:
             wrow = mW[n // V_DIM * HEAD_ROWS + V_DIM + n % V_DIM, None]
             for u in cutlass.range_constexpr(2):
                 cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(wrow, (VEC,), (u * 32 + lane,)), rW[None, u, r])
-        cute.arch.griddepcontrol_wait()
 
-        # 1. this split's share of the context
+        # 1. this split's share of the context (``griddepcontrol.wait`` inside, once the entries
+        #    of earlier steps are in flight)
         self.attend(mQ, mCache, mBT, mSeq, mKvScale, mPAcc, mPML, cta, tidx, lane, warp)
-        self.grid_sync(mBar, tidx)
+        self.grid_sync(mBar, cta, tidx)
         cute.arch.griddepcontrol_launch_dependents()
 
         # 2. the splits combined: unit (request, head, 8 latent values) per thread
@@ -150,7 +154,7 @@ class MlaAttend:
         for first in cutlass.range((cta * WARPS + warp) * (32 // G), self.units, self.ctas * WARPS * (32 // G),
                                    unroll=1):
             self.combine(mPAcc, mPML, mLat, first + lane // G, lane % G, kv_scale)
-        self.grid_sync(mBar, tidx)
+        self.grid_sync(mBar, cta, tidx)
 
         # 3. W_UV rows and the gate, every request
         rL = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -179,23 +183,26 @@ class MlaAttend:
         return (r * WARPS + warp < self.rows_per_cta) & (n < self.rows)
 
     @cute.jit
-    def grid_sync(self, mBar: cute.Tensor, tidx):
-        """Every CTA of the grid has reached this point, its global writes visible to all."""
+    def grid_sync(self, mBar: cute.Tensor, cta, tidx):
+        """Every CTA of the grid has reached this point, its global writes visible to all.
+
+        One word, whose top bit flips when the last CTA arrives: CTA 0 adds 2^31 - (ctas - 1),
+        every other CTA 1, so a barrier adds 2^31 and leaves the low bits at 0 for the next one
+        (no reset, no second word). A fence, one relaxed atomic, relaxed loads until the bit
+        flips, a fence: the release and acquire patterns of the PTX memory model, two
+        ``MEMBAR.GPU`` on the way instead of four."""
         cute.arch.barrier()
         if tidx == 0:
-            count = mBar.iterator
-            gen = mBar.iterator + 1
-            cute.arch.fence_acq_rel_gpu()
-            seen = cute.arch.load(gen, Int32, sem="relaxed", scope="gpu")
-            arrived = cute.arch.atomic_add(count, Int32(1), sem="acq_rel", scope="gpu")
-            if arrived == self.ctas - 1:
-                cute.arch.store(count, Int32(0), sem="relaxed", scope="gpu")
-                cute.arch.atomic_add(gen, Int32(1), sem="release", scope="gpu")
-            else:
-                now = cute.arch.load(gen, Int32, sem="acquire", scope="gpu")
-                while now == seen:
-                    now = cute.arch.load(gen, Int32, sem="acquire", scope="gpu")
-            cute.arch.fence_acq_rel_gpu()
+            word = mBar.iterator
+            add = Int32(1)
+            if cta == 0:
+                add = Int32(2**31 - (self.ctas - 1))
+            cute.arch.fence_acq_rel_gpu()  # this CTA's writes (ordered by the barrier) before the arrival
+            old = cute.arch.atomic_add(word, add, sem="relaxed", scope="gpu")
+            now = cute.arch.load(word, Int32, sem="relaxed", scope="gpu")
+            while (old ^ now) >= 0:  # top bit unchanged: someone has not arrived
+                now = cute.arch.load(word, Int32, sem="relaxed", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()  # every CTA's writes before this CTA's reads
         cute.arch.barrier()
 
     @cute.jit
@@ -217,7 +224,47 @@ class MlaAttend:
         sP = smem.allocate_tensor(BFloat16, cute.make_layout((MAX_HEADS, TILE), stride=(P_ROW, 1)), byte_alignment=16)
         sStat = smem.allocate_tensor(Float32, cute.make_layout((3, MAX_HEADS)), byte_alignment=16)  # max, sum, corr
 
-        # the queries as given (bf16; the scale multiplies the fp32 sums), rows past H and P zero
+        # before the wait (PDL): P's padding rows, the softmax state, the sequence lengths and
+        # block table (no kernel of the step writes them) and the first tile's entries of earlier
+        # steps; this step's inserts (the last q_len entries of the request, written by the
+        # q-front) and the queries only after it
+        if tidx < MAX_HEADS * TILE // VEC:
+            rZ = cute.make_rmem_tensor((VEC,), BFloat16)
+            rZ.fill(0.0)
+            cute.autovec_copy(rZ, cute.local_tile(sP[tidx // (TILE // VEC), None], (VEC,), (tidx % (TILE // VEC),)))
+        if tidx < MAX_HEADS:
+            sStat[0, tidx] = Float32(NEG_INF)
+            sStat[1, tidx] = Float32(0.0)
+            sStat[2, tidx] = Float32(0.0)
+        req = b // self.q_len  # the token's request: its sequence length and block table row
+        n = mSeq[req]
+        old_end = cutlass.max(n - self.q_len, Int32(0))  # entries written before this step
+        if const_expr(self.q_len > 1):  # causal among the step's tokens
+            n = cutlass.max(n - (self.q_len - 1 - b % self.q_len), Int32(0))
+        per = (n + self.splits - 1) // self.splits
+        per = (per + TILE - 1) // TILE * TILE
+        start = cutlass.min(split * per, n)
+        end = cutlass.min(start + per, n)
+        tiles = (end - start + TILE - 1) // TILE
+
+        # the first tile's loads: bf16 by cp.async into stage 0, fp8 into registers; the block
+        # table lookups of a tile are made one tile ahead of its loads (rBlk), so that no load
+        # waits on one at the top of an iteration
+        rNext = cute.make_rmem_tensor((self.per_vec, self.loads if const_expr(self.cache != "bf16") else 1),
+                                      self.dtype)
+        rBlk0 = cute.make_rmem_tensor((self.loads,), Int32)
+        rBlk = cute.make_rmem_tensor((self.loads,), Int32)
+        if tiles > 0:
+            self.lookup(mCache, mBT, rBlk0, req, start, end, tidx)
+            self.load_tile(mCache, rBlk0, rNext, sK, 0, start, end, tidx, old_end, "old")
+        if tiles > 1:
+            self.lookup(mCache, mBT, rBlk, req, start + TILE, end, tidx)
+        cute.arch.griddepcontrol_wait()
+        if tiles > 0 and start + TILE > old_end:  # the tile holds entries of this step
+            self.load_tile(mCache, rBlk0, rNext, sK, 0, start, end, tidx, old_end, "new")
+        cute.arch.cp_async_commit_group()
+
+        # the queries as given (bf16; the scale multiplies the fp32 sums), rows past H zero
         QV = const_expr(MAX_HEADS * E // VEC)
         rQv = cute.make_rmem_tensor((VEC, -(-QV // THREADS)), BFloat16)
         for j in cutlass.range_constexpr(-(-QV // THREADS)):  # every load in flight at once
@@ -231,34 +278,9 @@ class MlaAttend:
             i = tidx + j * THREADS
             if const_expr((j + 1) * THREADS <= QV) or i < QV:
                 cute.autovec_copy(rQv[None, j], cute.local_tile(sQ[i // (E // VEC), None], (VEC,), (i % (E // VEC),)))
-        if tidx < MAX_HEADS * TILE // VEC:
-            rZ = cute.make_rmem_tensor((VEC,), BFloat16)
-            rZ.fill(0.0)
-            cute.autovec_copy(rZ, cute.local_tile(sP[tidx // (TILE // VEC), None], (VEC,), (tidx % (TILE // VEC),)))
-        if tidx < MAX_HEADS:
-            sStat[0, tidx] = Float32(NEG_INF)
-            sStat[1, tidx] = Float32(0.0)
-            sStat[2, tidx] = Float32(0.0)
         s_scale = Float32(self.scale * LOG2E)
         if const_expr(self.cache == "fp8_e4m3"):
             s_scale = s_scale * mKvScale[0]
-
-        req = b // self.q_len  # the token's request: its sequence length and block table row
-        n = mSeq[req]
-        if const_expr(self.q_len > 1):  # causal among the step's tokens
-            n = cutlass.max(n - (self.q_len - 1 - b % self.q_len), Int32(0))
-        per = (n + self.splits - 1) // self.splits
-        per = (per + TILE - 1) // TILE * TILE
-        start = cutlass.min(split * per, n)
-        end = cutlass.min(start + per, n)
-        tiles = (end - start + TILE - 1) // TILE
-
-        # the first tile's loads: bf16 by cp.async into stage 0, fp8 into registers
-        rNext = cute.make_rmem_tensor((self.per_vec, self.loads if const_expr(self.cache != "bf16") else 1),
-                                      self.dtype)
-        if tiles > 0:
-            self.load_tile(mCache, mBT, rNext, sK, 0, req, start, end, tidx)
-        cute.arch.cp_async_commit_group()
         cute.arch.barrier()  # sQ, sP, sStat written
 
         kq, nh = warp % K_WARPS, warp // K_WARPS  # scores: entry values [144 kq, +144), entries [32 nh, +32)
@@ -279,7 +301,9 @@ class MlaAttend:
             cute.arch.barrier()  # the previous tile's sK stage, sP and corrections are no longer read
             if const_expr(self.cache == "bf16"):
                 if tile + 1 < tiles:  # the next tile into the other stage, in flight during this one
-                    self.load_tile(mCache, mBT, rNext, sK, 1 - stage, req, base + TILE, end, tidx)
+                    self.load_tile(mCache, rBlk, rNext, sK, 1 - stage, base + TILE, end, tidx, end, "all")
+                    if tile + 2 < tiles:  # its block numbers, needed next iteration
+                        self.lookup(mCache, mBT, rBlk, req, base + 2 * TILE, end, tidx)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)  # this tile's copies (this thread's) landed
             else:
@@ -287,7 +311,9 @@ class MlaAttend:
             cute.arch.barrier()
             if const_expr(self.cache != "bf16"):
                 if tile + 1 < tiles:
-                    self.load_tile(mCache, mBT, rNext, sK, 0, req, base + TILE, end, tidx)
+                    self.load_tile(mCache, rBlk, rNext, sK, 0, base + TILE, end, tidx, end, "all")
+                    if tile + 2 < tiles:
+                        self.lookup(mCache, mBT, rBlk, req, base + 2 * TILE, end, tidx)
             k_addr = sK_addr + stage * (TILE * ROW * 2)
 
             # scores: (16 heads) x (entries [32 nh, +32)) over entry values [144 kq, +144)
@@ -368,23 +394,46 @@ class MlaAttend:
             mPML[cta, tidx, 1] = sStat[1, tidx]
 
     @cute.jit
-    def load_tile(self, mCache, mBT, rNext, sK, stage, b, first, end, tidx):
-        """Issue the loads of the tile of entries ``first ..``, 16 bytes each: bf16 by cp.async
-        straight into ``sK[stage]``, fp8 into registers (``store_tile`` converts them). Entries
-        at or past ``end`` re-read entry ``end - 1`` (masked out of the softmax)."""
+    def lookup(self, mCache, mBT, rBlk, b, first, end, tidx):
+        """The block numbers of this thread's rows of the tile of entries ``first ..`` into
+        ``rBlk`` (loads issued, not waited on: ``load_tile`` is the first to read them)."""
         NV = const_expr(self.entry_vecs)
         block_size = mCache.shape[1]
+        for i in cutlass.range_constexpr(self.loads):
+            pos = cutlass.min(first + (tidx + i * THREADS) // NV, end - 1)
+            rBlk[i] = mBT[b, pos // block_size]
+
+    @cute.jit
+    def load_tile(self, mCache, rBlk, rNext, sK, stage, first, end, tidx, old_end, part: cutlass.Constexpr):
+        """Issue the loads of the tile of entries ``first ..`` (block numbers in ``rBlk``), 16
+        bytes each: bf16 by cp.async straight into ``sK[stage]``, fp8 into registers
+        (``store_tile`` converts them). Entries at or past ``end`` re-read entry ``end - 1``
+        (masked out of the softmax). ``part``: "all" the tile's rows, "old" those of entries
+        before ``old_end`` (earlier steps'), "new" the others; the two parts load each row once."""
+        NV = const_expr(self.entry_vecs)
         g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
         for i in cutlass.range_constexpr(self.loads):
             flat = tidx + i * THREADS
             pos = cutlass.min(first + flat // NV, end - 1)
-            blk = mBT[b, pos // block_size]
-            src = cute.local_tile(mCache[blk, pos % block_size, None], (self.per_vec,), (flat % NV,))
-            if const_expr(self.cache == "bf16"):
-                cute.copy(g2s, src, cute.local_tile(sK[stage, flat // NV, None], (self.per_vec,), (flat % NV,)))
+            if const_expr(part == "all"):
+                self.load_row(mCache, rBlk, rNext, sK, stage, pos, flat, i, g2s)
+            elif const_expr(part == "old"):
+                if pos < old_end:
+                    self.load_row(mCache, rBlk, rNext, sK, stage, pos, flat, i, g2s)
             else:
-                cute.copy(g2r_stream_atom(self.dtype), src, rNext[None, i])
+                if pos >= old_end:
+                    self.load_row(mCache, rBlk, rNext, sK, stage, pos, flat, i, g2s)
+
+    @cute.jit
+    def load_row(self, mCache, rBlk, rNext, sK, stage, pos, flat, i: cutlass.Constexpr, g2s):
+        """One 16-byte load of tile row ``flat // entry_vecs`` (entry ``pos``, in block ``rBlk[i]``)."""
+        NV = const_expr(self.entry_vecs)
+        src = cute.local_tile(mCache[rBlk[i], pos % mCache.shape[1], None], (self.per_vec,), (flat % NV,))
+        if const_expr(self.cache == "bf16"):
+            cute.copy(g2s, src, cute.local_tile(sK[stage, flat // NV, None], (self.per_vec,), (flat % NV,)))
+        else:
+            cute.copy(g2r_stream_atom(self.dtype), src, rNext[None, i])
 
     @cute.jit
     def store_tile(self, sK, rNext, tidx):
@@ -399,32 +448,43 @@ class MlaAttend:
     def combine(self, mPAcc, mPML, mLat, unit, sub, kv_scale):
         """Unit ``unit`` = (request, head, 8 latent values), its splits shared by ``combine_lanes``
         lanes (``sub`` = this lane's place among them, every lane of the group calls this): the
-        splits' partials weighted by 2^(max_s - max), over the total sum; bf16. Past the last
-        unit a group computes unit ``units - 1`` again and stores nothing."""
+        splits' partials weighted by 2^(max_s - max), over the total sum; bf16. Every load of a
+        lane's splits (at most 4) is issued at once, before the group's max is known, so the
+        combine costs one round trip. Past the last unit a group computes unit ``units - 1``
+        again and stores nothing."""
         S = const_expr(self.splits)
         G = const_expr(self.combine_lanes)
+        J = const_expr(-(-S // G))  # splits per lane
         u = cutlass.min(unit, self.units - 1)
         b = u // (self.heads * LAT_VECS)
         h = u // LAT_VECS % self.heads
         dv = u % LAT_VECS
+        rM = cute.make_rmem_tensor((J,), Float32)
+        rS = cute.make_rmem_tensor((J,), Float32)
+        rP = cute.make_rmem_tensor((ELEMS, J), Float32)
+        for j in cutlass.range_constexpr(J):
+            s = cutlass.min(sub + j * G, S - 1)
+            rM[j] = mPML[b * S + s, h, 0]
+            rS[j] = mPML[b * S + s, h, 1]
+            for half in cutlass.range_constexpr(2):
+                cute.copy(g2r_atom(Float32, invariant=False),
+                          cute.local_tile(mPAcc[b * S + s, h, None], (4,), (dv * 2 + half,)),
+                          cute.local_tile(rP[None, j], (4,), (half,)))
         top = Float32(NEG_INF)
-        for s in cutlass.range(sub, S, G, unroll=4):
-            top = cutlass.max(top, mPML[b * S + s, h, 0])
+        for j in cutlass.range_constexpr(J):
+            if const_expr((j + 1) * G > S):  # some lanes of the group have no j-th split
+                rM[j] = Float32(cutlass.select_(sub + j * G < S, rM[j], Float32(NEG_INF)))
+            top = cutlass.max(top, rM[j])
         if const_expr(G > 1):
             top = cute.arch.warp_reduction(top, cutlass.max, threads_in_group=G)
         safe = Float32(cutlass.select_(top > Float32(NEG_INF), top, Float32(0.0)))  # no split saw a token
         rA = cute.make_rmem_tensor((ELEMS,), Float32)
         rA.fill(0.0)
-        rP = cute.make_rmem_tensor((ELEMS,), Float32)
         total = Float32(0.0)
-        for s in cutlass.range(sub, S, G, unroll=4):
-            w = cute.math.exp2(mPML[b * S + s, h, 0] - safe)
-            total = total + w * mPML[b * S + s, h, 1]
-            for half in cutlass.range_constexpr(2):
-                cute.copy(g2r_atom(Float32, invariant=False),
-                          cute.local_tile(mPAcc[b * S + s, h, None], (4,), (dv * 2 + half,)),
-                          cute.local_tile(rP, (4,), (half,)))
-            rA.store(rA.load() + rP.load() * w)
+        for j in cutlass.range_constexpr(J):
+            w = cute.math.exp2(rM[j] - safe)
+            total = total + w * rS[j]
+            rA.store(rA.load() + rP[None, j].load() * w)
         if const_expr(G > 1):
             total = cute.arch.warp_reduction(total, operator.add, threads_in_group=G)
             for e in cutlass.range_constexpr(ELEMS):
@@ -458,6 +518,6 @@ def build(spec) -> tuple[MlaAttend, tuple]:
             t(Float32, (kernel.ctas, h, L), (h * L, L, 1)),  # split partials: latent
             t(Float32, (kernel.ctas, h, 2), (h * 2, 2, 1), 4),  # split partials: max, sum
             t(BFloat16, (b, h, L), (h * L, L, 1)),  # combined latent
-            t(Int32, (2,), (1,), 4),  # barrier (count, generation)
+            t(Int32, (1,), (1,), 4),  # barrier word
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return kernel, args

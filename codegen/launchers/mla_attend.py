@@ -94,14 +94,14 @@ _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 def _scratch(device: torch.device, ctas: int, heads: int, batch: int) -> tuple[torch.Tensor, ...]:
     """The split partials, the combined latent and the barrier words of one shape on one device,
-    made once and shared by every MLA layer (they run one after another; the barrier resets
-    itself)."""
+    made once and shared by every MLA layer (they run one after another; the barrier word's
+    low bits are back at 0 after each barrier)."""
     key = (device, ctas, heads, batch)
     if key not in _SCRATCH:
         _SCRATCH[key] = (torch.empty(ctas, heads, MLA_LATENT, dtype=torch.float32, device=device),
                          torch.empty(ctas, heads, 2, dtype=torch.float32, device=device),
                          torch.empty(batch, heads, MLA_LATENT, dtype=torch.bfloat16, device=device),
-                         torch.zeros(2, dtype=torch.int32, device=device))
+                         torch.zeros(1, dtype=torch.int32, device=device))
     return _SCRATCH[key]
 
 
