@@ -48,11 +48,13 @@ def test_specs_at_kimi_k3_shapes(shape, batch):
     h = HEADS[shape]
     spec = attend_spec("sm_90a", attend_args(batch, h))
     assert spec.kernel == "mla_attend" and spec.op == OP
-    assert spec.shape_dict == {"batch": batch, "heads": h}
+    assert spec.shape_dict == {"batch": batch, "heads": h, "block_size": 64}
     assert spec.dtype_dict["cache"] == "bf16"
     assert spec.param_dict == {"scale": SCALE, "gate_stride": GATE_WIDTH}
-    # the cache's blocks, block size and the block table's width are runtime sizes
-    assert attend_spec("sm_90a", attend_args(batch, h, blocks=900, block_size=16, max_blocks=300)) == spec
+    # the cache's blocks and the block table's width are runtime sizes; the block size is the
+    # kernel's (one block table lookup a tile where it is a multiple of 64)
+    assert attend_spec("sm_90a", attend_args(batch, h, blocks=900, max_blocks=300)) == spec
+    assert attend_spec("sm_90a", attend_args(batch, h, block_size=16)).shape_dict["block_size"] == 16
     fp8 = attend_spec("sm_90a", attend_args(batch, h, cache_dtype=torch.uint8))
     assert fp8.dtype_dict["cache"] == "fp8_e4m3" and fp8 != spec
     assert attend_spec("sm_90a", attend_args(batch, h, cache_dtype=torch.float8_e4m3fn)) == fp8
@@ -64,7 +66,7 @@ def test_verify_specs(requests, q):
     """A verify step of q tokens per request: the kernel's rows are the tokens (each its own
     causal length), compiled per (tokens, q)."""
     spec = attend_spec("sm_90a", attend_args(requests, 6, tokens=requests * q))
-    assert spec.shape_dict == {"batch": requests * q, "heads": 6, "q_len": q}
+    assert spec.shape_dict == {"batch": requests * q, "heads": 6, "block_size": 64, "q_len": q}
     assert spec != attend_spec("sm_90a", attend_args(requests * q, 6))
 
 
@@ -98,13 +100,13 @@ def test_refusals_say_why(args, reason):
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("batch, heads, cache, q", [(1, 6, torch.bfloat16, 1), (64, 12, torch.bfloat16, 1),
-                                                    (1, 12, torch.uint8, 1), (64, 12, torch.uint8, 1),
-                                                    (1, 6, torch.bfloat16, 8), (2, 12, torch.uint8, 4)])
-def test_compiles_without_spills(arch, batch, heads, cache, q, kcache):
+@pytest.mark.parametrize("batch, heads, cache, q, block", [(1, 6, torch.bfloat16, 1, 64), (64, 12, torch.bfloat16, 1, 64),
+                                                           (1, 12, torch.uint8, 1, 64), (64, 12, torch.uint8, 1, 16),
+                                                           (1, 6, torch.bfloat16, 8, 16), (2, 12, torch.uint8, 4, 128)])
+def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
     from codegen.compiler import compile_kernel
 
-    spec = attend_spec(arch, attend_args(batch, heads, cache_dtype=cache, tokens=batch * q))
+    spec = attend_spec(arch, attend_args(batch, heads, cache_dtype=cache, tokens=batch * q, block_size=block))
     k = compile_kernel(spec, cache=kcache)
     registers, spilled = ptxas_usage(k.ptx, arch)
     assert spilled == 0 and registers <= 255, (spec.label(), registers, spilled)
@@ -127,6 +129,10 @@ def test_compiles_without_spills(arch, batch, heads, cache, q, kcache):
     else:
         assert ptx[:wait].count("ld.global.L1") == kernel.loads + 2 * kernel.rows_per_warp
     assert "ld.global.v4" not in ptx[:wait] and "ld.global.v4" in ptx[wait:]
+    # before the wait, the 32-bit loads: the request's length and the block table lookups of
+    # the first two tiles (one a tile, or one a row where blocks are not multiples of 64)
+    lookups = 1 if block % 64 == 0 else kernel.loads
+    assert ptx[:wait].count("ld.global.b32") == 1 + 2 * lookups
     if arch == "sm_90a" and batch == 1:
         assert pdl_flags(spec) == [1]
 
@@ -199,6 +205,18 @@ def test_mla_attend(case, shape, fp8):
     out = check_attend(cpu, gpu, seq, 1)
     # the barrier and scratch serve the next launch: the same result, bit for bit
     assert torch.equal(run(gpu), out)
+
+
+@on_gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block_size", [16, 48, 128])
+def test_mla_attend_block_sizes(block_size, fp8):
+    """Blocks smaller than a tile or not a multiple of it (a lookup per row) and larger ones (a
+    tile at an offset inside its block, one lookup a tile); the 64 of every other test is the
+    one-lookup case at offset 0."""
+    batch, seq = CASES["b8"]
+    cpu = attend_inputs(batch, 6, seq, fp8=fp8, block_size=block_size, seed=block_size)
+    check_attend(cpu, cuda(cpu), seq, 1)
 
 
 def check_attend(cpu, gpu, seq, q):

@@ -88,7 +88,8 @@ class MlaAttend:
     """Compile-time configuration: requests B (= tokens), heads H, the cache dtype (bf16 or
     fp8), the softmax scale, the gate's row stride."""
 
-    def __init__(self, batch: int, heads: int, cache: str, scale: float, gate_stride: int, q_len: int = 1):
+    def __init__(self, batch: int, heads: int, cache: str, scale: float, gate_stride: int, q_len: int = 1,
+                 block_size: int = 64):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch {batch} outside 1..{MAX_BATCH}")
         if q_len < 1 or batch % q_len:
@@ -113,6 +114,13 @@ class MlaAttend:
         self.units = batch * heads * LAT_VECS  # combine units
         self.combine_lanes = min(32, 1 << (self.splits - 1).bit_length())  # lanes sharing a unit's splits
         self.dtype = BFloat16 if cache == "bf16" else Float8E4M3FN
+        if block_size < 1:
+            raise ValueError(f"block size {block_size}")
+        self.block_size = block_size
+        # tiles start at multiples of 64 entries: with blocks of a multiple of 64, a tile lies in
+        # one block, one block table lookup a tile (vLLM's MLA caches on Hopper: 64)
+        self.one_block = block_size % TILE == 0
+        self.lookups = 1 if self.one_block else self.loads
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
@@ -252,8 +260,8 @@ class MlaAttend:
         # waits on one at the top of an iteration
         rNext = cute.make_rmem_tensor((self.per_vec, self.loads if const_expr(self.cache != "bf16") else 1),
                                       self.dtype)
-        rBlk0 = cute.make_rmem_tensor((self.loads,), Int32)
-        rBlk = cute.make_rmem_tensor((self.loads,), Int32)
+        rBlk0 = cute.make_rmem_tensor((self.lookups,), Int32)
+        rBlk = cute.make_rmem_tensor((self.lookups,), Int32)
         if tiles > 0:
             self.lookup(mCache, mBT, rBlk0, req, start, end, tidx)
             self.load_tile(mCache, rBlk0, rNext, sK, 0, start, end, tidx, old_end, "old")
@@ -396,12 +404,16 @@ class MlaAttend:
     @cute.jit
     def lookup(self, mCache, mBT, rBlk, b, first, end, tidx):
         """The block numbers of this thread's rows of the tile of entries ``first ..`` into
-        ``rBlk`` (loads issued, not waited on: ``load_tile`` is the first to read them)."""
+        ``rBlk`` (loads issued, not waited on: ``load_tile`` is the first to read them): one
+        where a tile lies in one block, else one a row."""
         NV = const_expr(self.entry_vecs)
-        block_size = mCache.shape[1]
-        for i in cutlass.range_constexpr(self.loads):
-            pos = cutlass.min(first + (tidx + i * THREADS) // NV, end - 1)
-            rBlk[i] = mBT[b, pos // block_size]
+        BS = const_expr(self.block_size)
+        if const_expr(self.one_block):
+            rBlk[0] = mBT[b, first // BS]
+        else:
+            for i in cutlass.range_constexpr(self.loads):
+                pos = cutlass.min(first + (tidx + i * THREADS) // NV, end - 1)
+                rBlk[i] = mBT[b, pos // BS]
 
     @cute.jit
     def load_tile(self, mCache, rBlk, rNext, sK, stage, first, end, tidx, old_end, part: cutlass.Constexpr):
@@ -427,9 +439,11 @@ class MlaAttend:
 
     @cute.jit
     def load_row(self, mCache, rBlk, rNext, sK, stage, pos, flat, i: cutlass.Constexpr, g2s):
-        """One 16-byte load of tile row ``flat // entry_vecs`` (entry ``pos``, in block ``rBlk[i]``)."""
+        """One 16-byte load of tile row ``flat // entry_vecs`` (entry ``pos``, in block ``rBlk[i]``,
+        or ``rBlk[0]`` where the tile lies in one block)."""
         NV = const_expr(self.entry_vecs)
-        src = cute.local_tile(mCache[rBlk[i], pos % mCache.shape[1], None], (self.per_vec,), (flat % NV,))
+        blk = rBlk[0] if const_expr(self.one_block) else rBlk[i]
+        src = cute.local_tile(mCache[blk, pos % self.block_size, None], (self.per_vec,), (flat % NV,))
         if const_expr(self.cache == "bf16"):
             cute.copy(g2s, src, cute.local_tile(sK[stage, flat // NV, None], (self.per_vec,), (flat % NV,)))
         else:
@@ -499,9 +513,9 @@ class MlaAttend:
 def build(spec) -> tuple[MlaAttend, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     s, d, p = spec.shape_dict, spec.dtype_dict, spec.param_dict
-    b, h, q = s["batch"], s["heads"], s.get("q_len", 1)
-    kernel = MlaAttend(b, h, d["cache"], p["scale"], p["gate_stride"], q)
-    blocks, block_size, max_blocks = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    b, h, q, block_size = s["batch"], s["heads"], s.get("q_len", 1), s["block_size"]
+    kernel = MlaAttend(b, h, d["cache"], p["scale"], p["gate_stride"], q, block_size)
+    blocks, max_blocks = cute.sym_int32(), cute.sym_int32()
     block_stride = cute.sym_int64(divisibility=16)
 
     def t(dtype, shape, stride, align=16):

@@ -69,7 +69,8 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
                f"{tuple(block_table.shape)}"
     if kv_scale.dtype != torch.float32 or kv_scale.numel() != 1:
         return f"kv_scale must be one fp32 value, got {dtype_name(kv_scale.dtype)} {tuple(kv_scale.shape)}"
-    return (KernelSpec.make("mla_attend", op, arch, shapes={"batch": t, "heads": h, **({"q_len": q} if q > 1 else {})},
+    return (KernelSpec.make("mla_attend", op, arch, shapes={"batch": t, "heads": h, "block_size": kv_cache.shape[1],
+                                                               **({"q_len": q} if q > 1 else {})},
                             dtypes={"q": "bf16", "cache": "fp8_e4m3" if fp8 else "bf16", "weight": "bf16"},
                             params={"scale": float(scale), "gate_stride": gate.stride(0)}),)
 
