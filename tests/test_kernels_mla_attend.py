@@ -290,7 +290,7 @@ def test_step_inserts_are_read_after_the_wait(requests, q, seq, fp8):
     writes the inserts 200 us after letting it launch, the result is the one over the new rows."""
     cpu = attend_inputs(requests, 6, seq, fp8=fp8, seed=5 + q, q_len=q)
     gpu = cuda(cpu)
-    run(gpu)  # compiled and loaded before the timed pair
+    run(gpu)  # compiled and loaded before the launch under test
     cache, table = gpu[1], cpu[2]
     block = cache.shape[1]
     rows = [int(table[r, p // block]) * block + p % block for r, n in enumerate(seq) for p in range(max(n - q, 0), n)]

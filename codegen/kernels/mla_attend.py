@@ -197,8 +197,8 @@ class MlaAttend:
         One word, whose top bit flips when the last CTA arrives: CTA 0 adds 2^31 - (ctas - 1),
         every other CTA 1, so a barrier adds 2^31 and leaves the low bits at 0 for the next one
         (no reset, no second word). A fence, one relaxed atomic, relaxed loads until the bit
-        flips, a fence: the release and acquire patterns of the PTX memory model, two
-        ``MEMBAR.GPU`` on the way instead of four."""
+        flips, a fence: the release and acquire patterns of the PTX memory model (two
+        ``MEMBAR.GPU`` a barrier)."""
         cute.arch.barrier()
         if tidx == 0:
             word = mBar.iterator
@@ -263,10 +263,10 @@ class MlaAttend:
         rBlk0 = cute.make_rmem_tensor((self.lookups,), Int32)
         rBlk = cute.make_rmem_tensor((self.lookups,), Int32)
         if tiles > 0:
-            self.lookup(mCache, mBT, rBlk0, req, start, end, tidx)
+            self.lookup(mBT, rBlk0, req, start, end, tidx)
             self.load_tile(mCache, rBlk0, rNext, sK, 0, start, end, tidx, old_end, "old")
         if tiles > 1:
-            self.lookup(mCache, mBT, rBlk, req, start + TILE, end, tidx)
+            self.lookup(mBT, rBlk, req, start + TILE, end, tidx)
         cute.arch.griddepcontrol_wait()
         if tiles > 0 and start + TILE > old_end:  # the tile holds entries of this step
             self.load_tile(mCache, rBlk0, rNext, sK, 0, start, end, tidx, old_end, "new")
@@ -311,7 +311,7 @@ class MlaAttend:
                 if tile + 1 < tiles:  # the next tile into the other stage, in flight during this one
                     self.load_tile(mCache, rBlk, rNext, sK, 1 - stage, base + TILE, end, tidx, end, "all")
                     if tile + 2 < tiles:  # its block numbers, needed next iteration
-                        self.lookup(mCache, mBT, rBlk, req, base + 2 * TILE, end, tidx)
+                        self.lookup(mBT, rBlk, req, base + 2 * TILE, end, tidx)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)  # this tile's copies (this thread's) landed
             else:
@@ -321,7 +321,7 @@ class MlaAttend:
                 if tile + 1 < tiles:
                     self.load_tile(mCache, rBlk, rNext, sK, 0, base + TILE, end, tidx, end, "all")
                     if tile + 2 < tiles:
-                        self.lookup(mCache, mBT, rBlk, req, base + 2 * TILE, end, tidx)
+                        self.lookup(mBT, rBlk, req, base + 2 * TILE, end, tidx)
             k_addr = sK_addr + stage * (TILE * ROW * 2)
 
             # scores: (16 heads) x (entries [32 nh, +32)) over entry values [144 kq, +144)
@@ -402,7 +402,7 @@ class MlaAttend:
             mPML[cta, tidx, 1] = sStat[1, tidx]
 
     @cute.jit
-    def lookup(self, mCache, mBT, rBlk, b, first, end, tidx):
+    def lookup(self, mBT, rBlk, b, first, end, tidx):
         """The block numbers of this thread's rows of the tile of entries ``first ..`` into
         ``rBlk`` (loads issued, not waited on: ``load_tile`` is the first to read them): one
         where a tile lies in one block, else one a row."""

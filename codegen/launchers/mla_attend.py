@@ -94,7 +94,7 @@ _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
 def _scratch(device: torch.device, ctas: int, heads: int, batch: int) -> tuple[torch.Tensor, ...]:
-    """The split partials, the combined latent and the barrier words of one shape on one device,
+    """The split partials, the combined latent and the barrier word of one shape on one device,
     made once and shared by every MLA layer (they run one after another; the barrier word's
     low bits are back at 0 after each barrier)."""
     key = (device, ctas, heads, batch)
