@@ -149,19 +149,33 @@ def main() -> int:
     ap.add_argument("--stream-stages", type=int, default=experts_launcher.MXFP4_STREAM_STAGES,
                     help="cp.async stages of the per-expert up stage (default "
                          f"codegen.launchers.experts.MXFP4_STREAM_STAGES = {experts_launcher.MXFP4_STREAM_STAGES})")
+    ap.add_argument("--down-stages", type=int, default=experts_launcher.MXFP4_DOWN_STREAM_STAGES,
+                    help="cp.async stages of the per-expert down stage (default "
+                         f"MXFP4_DOWN_STREAM_STAGES = {experts_launcher.MXFP4_DOWN_STREAM_STAGES})")
+    ap.add_argument("--down-groups-per-warp", type=int, default=experts_launcher.MXFP4_DOWN_GROUPS_PER_WARP,
+                    help="scale groups a warp of the per-expert down stage streams, in whole row tiles "
+                         f"(default MXFP4_DOWN_GROUPS_PER_WARP = {experts_launcher.MXFP4_DOWN_GROUPS_PER_WARP})")
+    ap.add_argument("--down-by-expert-from", type=int, default=experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM,
+                    help="token count from which the down stage runs per chosen expert (default "
+                         f"MXFP4_DOWN_BY_EXPERT_FROM = {experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM})")
     a = ap.parse_args()
     experts_launcher.MXFP4_STREAM_STAGES = a.stream_stages
+    experts_launcher.MXFP4_DOWN_STREAM_STAGES = a.down_stages
+    experts_launcher.MXFP4_DOWN_GROUPS_PER_WARP = a.down_groups_per_warp
+    experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM = a.down_by_expert_from
     if a.smem_weights != "served":
         experts_launcher.MXFP4_SMEM_WEIGHTS_FROM = 1 if a.smem_weights == "always" else None
     bad = [f"--tokens {t} (1..64)" for t in a.tokens if not 1 <= t <= 64]
     bad += [f"--repeat {a.repeat} (at least 1)"] if a.repeat < 1 else []
-    bad += [f"--stream-stages {a.stream_stages} (at least 1)"] if a.stream_stages < 1 else []
+    bad += [f"--{n.replace('_', '-')} {v} (at least 1)" for n, v in vars(a).items()
+            if n in ("stream_stages", "down_stages", "down_groups_per_warp", "down_by_expert_from") and v < 1]
     if bad:
         ap.error(", ".join(bad))
     print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
           f"E = {E}, top-{K}, L = {L}; each expert set drawn for {a.repeat} consecutive token(s); the stages' weights "
           f"in shared memory from {experts_launcher.MXFP4_SMEM_WEIGHTS_FROM} tokens; the per-expert up stage streams "
-          f"through {a.stream_stages} stages", flush=True)
+          f"through {a.stream_stages} stages; the down stage per expert from {a.down_by_expert_from} tokens, "
+          f"{a.down_stages} stages, {a.down_groups_per_warp} scale groups a warp", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     with torch.no_grad():
