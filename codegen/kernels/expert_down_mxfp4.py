@@ -202,6 +202,10 @@ class ExpertDownMxfp4ByExpert:
         self.stages = min(stages, self.steps)
         self.ctas_per_expert = self.tiles // (warps * tiles_per_warp)
         self.pair_cap = max_tokens
+        # byte strides of Humming's W2 [E, I/16, 2L] and its scales [E, I/32, L/4] (int32 words)
+        self.w_block_bytes = 2 * rows * 4
+        self.w_expert_bytes = inter // 16 * self.w_block_bytes
+        self.s_expert_bytes = inter // 32 * rows
         self.smem_words = 4 * self.FIELDS * 32 * warps * self.stages
         self.ctas_per_sm = max(1, min(8, 228 * 1024 // (4 * self.smem_words + 1024)))
 
@@ -247,13 +251,17 @@ class ExpertDownMxfp4ByExpert:
             rec = mRec[1 + entry]
             e = cutlass.max(cutlass.min(rec & Int32(0xFFFF), Int32(self.experts - 1)), Int32(0))
             count = cutlass.min(rec >> 16, Int32(self.pair_cap))
+            # the lane's byte addresses at the warp's first tile: every stage adds its group's and
+            # tile's offsets to these, so no stage recomputes a 64-bit address from indices
+            wAddr = mW.iterator.toint() + Int64(e) * self.w_expert_bytes + Int64((nt0 * 32 + lane) * 16)
+            sAddr = mS.iterator.toint() + Int64(e) * self.s_expert_bytes + Int64(nt0 * 64 + r * 8)
             for s in cutlass.range_constexpr(S - 1):
-                self.issue_weights(mW, mS, sRing, Int64(e), nt0 + s // G, s % G, s, lane, r, warp)
+                self.issue_weights(wAddr, sAddr, sRing, s // G, s % G, s, lane, warp)
             cute.arch.griddepcontrol_launch_dependents()
             for c0 in cutlass.range(0, count, N, unroll=1):
                 if c0 > 0:  # more than 8 pairs: the weights again for the next 8
                     for s in cutlass.range_constexpr(S - 1):
-                        self.issue_weights(mW, mS, sRing, Int64(e), nt0 + s // G, s % G, s, lane, r, warp)
+                        self.issue_weights(wAddr, sAddr, sRing, s // G, s % G, s, lane, warp)
                 # the lane's B column: pair c0 + r (past the expert's pairs, its last: never stored)
                 mine = mLists[e, cutlass.min(c0 + r, count - 1)]
                 for h in cutlass.range_constexpr(2):
@@ -263,8 +271,9 @@ class ExpertDownMxfp4ByExpert:
                     if col < count:
                         pairs[h] = mLists[e, col]
                         wts[h] = Float32(mWeights[pairs[h] // self.top_k, pairs[h] % self.top_k])
+                xAddr = mA.iterator.toint() + Int64(mine) * (self.inter_live * 2) + Int64(q * 4)
                 for s in cutlass.range_constexpr(S - 1):  # group s = stage s (groups complete in order)
-                    self.issue_x(mA, sRing, mine, s % G, s, q, lane, warp)
+                    self.issue_x(xAddr, sRing, s % G, s, lane, warp)
                     cute.arch.cp_async_commit_group()
                 acc.fill(0.0)
                 read = Int32(0)
@@ -272,8 +281,8 @@ class ExpertDownMxfp4ByExpert:
                 for st in cutlass.range(n, unroll=1):
                     nxt = st + (S - 1)
                     if nxt < n:
-                        self.issue_weights(mW, mS, sRing, Int64(e), nt0 + nxt // G, nxt % G, write, lane, r, warp)
-                        self.issue_x(mA, sRing, mine, nxt % G, write, q, lane, warp)
+                        self.issue_weights(wAddr, sAddr, sRing, nxt // G, nxt % G, write, lane, warp)
+                        self.issue_x(xAddr, sRing, nxt % G, write, lane, warp)
                     cute.arch.cp_async_commit_group()  # empty at the end: keeps group st = stage st
                     cute.arch.cp_async_wait_group(S - 1)
                     self.group_mma(sRing, read, lane, warp, acc)
@@ -283,29 +292,34 @@ class ExpertDownMxfp4ByExpert:
                         self.finish_tile(mP, mCnt, mOut, acc, pairs, wts, nt0 + st // G, lane, r, q)
                         acc.fill(0.0)
 
-    def issue_weights(self, mW, mS, sRing, e, nt, grp, stage, lane, r, warp):
-        """Row tile ``nt``'s weight vectors for the two K blocks of scale group ``grp`` and its 8
-        scale bytes of the lane, into ``stage`` (trace-time helper; one commit group with its x)."""
+    def issue_weights(self, wAddr, sAddr, sRing, t, grp, stage, lane, warp):
+        """The warp's ``t``-th row tile's weight vectors for the two K blocks of scale group ``grp``
+        and its 8 scale bytes of the lane, into ``stage``: from the lane's addresses at the warp's
+        first tile (``wAddr``, ``sAddr``) plus the group's and tile's offsets (trace-time helper;
+        one commit group with its x)."""
         g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Int32,
                                   num_bits_per_copy=128)
         g2s8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
                                    num_bits_per_copy=64)
+        w = wAddr + Int64(grp * (2 * self.w_block_bytes) + t * 512)
         for blk in range(2):
-            cute.copy(g2s, cute.local_tile(mW[e, grp * 2 + blk, None], (4,), (nt * 32 + lane,)),
-                      sRing[None, blk, lane, warp, stage])
-        cute.copy(g2s8, cute.local_tile(mS[e, grp, None], (2,), (nt * 8 + r,)),
+            src = cute.make_ptr(Int32, w + blk * self.w_block_bytes, cute.AddressSpace.gmem, assumed_align=16)
+            cute.copy(g2s, cute.make_tensor(src, cute.make_layout((4,))), sRing[None, blk, lane, warp, stage])
+        src = cute.make_ptr(Int32, sAddr + Int64(grp * self.rows + t * 64), cute.AddressSpace.gmem, assumed_align=8)
+        cute.copy(g2s8, cute.make_tensor(src, cute.make_layout((2,))),
                   cute.local_tile(sRing[None, 2, lane, warp, stage], (2,), (0,)))
 
-    def issue_x(self, mA, sRing, pair, grp, stage, q, lane, warp):
-        """The lane's B pairs of ``pair``'s activation (int32 words ``kb * 8 + q`` and ``+ 4``) for
-        the two K blocks of scale group ``grp``, into ``stage`` (trace-time helper)."""
+    def issue_x(self, xAddr, sRing, grp, stage, lane, warp):
+        """The lane's B pairs of its column's activation (int32 words ``kb * 8 + q`` and ``+ 4``,
+        ``xAddr`` at word q of the pair's row) for the two K blocks of scale group ``grp``, into
+        ``stage`` (trace-time helper)."""
         g2s4 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
                                    num_bits_per_copy=32)
-        token = pair // self.top_k
-        row = mA[token, pair - token * self.top_k, None]
+        x = xAddr + Int64(grp * 64)
         for blk in range(2):
             for hi in range(2):
-                cute.copy(g2s4, cute.local_tile(row, (1,), ((grp * 2 + blk) * 8 + q + hi * 4,)),
+                src = cute.make_ptr(Int32, x + (blk * 32 + hi * 16), cute.AddressSpace.gmem, assumed_align=4)
+                cute.copy(g2s4, cute.make_tensor(src, cute.make_layout((1,))),
                           cute.local_tile(sRing[None, 3, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
     @cute.jit

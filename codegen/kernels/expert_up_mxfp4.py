@@ -213,6 +213,11 @@ class ExpertUpMxfp4ByExpert:
         self.up_tile0 = inter // TILE  # the up half's first tile
         # an expert's pairs in one step: one per token at most (a token's top-k ids are distinct)
         self.pair_cap = max_tokens
+        # byte strides of Humming's W13 [E, L/16, 4I] and its scales [E, L/32, I/2] (int32 words)
+        self.w_block_bytes = 4 * inter * 4
+        self.w_expert_bytes = latent // 16 * self.w_block_bytes
+        self.s_group_bytes = inter // 2 * 4
+        self.s_expert_bytes = latent // 32 * self.s_group_bytes
         ring = 4 * self.FIELDS * 32 * warps * self.stages
         part = self.PART_STRIDE * self.COLUMNS * warps * 2
         self.smem_words = max(ring, part)
@@ -260,26 +265,34 @@ class ExpertUpMxfp4ByExpert:
                 if entry == 0:
                     mRec[0] = chosen
             g0 = warp * G  # the warp's first scale group
+            # the lane's byte addresses at the warp's first group of the gate tile: every stage adds
+            # its group's offset (and the up tile's) to these, so no stage recomputes a 64-bit
+            # address from indices
+            wAddr = (mW.iterator.toint() + Int64(e) * self.w_expert_bytes
+                     + Int64(g0 * 2 * self.w_block_bytes + (ctile * 32 + lane) * 16))
+            sAddr = (mS.iterator.toint() + Int64(e) * self.s_expert_bytes
+                     + Int64(g0 * self.s_group_bytes + ctile * 64 + r * 8))
             for s in cutlass.range_constexpr(S - 1):
-                self.issue_weights(mW, mS, sRing, Int64(e), g0 + s, s, ctile, lane, r, warp)
+                self.issue_weights(wAddr, sAddr, sRing, s, s, lane, warp)
             cute.arch.griddepcontrol_launch_dependents()
             for c0 in cutlass.range(0, count, N, unroll=1):
                 if c0 > 0:  # more than 8 pairs: the weights again for the next 8
                     for s in cutlass.range_constexpr(S - 1):
-                        self.issue_weights(mW, mS, sRing, Int64(e), g0 + s, s, ctile, lane, r, warp)
+                        self.issue_weights(wAddr, sAddr, sRing, s, s, lane, warp)
                 # the lane's column: pair c0 + r (past the expert's pairs, its last: sums never stored)
                 pair = mLists[e, cutlass.min(c0 + r, count - 1)]
                 token = pair // self.top_k
+                xAddr = mX.iterator.toint() + Int64(token) * (self.latent * 2) + Int64(g0 * 64 + q * 4)
                 for s in cutlass.range_constexpr(S - 1):  # group s = stage s (groups complete in order)
-                    self.issue_x(mX, sRing, token, g0 + s, s, q, lane, warp)
+                    self.issue_x(xAddr, sRing, s, s, lane, warp)
                     cute.arch.cp_async_commit_group()
                 acc.fill(0.0)
                 read = Int32(0)  # stage holding group g
                 write = Int32(S - 1)  # stage receiving group g + S - 1 (the one read at g - 1)
                 for g in cutlass.range(G, unroll=1):
                     if g + (S - 1) < G:
-                        self.issue_weights(mW, mS, sRing, Int64(e), g0 + g + (S - 1), write, ctile, lane, r, warp)
-                        self.issue_x(mX, sRing, token, g0 + g + (S - 1), write, q, lane, warp)
+                        self.issue_weights(wAddr, sAddr, sRing, g + (S - 1), write, lane, warp)
+                        self.issue_x(xAddr, sRing, g + (S - 1), write, lane, warp)
                     cute.arch.cp_async_commit_group()  # empty at the end: keeps group g = stage g
                     cute.arch.cp_async_wait_group(S - 1)
                     self.group_mma(sRing, read, lane, warp, acc)
@@ -287,29 +300,37 @@ class ExpertUpMxfp4ByExpert:
                     read = (read + 1) % S
                 self.finish(mLists, mA, sPart, acc, e, c0, count, ctile, tidx, warp, r, q)
 
-    def issue_weights(self, mW, mS, sRing, e, grp, stage, ctile, lane, r, warp):
-        """Scale group ``grp``'s weight vectors (gate and up, two K blocks) and the two tiles' 8
-        scale bytes of the lane into ``stage`` (trace-time helper; one commit group with its x)."""
+    def issue_weights(self, wAddr, sAddr, sRing, g, stage, lane, warp):
+        """The warp's ``g``-th scale group's weight vectors (gate and up, two K blocks) and the
+        two tiles' 8 scale bytes of the lane into ``stage``: from the lane's addresses at the
+        warp's first group (``wAddr``, ``sAddr``) plus the group's and the up tile's offsets
+        (trace-time helper; one commit group with its x)."""
         g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Int32,
                                   num_bits_per_copy=128)
         g2s8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
                                    num_bits_per_copy=64)
+        w = wAddr + Int64(g * (2 * self.w_block_bytes))
+        sc = sAddr + Int64(g * self.s_group_bytes)
         for h in range(2):
-            nt = ctile + h * self.up_tile0
             for blk in range(2):
-                cute.copy(g2s, cute.local_tile(mW[e, grp * 2 + blk, None], (4,), (nt * 32 + lane,)),
-                          sRing[None, h * 2 + blk, lane, warp, stage])
-            cute.copy(g2s8, cute.local_tile(mS[e, grp, None], (2,), (nt * 8 + r,)),
+                src = cute.make_ptr(Int32, w + (h * self.up_tile0 * 512 + blk * self.w_block_bytes),
+                                    cute.AddressSpace.gmem, assumed_align=16)
+                cute.copy(g2s, cute.make_tensor(src, cute.make_layout((4,))), sRing[None, h * 2 + blk, lane, warp, stage])
+            src = cute.make_ptr(Int32, sc + h * self.up_tile0 * 64, cute.AddressSpace.gmem, assumed_align=8)
+            cute.copy(g2s8, cute.make_tensor(src, cute.make_layout((2,))),
                       cute.local_tile(sRing[None, 4, lane, warp, stage], (2,), (h,)))
 
-    def issue_x(self, mX, sRing, token, grp, stage, q, lane, warp):
-        """The lane's B pairs of x (int32 words ``kb * 8 + q`` and ``+ 4`` of ``token``'s row) for
-        the two K blocks of scale group ``grp``, into ``stage`` (trace-time helper)."""
+    def issue_x(self, xAddr, sRing, g, stage, lane, warp):
+        """The lane's B pairs of x (int32 words ``kb * 8 + q`` and ``+ 4`` of its token's row,
+        ``xAddr`` at the warp's first group) for the two K blocks of its ``g``-th scale group, into
+        ``stage`` (trace-time helper)."""
         g2s4 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
                                    num_bits_per_copy=32)
+        x = xAddr + Int64(g * 64)
         for blk in range(2):
             for hi in range(2):
-                cute.copy(g2s4, cute.local_tile(mX[token, None], (1,), ((grp * 2 + blk) * 8 + q + hi * 4,)),
+                src = cute.make_ptr(Int32, x + (blk * 32 + hi * 16), cute.AddressSpace.gmem, assumed_align=4)
+                cute.copy(g2s4, cute.make_tensor(src, cute.make_layout((1,))),
                           cute.local_tile(sRing[None, 5, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
     @cute.jit
