@@ -51,6 +51,12 @@ BETA, LINEAR_BETA = 4.0, 25.0
 SCALING = 2.5  # any: the routed weights' scale
 ROUTINGS = 20
 SHAPES = {16: (256, 192), 8: (384, 384)}  # TP -> (I held, I live) per rank
+# the launcher's tiling constants a run may set: option -> (constant, what it sets)
+KNOBS = {"--stream-stages": ("MXFP4_STREAM_STAGES", "cp.async stages of the per-expert up stage"),
+         "--down-stages": ("MXFP4_DOWN_STREAM_STAGES", "cp.async stages of the per-expert down stage"),
+         "--down-groups-per-warp": ("MXFP4_DOWN_GROUPS_PER_WARP",
+                                    "scale groups a warp of the per-expert down stage streams, in whole row tiles"),
+         "--down-by-expert-from": ("MXFP4_DOWN_BY_EXPERT_FROM", "token count from which the down stage runs per chosen expert")}
 
 
 def must_read(ids, inter_live) -> int:
@@ -146,31 +152,21 @@ def main() -> int:
     ap.add_argument("--smem-weights", choices=("served", "always", "never"), default="served",
                     help="both stages' weights staged in shared memory: as served (from "
                          "codegen.launchers.experts.MXFP4_SMEM_WEIGHTS_FROM tokens), always or never")
-    ap.add_argument("--stream-stages", type=int, default=experts_launcher.MXFP4_STREAM_STAGES,
-                    help="cp.async stages of the per-expert up stage (default "
-                         f"codegen.launchers.experts.MXFP4_STREAM_STAGES = {experts_launcher.MXFP4_STREAM_STAGES})")
-    ap.add_argument("--down-stages", type=int, default=experts_launcher.MXFP4_DOWN_STREAM_STAGES,
-                    help="cp.async stages of the per-expert down stage (default "
-                         f"MXFP4_DOWN_STREAM_STAGES = {experts_launcher.MXFP4_DOWN_STREAM_STAGES})")
-    ap.add_argument("--down-groups-per-warp", type=int, default=experts_launcher.MXFP4_DOWN_GROUPS_PER_WARP,
-                    help="scale groups a warp of the per-expert down stage streams, in whole row tiles "
-                         f"(default MXFP4_DOWN_GROUPS_PER_WARP = {experts_launcher.MXFP4_DOWN_GROUPS_PER_WARP})")
-    ap.add_argument("--down-by-expert-from", type=int, default=experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM,
-                    help="token count from which the down stage runs per chosen expert (default "
-                         f"MXFP4_DOWN_BY_EXPERT_FROM = {experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM})")
+    for option, (constant, what) in KNOBS.items():
+        ap.add_argument(option, type=int, default=getattr(experts_launcher, constant),
+                        help=f"{what} (default codegen.launchers.experts.{constant} = "
+                             f"{getattr(experts_launcher, constant)})")
     a = ap.parse_args()
-    experts_launcher.MXFP4_STREAM_STAGES = a.stream_stages
-    experts_launcher.MXFP4_DOWN_STREAM_STAGES = a.down_stages
-    experts_launcher.MXFP4_DOWN_GROUPS_PER_WARP = a.down_groups_per_warp
-    experts_launcher.MXFP4_DOWN_BY_EXPERT_FROM = a.down_by_expert_from
-    if a.smem_weights != "served":
-        experts_launcher.MXFP4_SMEM_WEIGHTS_FROM = 1 if a.smem_weights == "always" else None
     bad = [f"--tokens {t} (1..64)" for t in a.tokens if not 1 <= t <= 64]
     bad += [f"--repeat {a.repeat} (at least 1)"] if a.repeat < 1 else []
-    bad += [f"--{n.replace('_', '-')} {v} (at least 1)" for n, v in vars(a).items()
-            if n in ("stream_stages", "down_stages", "down_groups_per_warp", "down_by_expert_from") and v < 1]
+    knobs = {constant: getattr(a, option[2:].replace("-", "_")) for option, (constant, _) in KNOBS.items()}
+    bad += [f"{option} {knobs[constant]} (at least 1)" for option, (constant, _) in KNOBS.items() if knobs[constant] < 1]
     if bad:
         ap.error(", ".join(bad))
+    for constant, value in knobs.items():
+        setattr(experts_launcher, constant, value)
+    if a.smem_weights != "served":
+        experts_launcher.MXFP4_SMEM_WEIGHTS_FROM = 1 if a.smem_weights == "always" else None
     print(f"{torch.cuda.get_device_name()}, {device_arch()}: routed experts, MXFP4 in Humming's layout, "
           f"E = {E}, top-{K}, L = {L}; each expert set drawn for {a.repeat} consecutive token(s); the stages' weights "
           f"in shared memory from {experts_launcher.MXFP4_SMEM_WEIGHTS_FROM} tokens; the per-expert up stage streams "
