@@ -164,6 +164,14 @@ def run_ptx(body: str, args: dict[str, int | float]) -> tuple[dict[str, int], li
             b = [val(x) for x in groups[2].split(",")]
             fragments = a + b
             continue
+        if op == "mov.b32" and "{" in rest:  # a b32 unpacked into two b16 halves, or packed from two
+            if rest.startswith("{"):
+                lo, hi, src = re.fullmatch(r"\{(\w+), (\w+)\}, (\S+)", rest).groups()
+                regs[lo], regs[hi] = val(src) & 0xFFFF, val(src) >> 16
+            else:
+                d, lo, hi = re.fullmatch(r"(\w+), \{(\w+), (\w+)\}", rest).groups()
+                regs[d] = regs[lo] | regs[hi] << 16
+            continue
         d, *srcs = [x.strip() for x in rest.split(",")]
         x = [val(s) for s in srcs]
         if op == "mov.b32":
@@ -178,6 +186,8 @@ def run_ptx(body: str, args: dict[str, int | float]) -> tuple[dict[str, int], li
             regs[d] = x[0] | x[1]
         elif op == "prmt.b32":
             regs[d] = _prmt(x[0], x[1], x[2])
+        elif op == "add.u32":
+            regs[d] = _u32(x[0] + x[1])
         elif op == "mad.lo.u32":
             regs[d] = _u32(x[0] * x[1] + x[2])
         elif op == "mul.rn.bf16x2":
@@ -216,7 +226,7 @@ def test_dequant_and_mma_ptx_on_one_warp(fmt):
     """Two K blocks (one scale group) of one 64-row tile: every lane's C holds its rows' dot
     products with x (rows 16 i3 + r in c0 and c1, 16 i3 + 8 + r in c2 and c3), scales near 2^1
     and 2^-30 included (the bias trick's range), signed zeros and E2M1's subnormal 0.5 too."""
-    from codegen.kernels.mxfp4 import mma_ptx, scale_ptx
+    from codegen.kernels.mxfp4 import mma_ptx, scale_pairs_ptx
 
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (1, 64, 32), generator=g)
@@ -229,7 +239,7 @@ def test_dequant_and_mma_ptx_on_one_warp(fmt):
     x = torch.randn(32, generator=g).bfloat16()
     xbits = [int(v) & 0xFFFF for v in x.view(torch.int16).tolist()]
     xpair = [xbits[2 * i] | (xbits[2 * i + 1] << 16) for i in range(16)]  # bf16 pairs (k, k + 1)
-    body = mma_ptx("interleaved" if fmt is HUMMING else "natural")
+    order = "interleaved" if fmt is HUMMING else "natural"
     c = [[[0.0] * 4 for _ in range(32)] for _ in range(4)]  # [i3][lane]
     for kb in range(2):
         for i3 in range(4):
@@ -237,9 +247,10 @@ def test_dequant_and_mma_ptx_on_one_warp(fmt):
             for lane in range(32):
                 r, q = divmod(lane, 4)
                 sw = [sum(sbytes[r * 8 + 4 * h + i] << 8 * i for i in range(4)) for h in range(2)]
-                mult = [run_ptx(scale_ptx((i3 % 2) * 2 + i4), {"$1": sw[i3 // 2]})[0]["$0"] for i4 in range(2)]
-                _, f = run_ptx(body, {"$4": words[kb][lane * 4 + i3], "$5": mult[0], "$6": mult[1],
-                                      "$7": xpair[kb * 8 + q], "$8": xpair[kb * 8 + 4 + q]})
+                # the scale word's multipliers packed two a word, subtile i3 taking half i3 % 2
+                mult = [run_ptx(scale_pairs_ptx(odd), {"$1": sw[i3 // 2]})[0]["$0"] for odd in range(2)]
+                _, f = run_ptx(mma_ptx(order, i3 % 2), {"$4": words[kb][lane * 4 + i3], "$5": mult[0], "$6": mult[1],
+                                                        "$7": xpair[kb * 8 + q], "$8": xpair[kb * 8 + 4 + q]})
                 frags.append(f)
             c[i3] = warp_mma(frags, c[i3])
     expected = fmt.dequant(weight, scale)[0].double() @ x.double()  # [64]
@@ -418,7 +429,8 @@ def test_ptx(compiled, arch, name):
         assert (_count(body, "ld.global.L1::no_allocate.v2.b32") + _count(body, "ld.global.L1::no_allocate.b64")
                 == per_warp // 2)
         assert body.count(MMA) == 4 * per_warp and body.count("mul.rn.bf16x2") == 16 * per_warp
-        assert body.count("prmt.b32") >= 8 * (per_warp // 2)
+        # a group's 8 row multipliers from its 2 scale words, packed two a word (scale_pairs)
+        assert body.count("0x00FF00FF") == body.count("0x7F807F80") == 2 * (per_warp // 2)
         assert body.count(WAIT) == 1 and body.count(LAUNCH) == 1
         before, rest = body.split(WAIT)
         between, after = rest.split(LAUNCH)

@@ -39,7 +39,7 @@ from cutlass.memory import SmemAllocator
 
 from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS,
                                    cluster_barrier, cluster_sum, issue_weights, load_b, load_scales, mma_mxfp4,
-                                   scale_multiplier, staged_words, tile_mma, warp_registers, weight_staging)
+                                   scale_pairs, staged_words, tile_mma, warp_registers, weight_staging)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -328,11 +328,12 @@ class ExpertDownMxfp4ByExpert:
         v = cute.make_rmem_tensor((4, self.FIELDS), Int32)
         for f in cutlass.range_constexpr(self.FIELDS):
             cute.autovec_copy(sRing[None, f, lane, warp, stage], v[None, f])
+        mult = [scale_pairs(v[h, 2]) for h in range(2)]
         for i3 in cutlass.range_constexpr(4):
-            lo, hi = (scale_multiplier(v[i3 // 2, 2], (i3 % 2) * 2 + i4) for i4 in range(2))
+            lo, hi = mult[i3 // 2]
             for blk in cutlass.range_constexpr(2):
                 c = mma_mxfp4(v[i3, blk], lo, hi, v[blk * 2, 3], v[blk * 2 + 1, 3], [acc[j, i3] for j in range(4)],
-                              self.order)
+                              self.order, i3 % 2)
                 for j in cutlass.range_constexpr(4):
                     acc[j, i3] = c[j]
 

@@ -37,7 +37,7 @@ from cutlass.memory import SmemAllocator
 from codegen.kernels.common import gated_act
 from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM,
                                    cluster_barrier, cluster_sum, issue_weights, load_scales, mma_mxfp4,
-                                   scale_multiplier, staged_words, tile_mma, warp_registers, weight_staging)
+                                   scale_pairs, staged_words, tile_mma, warp_registers, weight_staging)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -340,12 +340,13 @@ class ExpertUpMxfp4ByExpert:
         for f in cutlass.range_constexpr(self.FIELDS):
             cute.autovec_copy(sRing[None, f, lane, warp, stage], v[None, f])
         for h in cutlass.range_constexpr(2):
+            mult = [scale_pairs(v[h * 2 + word, 4]) for word in range(2)]
             for i3 in cutlass.range_constexpr(4):
-                # subtile i3's multipliers, rows r and r + 8 (bytes of the tile's scale word i3 / 2)
-                lo, hi = (scale_multiplier(v[h * 2 + i3 // 2, 4], (i3 % 2) * 2 + i4) for i4 in range(2))
+                # subtile i3's multipliers, rows r and r + 8 (half i3 % 2 of the tile's scale word i3 / 2's pairs)
+                lo, hi = mult[i3 // 2]
                 for blk in cutlass.range_constexpr(2):
                     c = mma_mxfp4(v[i3, h * 2 + blk], lo, hi, v[blk * 2, 5], v[blk * 2 + 1, 5],
-                                  [acc[j, i3, h] for j in range(4)], self.order)
+                                  [acc[j, i3, h] for j in range(4)], self.order, i3 % 2)
                     for j in cutlass.range_constexpr(4):
                         acc[j, i3, h] = c[j]
 

@@ -60,47 +60,58 @@ def _dequant_ptx(order: str) -> str:
     return "".join(out)
 
 
-def mma_ptx(order: str) -> str:
+def mma_ptx(order: str, half: int) -> str:
     """The inline PTX of ``mma_mxfp4``: $0..$3 the accumulators (in and out), $4 the word, $5 /
-    $6 the rows' multipliers, $7 / $8 the B fragment."""
+    $6 the packed multipliers of its rows (``scale_pairs``), of which it takes half ``half`` of
+    each (ptxas reads it as the multiply's operand swizzle, no instruction), $7 / $8 the B
+    fragment."""
     if order not in ORDERS:
         raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
-    return ("{ .reg .b32 a0, a1, a2, a3, u, t, v, x, w; mov.b32 w, $4; " + _dequant_ptx(order)
-            + " mul.rn.bf16x2 a0, a0, $5; mul.rn.bf16x2 a2, a2, $5;"
-            + " mul.rn.bf16x2 a1, a1, $6; mul.rn.bf16x2 a3, a3, $6;"
+    if half not in (0, 1):
+        raise ValueError(f"multiplier half {half}: 0 or 1")
+    m = ("l5", "l6") if half == 0 else ("h5", "h6")
+    return ("{ .reg .b32 a0, a1, a2, a3, u, t, v, x, w, m5, m6; .reg .b16 l5, h5, l6, h6; "
+            f"mov.b32 {{l5, h5}}, $5; mov.b32 {{l6, h6}}, $6; mov.b32 m5, {{{m[0]}, {m[0]}}}; "
+            f"mov.b32 m6, {{{m[1]}, {m[1]}}}; mov.b32 w, $4; " + _dequant_ptx(order)
+            + " mul.rn.bf16x2 a0, a0, m5; mul.rn.bf16x2 a2, a2, m5;"
+            + " mul.rn.bf16x2 a1, a1, m6; mul.rn.bf16x2 a3, a3, m6;"
             + " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {a0, a1, a2, a3}, {$7, $8},"
             + " {$0, $1, $2, $3}; }")
 
 
-def scale_ptx(byte: int) -> str:
-    """The inline PTX of ``scale_multiplier``: $0 the bf16x2 ``2^(s - 1)`` of byte ``byte`` of $1."""
-    sel = 0x4040 | (byte << 8) | byte  # bytes (s, 0, s, 0)
-    return f"{{ .reg .b32 s; prmt.b32 s, $1, 0, {sel:#x}; mad.lo.u32 $0, s, 128, 0x3F003F00; }}"
+def scale_pairs_ptx(odd: int) -> str:
+    """The inline PTX of ``scale_pairs``: $0 the bf16 ``2^(s - 1)`` of E8M0 bytes 0 and 2 of $1
+    (``odd`` 0) or 1 and 3 (``odd`` 1), one in each half."""
+    if odd:
+        return "{ .reg .b32 s; shr.u32 s, $1, 1; and.b32 s, s, 0x7F807F80; add.u32 $0, s, 0x3F003F00; }"
+    return "{ .reg .b32 s; and.b32 s, $1, 0x00FF00FF; mad.lo.u32 $0, s, 128, 0x3F003F00; }"
 
 
 @dsl_user_op
 def mma_mxfp4(word: Int32, scale_lo: Int32, scale_hi: Int32, b0: Int32, b1: Int32, c: list, order: str,
-              *, loc=None, ip=None) -> list:
+              half: int, *, loc=None, ip=None) -> list:
     """``c += dequant(word) x b`` for one m16n8k16: ``word`` holds the lane's 8 codes of a 16 x 16
-    A tile, ``scale_lo`` / ``scale_hi`` the bf16x2 multipliers of its rows r and r + 8, ``b0``,
-    ``b1`` its B fragment (bf16 pairs), ``c`` its 4 fp32 accumulators. Returns the new 4."""
+    A tile, ``scale_lo`` / ``scale_hi`` the packed multipliers (``scale_pairs``) of its rows r and
+    r + 8, of which half ``half`` is this subtile's, ``b0``, ``b1`` its B fragment (bf16 pairs),
+    ``c`` its 4 fp32 accumulators. Returns the new 4."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32()] * 4),
         [Int32(word).ir_value(loc=loc, ip=ip), Int32(scale_lo).ir_value(loc=loc, ip=ip),
          Int32(scale_hi).ir_value(loc=loc, ip=ip), Int32(b0).ir_value(loc=loc, ip=ip),
          Int32(b1).ir_value(loc=loc, ip=ip), *(Float32(v).ir_value(loc=loc, ip=ip) for v in c)],
-        mma_ptx(order), "=f,=f,=f,=f,r,r,r,r,r,0,1,2,3", has_side_effects=False, is_align_stack=False,
+        mma_ptx(order, half), "=f,=f,=f,=f,r,r,r,r,r,0,1,2,3", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 @dsl_user_op
-def scale_multiplier(scales: Int32, byte: int, *, loc=None, ip=None) -> Int32:
-    """The bf16x2 ``2^(s - 1)`` (both halves) of E8M0 byte ``byte`` (0..3) of ``scales``."""
-    res = llvm.inline_asm(
-        T.i32(), [Int32(scales).ir_value(loc=loc, ip=ip)], scale_ptx(byte), "=r,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int32(res)
+def scale_pairs(scales: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """The multipliers of a word of 4 E8M0 scale bytes, packed two a word: (bytes 0 and 2, bytes
+    1 and 3) as bf16 ``2^(s - 1)`` (subtile i3 of a scale word takes half i3 % 2: row r from the
+    first, row r + 8 from the second), 5 instructions for the 4 instead of 2 each."""
+    return tuple(Int32(llvm.inline_asm(
+        T.i32(), [Int32(scales).ir_value(loc=loc, ip=ip)], scale_pairs_ptx(odd), "=r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)) for odd in (0, 1))
 
 
 # ---- loads and the per-warp tile loop (trace-time helpers, inlined into the kernels) -----------
@@ -177,15 +188,17 @@ def load_b(mX: cute.Tensor, rB: cute.Tensor, row: tuple, kb0, nkb: int, q):
 
 def tile_mma(words, rS: cute.Tensor, b_pair, acc: cute.Tensor, nkb: int, order: str):
     """acc[:, i3] += the 16 rows of subtile i3 times B over the warp's K blocks (two per scale
-    group: the 8 multipliers are made once per group); ``words(i)`` K block i's 4 weight words
-    (``staged_words``), ``b_pair(i)`` its B fragment (each read where it is used)."""
+    group: the 8 multipliers are made once per group, packed two a word); ``words(i)`` K block
+    i's 4 weight words (``staged_words``), ``b_pair(i)`` its B fragment (each read where it is
+    used)."""
     for g in range(nkb // 2):
-        mult = [[scale_multiplier(rS[i3 // 2, g], (i3 % 2) * 2 + i4) for i4 in range(2)] for i3 in range(4)]
+        mult = [scale_pairs(rS[h, g]) for h in range(2)]
         for i in (2 * g, 2 * g + 1):
             b0, b1 = b_pair(i)
             w = words(i)
             for i3 in range(4):
-                c = mma_mxfp4(w[i3], mult[i3][0], mult[i3][1], b0, b1, [acc[j, i3] for j in range(4)], order)
+                lo, hi = mult[i3 // 2]
+                c = mma_mxfp4(w[i3], lo, hi, b0, b1, [acc[j, i3] for j in range(4)], order, i3 % 2)
                 for j in range(4):
                     acc[j, i3] = c[j]
 
