@@ -38,7 +38,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS,
-                                   cluster_barrier, cluster_sum, issue_weights, load_b, load_scales, mma_mxfp4,
+                                   cluster_barrier, cluster_sum, copy_from, issue_weights, load_b, load_scales, mma_mxfp4,
                                    scale_pairs, staged_words, tile_mma, warp_registers, weight_staging)
 
 TILE = 64
@@ -297,29 +297,19 @@ class ExpertDownMxfp4ByExpert:
         and its 8 scale bytes of the lane, into ``stage``: from the lane's addresses at the warp's
         first tile (``wAddr``, ``sAddr``) plus the group's and tile's offsets (trace-time helper;
         one commit group with its x)."""
-        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Int32,
-                                  num_bits_per_copy=128)
-        g2s8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
-                                   num_bits_per_copy=64)
         w = wAddr + Int64(grp * (2 * self.w_block_bytes) + t * 512)
         for blk in range(2):
-            src = cute.make_ptr(Int32, w + blk * self.w_block_bytes, cute.AddressSpace.gmem, assumed_align=16)
-            cute.copy(g2s, cute.make_tensor(src, cute.make_layout((4,))), sRing[None, blk, lane, warp, stage])
-        src = cute.make_ptr(Int32, sAddr + Int64(grp * self.rows + t * 64), cute.AddressSpace.gmem, assumed_align=8)
-        cute.copy(g2s8, cute.make_tensor(src, cute.make_layout((2,))),
-                  cute.local_tile(sRing[None, 2, lane, warp, stage], (2,), (0,)))
+            copy_from(w + blk * self.w_block_bytes, 4, sRing[None, blk, lane, warp, stage])
+        copy_from(sAddr + Int64(grp * self.rows + t * 64), 2, cute.local_tile(sRing[None, 2, lane, warp, stage], (2,), (0,)))
 
     def issue_x(self, xAddr, sRing, grp, stage, lane, warp):
         """The lane's B pairs of its column's activation (int32 words ``kb * 8 + q`` and ``+ 4``,
         ``xAddr`` at word q of the pair's row) for the two K blocks of scale group ``grp``, into
         ``stage`` (trace-time helper)."""
-        g2s4 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
-                                   num_bits_per_copy=32)
         x = xAddr + Int64(grp * 64)
         for blk in range(2):
             for hi in range(2):
-                src = cute.make_ptr(Int32, x + (blk * 32 + hi * 16), cute.AddressSpace.gmem, assumed_align=4)
-                cute.copy(g2s4, cute.make_tensor(src, cute.make_layout((1,))),
+                copy_from(x + (blk * 32 + hi * 16), 1,
                           cute.local_tile(sRing[None, 3, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
     @cute.jit

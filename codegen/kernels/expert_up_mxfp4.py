@@ -36,7 +36,7 @@ from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import gated_act
 from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM,
-                                   cluster_barrier, cluster_sum, issue_weights, load_scales, mma_mxfp4,
+                                   cluster_barrier, cluster_sum, copy_from, issue_weights, load_scales, mma_mxfp4,
                                    scale_pairs, staged_words, tile_mma, warp_registers, weight_staging)
 
 TILE = 64  # rows per Humming tile
@@ -305,32 +305,22 @@ class ExpertUpMxfp4ByExpert:
         two tiles' 8 scale bytes of the lane into ``stage``: from the lane's addresses at the
         warp's first group (``wAddr``, ``sAddr``) plus the group's and the up tile's offsets
         (trace-time helper; one commit group with its x)."""
-        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), Int32,
-                                  num_bits_per_copy=128)
-        g2s8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
-                                   num_bits_per_copy=64)
         w = wAddr + Int64(g * (2 * self.w_block_bytes))
         sc = sAddr + Int64(g * self.s_group_bytes)
         for h in range(2):
             for blk in range(2):
-                src = cute.make_ptr(Int32, w + (h * self.up_tile0 * 512 + blk * self.w_block_bytes),
-                                    cute.AddressSpace.gmem, assumed_align=16)
-                cute.copy(g2s, cute.make_tensor(src, cute.make_layout((4,))), sRing[None, h * 2 + blk, lane, warp, stage])
-            src = cute.make_ptr(Int32, sc + h * self.up_tile0 * 64, cute.AddressSpace.gmem, assumed_align=8)
-            cute.copy(g2s8, cute.make_tensor(src, cute.make_layout((2,))),
-                      cute.local_tile(sRing[None, 4, lane, warp, stage], (2,), (h,)))
+                copy_from(w + (h * self.up_tile0 * 512 + blk * self.w_block_bytes), 4,
+                          sRing[None, h * 2 + blk, lane, warp, stage])
+            copy_from(sc + h * self.up_tile0 * 64, 2, cute.local_tile(sRing[None, 4, lane, warp, stage], (2,), (h,)))
 
     def issue_x(self, xAddr, sRing, g, stage, lane, warp):
         """The lane's B pairs of x (int32 words ``kb * 8 + q`` and ``+ 4`` of its token's row,
         ``xAddr`` at the warp's first group) for the two K blocks of its ``g``-th scale group, into
         ``stage`` (trace-time helper)."""
-        g2s4 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS), Int32,
-                                   num_bits_per_copy=32)
         x = xAddr + Int64(g * 64)
         for blk in range(2):
             for hi in range(2):
-                src = cute.make_ptr(Int32, x + (blk * 32 + hi * 16), cute.AddressSpace.gmem, assumed_align=4)
-                cute.copy(g2s4, cute.make_tensor(src, cute.make_layout((1,))),
+                copy_from(x + (blk * 32 + hi * 16), 1,
                           cute.local_tile(sRing[None, 5, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
     @cute.jit

@@ -154,6 +154,17 @@ def issue_weights(mW: cute.Tensor, rW, sW, e, kb0, nkb: int, nt, lane, warp):
     cute.arch.cp_async_commit_group()
 
 
+def copy_from(addr, words: int, dst: cute.Tensor):
+    """``cp.async`` of the ``words`` int32 words (4, 2 or 1) at global byte address ``addr`` into
+    ``dst``: the weights streamed (16 bytes, no L1 allocation), scales and x through the L1. The
+    per-expert stages add constant offsets to a lane's base address instead of indexing tensors,
+    so no stage recomputes a 64-bit address (trace-time helper)."""
+    mode = cute.nvgpu.LoadCacheMode.GLOBAL if words == 4 else cute.nvgpu.LoadCacheMode.ALWAYS
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), Int32, num_bits_per_copy=32 * words)
+    src = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4 * words)
+    cute.copy(atom, cute.make_tensor(src, cute.make_layout((words,))), dst)
+
+
 def staged_words(rW, sW, lane, warp):
     """``words(i)``: K block i's 4 weight words for ``tile_mma``; from shared memory after this
     thread's copies landed (each lane reads back its own words, so no barrier is needed: a thread's
