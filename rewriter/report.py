@@ -143,7 +143,7 @@ def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
     for e in r["events"]:
         lines.append(f"    event: {e['stream_waits']} stream waits for {e['record_after']} before {e['before']}")
     for p in r["prefetches"]:
-        lines.append(f"    prefetch: {_human(p['bytes'])} of {p['kernel']} into L2 during {p['during']}")
+        lines.append(f"    prefetch point (not launched): {_human(p['bytes'])} of {p['kernel']} into L2 during {p['during']}")
     lines.append("")
     for m in r["matches"]:
         lines.append(f"match   {m['rule']:<28} -> {m['kernel']:<28} {len(m['nodes'])} nodes")

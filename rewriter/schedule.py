@@ -15,8 +15,12 @@ Kernel A precedes kernel B when B reads a value A produced, or when both touch t
 decode-state input (the order the graph has). Kernels on the aux stream wait on an
 event recorded after the main-stream kernel they read from, and the main stream waits
 on an event after the aux kernel it reads from. While a kernel that holds a cross-GPU
-reduction waits on its peers, the weights of the next main-stream kernels are pulled
-into L2 (up to ``l2_bytes``), so they start from L2 instead of HBM.
+reduction waits on its peers, the weights of the next main-stream kernels could be pulled
+into L2 (up to ``l2_bytes``): these prefetch points are reported, not launched. An L2
+prefetch kernel on a side stream was measured on one H200 (BENCHMARKS.md, eighteenth session:
+no gain at batch 1 and 8, the small kernels after the prefetch are bound by their latency,
+not by where their bytes come from); the points wait for a multi-GPU machine, where the
+collectives leave HBM idle for longer.
 """
 from __future__ import annotations
 
