@@ -58,6 +58,8 @@ class Row:
     reference_floor_us: float = 0.0  # the reference layer: replicated weights whole
     stand_ins: int = 0  # torch kernels standing in for excluded collectives (timed, not counted)
     launched: list[tuple[str, float]] | None = None  # (kernel, us) of one profiled call
+    # one layer of a graph replay: (kernel, start us, duration us, us it added to the layer's span)
+    timeline: list[tuple[str, float, float, float]] | None = None
 
     @property
     def floor_pct(self) -> float | None:
@@ -153,6 +155,39 @@ def profile_kernels(run: Callable[[], Any]) -> list[tuple[str, float]]:
               and not e.name.startswith(("Memcpy", "Memset"))]
     events.sort(key=lambda e: e.time_range.start)
     return [(e.name, e.time_range.elapsed_us()) for e in events]
+
+
+def replay_timeline(replay: Callable[[], Any], per_layer: int, copies: int
+                    ) -> list[tuple[str, float, float, float]] | None:
+    """The kernels of one layer (the second copy) in one profiled graph replay: (name, start us
+    from the layer's first kernel, duration us, us by which its end moved the layer's last end
+    so far). The last column sums to the layer's span under replay, so it says which kernels
+    the layer waits on (a kernel that ends inside an earlier one adds 0); None where the
+    profiler does not see kernels inside a graph replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        replay()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not e.name.startswith(("Memcpy", "Memset"))), key=lambda e: e.time_range.start)
+    if len(events) != per_layer * copies:
+        return None
+    layer = events[per_layer:2 * per_layer] if copies > 1 else events
+    spans = [(e.time_range.start, e.time_range.end) for e in layer]
+    return [(e.name, start - spans[0][0], end - start, added)
+            for e, (start, end), added in zip(layer, spans, span_additions(spans))]
+
+
+def span_additions(spans: list[tuple[float, float]]) -> list[float]:
+    """For intervals sorted by start: how far each one's end moved the latest end so far (the
+    first: its own length). They sum to the whole span."""
+    out, last = [], spans[0][0] if spans else 0.0
+    for _, end in spans:
+        out.append(max(0.0, end - last))
+        last = max(last, end)
+    return out
 
 
 def short_name(kernel: str) -> str:
@@ -276,6 +311,12 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         labels = label_kernels(launched, [s for row in plan(result, arch) for s in row.get("specs", ())])
         g = _graph(run_all)
         us = _median_us(g.replay, args.reps) / copies
+        timeline = replay_timeline(g.replay, len(launched), copies)
+        if timeline is not None:
+            names = label_kernels([(n, d) for n, _, d, _ in timeline], [s for row in plan(result, arch)
+                                                                       for s in row.get("specs", ())])
+            timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for (label, _), (_, t, d, a)
+                        in zip(names, timeline)]
         others = [short_name(n) for n, _ in launched if "codegenkernels" not in n]
         notes = [f"reference ran for: {', '.join(fallbacks)}"] if fallbacks else []
         stand_ins = len(others) if tp > 1 and not fallbacks else 0  # the router's all-gather, repeated
@@ -285,10 +326,14 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         elif others:
             notes.append(f"{len(others)} torch kernels: {', '.join(others)}")
         rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, "; ".join(notes), ref_floor_us, stand_ins,
-                        [(label, round(t, 2)) for label, t in labels]))
+                        [(label, round(t, 2)) for label, t in labels], timeline))
         progress(f"  rewritten: {kernels} kernels, {us:.1f} us {rows[-1].note}")
         for label, k_us in labels:
             progress(f"    {k_us:7.1f} us  {label}")
+        progress("  one layer of a graph replay: start us, duration us, us added to the layer's span"
+                 if timeline else "  (the profiler saw no kernels inside the graph replay)")
+        for label, t, d, a in timeline or ():
+            progress(f"    {t:7.1f} {d:7.1f} {a:7.1f}  {label}")
         del g
     if "vllm-stock" in args.paths:
         rows.append(_stock_row(case, tp, batch, floor_us, ref_floor_us, args.reps, progress))

@@ -81,3 +81,13 @@ def test_profiled_kernels_are_named_by_their_specs():
     stray = label_kernels([("kernel_cutlass_kernel_codegenkernelsexpert_up_mxfp4ExpertUpMxfp4_object_at__0", 1.0)],
                           shared_up)
     assert stray == [("expert_up_mxfp4ExpertUpMxfp4", 1.0)]  # no spec of its module: the class name
+
+
+def test_span_additions_say_what_each_kernel_adds_to_the_layer():
+    from rewriter.bench_cmd import span_additions
+
+    # a kernel inside the previous one adds nothing; an early start (PDL) adds only its tail; a gap counts
+    spans = [(0.0, 3.0), (1.0, 2.5), (2.0, 5.0), (7.0, 8.0)]
+    assert span_additions(spans) == [3.0, 0.0, 2.0, 3.0]
+    assert sum(span_additions(spans)) == spans[-1][1] - spans[0][0]
+    assert span_additions([]) == []
