@@ -93,6 +93,23 @@ def test_tiling_follows_the_sm_count():
                                                           "token_groups": 1, "token_tile": 16}  # 4 K tiles a CTA
 
 
+@pytest.mark.parametrize("tokens", [8, 64])
+@pytest.mark.parametrize("weights", [(56, 224), (112, 448)])  # the router at TP 16 and 8
+def test_small_grids_hold_their_whole_k_in_the_ring(tokens, weights):
+    """The router's 40 to 72 CTAs (at most WHOLE_K_MAX_SHARE of the SMs, one CTA an SM) take
+    every K tile of their share in flight at once, within one CTA's shared memory; larger grids
+    keep a ring that fits two CTAs an SM."""
+    from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA, WHOLE_K_MAX_SHARE
+
+    t = gemm_tiling(tokens, D, sum(weights), "sm_90a", weights=weights)
+    tiles = sum(-(-n // t["rows_per_cta"]) for n in weights)
+    assert tiles * t["split_k"] <= WHOLE_K_MAX_SHARE * 132
+    assert t["stages"] == D // 64 // t["split_k"] == 14
+    assert t["stages"] * (t["rows_per_cta"] + t["token_tile"]) * 64 * 2 <= GEMM_SMEM_ONE_CTA
+    big = gemm_tiling(tokens, D, 3206, "sm_90a")  # the input projection: 208 CTAs
+    assert big["stages"] <= 6
+
+
 @pytest.mark.parametrize("tokens,groups", [(2, 1), (16, 1), (17, 2), (32, 2), (33, 1), (48, 1), (49, 2), (64, 2)])
 def test_two_token_groups_from_a_32_token_tile(tokens, groups):
     # the output projection at TP 16 (K 768, 112 CTAs): two groups where the tile splits in 16s

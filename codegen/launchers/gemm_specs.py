@@ -11,6 +11,8 @@ from codegen.spec import KernelSpec
 GEMM_ROWS_PER_CTA = 128
 GEMM_TILE_K = 64  # codegen/kernels/gemm.py: K per pipeline stage
 GEMM_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs fit an SM's 228 KB (sm_90a, sm_100a)
+GEMM_SMEM_ONE_CTA = 227 * 1024  # the most one CTA may take (sm_90a, sm_100a)
+WHOLE_K_MAX_SHARE = 0.55  # grids of at most this share of the SMs hold their whole K in the ring
 SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
 MAX_SEGMENTS = 4
 GEMM_MAX_TOKENS = 64  # codegen/kernels/gemm.py: the token tile's largest size
@@ -26,7 +28,12 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     the largest K split (cluster of 8, 4, 2 CTAs) that keeps the grid within 1.6 CTAs per SM,
     so every SM streams weights and the clusters stay resident in one wave (two CTAs per SM by
     shared memory, less where a GPC's SM count is not a multiple of the cluster); as many
-    pipeline stages (at most 6) as fit two CTAs per SM; two token groups of 4 warps (2 on
+    pipeline stages (at most 6) as fit two CTAs per SM, except on grids of at most
+    ``WHOLE_K_MAX_SHARE`` of the SMs (the router: 40 to 72 CTAs), whose ring holds every K tile
+    of a CTA as far as one CTA's shared memory goes: all its weight tiles are in flight before
+    ``griddepcontrol.wait`` and all its x tiles right after it, one round trip instead of three
+    (on the H200 the router ends 2.5 to 6 us sooner in a layer's graph replay; BENCHMARKS.md,
+    eighteenth session); two token groups of 4 warps (2 on
     32-row tiles) where the token tile is a multiple of 32 and the grid is one CTA an SM at
     most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
     group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a
@@ -54,7 +61,10 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     if rows_per_cta > GEMM_ROWS_PER_CTA // 4 and ctas > sms:
         groups = 1  # 8 warps of ~160 registers hold one CTA an SM: a second wave (the input projection)
     stage_bytes = (rows_per_cta + token_tile) * GEMM_TILE_K * 2
-    stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
+    if ctas <= WHOLE_K_MAX_SHARE * sms:
+        stages = max(2, min(k_tiles // split, GEMM_SMEM_ONE_CTA // stage_bytes))
+    else:
+        stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
     return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_groups": groups,
             "token_tile": token_tile}
 
