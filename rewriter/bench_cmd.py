@@ -308,15 +308,14 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         run_all()  # the profiled call reads copy 0's weights after the other copies evicted them
         launched = profile_kernels(run_one)
         kernels = len(launched)
-        labels = label_kernels(launched, [s for row in plan(result, arch) for s in row.get("specs", ())])
+        specs = [s for row in plan(result, arch) for s in row.get("specs", ())]
+        labels = label_kernels(launched, specs)
         g = _graph(run_all)
         us = _median_us(g.replay, args.reps) / copies
         timeline = replay_timeline(g.replay, len(launched), copies)
         if timeline is not None:
-            names = label_kernels([(n, d) for n, _, d, _ in timeline], [s for row in plan(result, arch)
-                                                                       for s in row.get("specs", ())])
-            timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for (label, _), (_, t, d, a)
-                        in zip(names, timeline)]
+            names = [label for label, _ in label_kernels([(n, d) for n, _, d, _ in timeline], specs)]
+            timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for label, (_, t, d, a) in zip(names, timeline)]
         others = [short_name(n) for n, _ in launched if "codegenkernels" not in n]
         notes = [f"reference ran for: {', '.join(fallbacks)}"] if fallbacks else []
         stand_ins = len(others) if tp > 1 and not fallbacks else 0  # the router's all-gather, repeated
