@@ -11,6 +11,7 @@ to its module), imported only to compile. Each template lives in ``codegen/launc
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,12 @@ from codegen.spec import KernelSpec
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 Specs = tuple[KernelSpec, ...]
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """SMs of a GPU, asked once: launchers that size their grid by it run on every served call."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def dtype_name(dtype: torch.dtype) -> str:

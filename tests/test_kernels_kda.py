@@ -62,8 +62,12 @@ def test_specs_at_kimi_k3_shapes(shape):
     assert spec.shape_dict == {"heads": h, "head_dim": D, "q_len": 1}
     assert spec.param_dict == {"lower_bound": LB, "eps": EPS, "conv_layout": "SD"}
     assert spec.label() == f"kda_core head_dim=128 heads={h} q_len=1 conv_layout=SD lower_bound=-5.0 sm_90a"
-    # requests and slots are runtime sizes: one compile serves every batch of q = 1
-    assert kda_spec("sm_90a", kda_args(heads=h, requests=64, slots=300)) == spec
+    # requests and slots are runtime sizes: one compile serves every batch of q = 1 up to the
+    # persistent form's (request, head) count, and one every batch from it
+    assert kda_spec("sm_90a", kda_args(heads=h, requests=132 // h, slots=300)) == spec
+    big = kda_spec("sm_90a", kda_args(heads=h, requests=64, slots=300))
+    assert big.param_dict == {**spec.param_dict, "persistent": True}
+    assert kda_spec("sm_90a", kda_args(heads=h, requests=-(-133 // h), slots=300)) == big
     assert kda_spec("sm_100a", kda_args(heads=h)) == spec.with_arch("sm_100a")
     two = kda_spec("sm_90a", kda_args(heads=h, requests=3, q=2))
     assert two.shape_dict["q_len"] == 2 and two != spec
@@ -158,11 +162,27 @@ def test_launcher_declines_cpu_tensors():
     assert any("CUDA" in r for r in bind.stats()["k3f::kda_core"])
 
 
+@pytest.mark.parametrize("items,heads,sms,ctas", [
+    (6, 6, 132, 6),  # one request: a CTA per (request, head)
+    (132, 6, 132, 132),  # exactly one wave
+    (384, 6, 132, 132),  # TP 16, 64 requests: one CTA an SM, each on one head
+    (768, 12, 132, 132),
+    (240, 12, 114, 108),  # an H100 PCIe: the largest multiple of the heads that fits
+    (40, 12, 8, 12),  # fewer SMs than heads: a CTA per head still (the CTAs then wait their turn)
+])
+def test_persistent_grid(items, heads, sms, ctas):
+    from codegen.launchers.kda_core import persistent_ctas
+
+    got = persistent_ctas(items, heads, sms)
+    assert got == ctas and (got == items or got % heads == 0)
+
+
 # ---------------------------------------------------------------- compile-only (CuTe DSL)
 
-COMPILES = {  # name -> (arch, heads, q, lower_bound)
-    **{("tp16_q1", a): (a, 6, 1, LB) for a in ARCHS},
-    ("tp8_q4_unbounded", "sm_90a"): ("sm_90a", 12, 4, None),
+COMPILES = {  # name -> (arch, heads, q, lower_bound, requests)
+    **{("tp16_q1", a): (a, 6, 1, LB, 2) for a in ARCHS},
+    ("tp16_q1_persistent", "sm_90a"): ("sm_90a", 6, 1, LB, 23),  # 138 (request, head) pairs
+    ("tp8_q4_unbounded", "sm_90a"): ("sm_90a", 12, 4, None, 2),
 }
 VERIFY_COMPILES = {("tp16_q8_SD", "sm_90a"): (6, 8, "SD"), ("tp8_q4_DS", "sm_100a"): (12, 4, "DS")}
 
@@ -173,8 +193,8 @@ def compiled(tmp_path_factory):
 
     clear_memory_cache()
     cache = KernelCache(tmp_path_factory.mktemp("kda-kernel-cache"))
-    out = {key: compile_kernel(kda_spec(arch, kda_args(heads=h, requests=2, q=q, lower_bound=lb)), cache=cache)
-           for key, (arch, h, q, lb) in COMPILES.items()}
+    out = {key: compile_kernel(kda_spec(arch, kda_args(heads=h, requests=r, q=q, lower_bound=lb)), cache=cache)
+           for key, (arch, h, q, lb, r) in COMPILES.items()}
     for key, (h, q, layout) in VERIFY_COMPILES.items():
         (spec,) = spec_for_call("k3f::kda_core_verify", key[1], verify_args(heads=h, q=q, layout=layout))[1]
         out[key] = compile_kernel(spec, cache=cache)
@@ -194,30 +214,40 @@ def _count128(ptx: str, op: str) -> int:
 @pytest.mark.parametrize("key", list(COMPILES))
 def test_kda_core_ptx(compiled, key):
     k = compiled[key]
-    arch, _, q, lb = COMPILES[key]
+    arch, _, q, lb, _ = COMPILES[key]
     ptx = k.ptx
     assert f".target {arch}" in ptx and k.cache == "miss" and k.obj
     assert ".reqntid 512, 1, 1" in ptx  # 4 threads per state row: at most 128 registers each
-    # streamed: the head's fp32 state (8 x 128-bit per thread), the f_b_proj rows (4 per thread) and
-    # the conv taps (8 fp32 rows per conv thread)
-    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8
-    # PDL: weights (the conv taps; the f_b_proj rows at q = 1) are all that comes before
-    # griddepcontrol.wait; launch_dependents right after it, both once
+    staged = k.spec.param_dict.get("persistent", False)  # items looped over, every input copied ahead
+    assert staged == ("persistent" in key[0])
+    # by cp.async into shared memory, 128 bits past the L1, before the wait: the f_b_proj row
+    # quarters (4 per thread), the conv taps (8 fp32 rows per conv thread) and, staged, the norm
+    # weight; after it, staged, per item at two sites (the first item's and the next one's): the
+    # conv state (3) and x (1) of each conv thread, g_out and f_a (1 each, 16 threads) and the fp32
+    # state (8 per thread)
+    assert _count(ptx, "cp.async.cg.shared.global") == 4 + 8 + (1 + 2 * (3 + 1 + 1 + 1 + 8) if staged else 0)
+    # else the state rows streamed straight into registers (8 per thread)
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == (0 if staged else 8)
+    # one group the weights, then two per item (activations, state), each item with its next one's
+    # two behind it: it waits for all but 3 (its activations) and, staged, all but 2 (its state)
+    assert _count(ptx, "cp.async.commit_group") == 1 + 2 * (1 + staged) + 2
+    assert [len(re.findall(rf"cp.async.wait_group\s+{n};", ptx)) for n in (3, 2)] == [1, int(staged)]
+    # PDL: weights are all that comes before griddepcontrol.wait; launch_dependents right after
+    # it, both once
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     before, after = ptx.split("griddepcontrol.wait;")
-    assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + (4 if q == 1 else 0)
-    assert _count(before, "ld.global.b32") == 0 and _count(before, "ld.global.nc") == 0
-    assert _count(before, "ld.global.v4") == 0 and _count(before, "st.") == 0
+    assert _count(before, "cp.async.cg.shared.global") == 4 + 8 + staged
+    assert _count(before, "ld.global") == 0 and _count(before, "st.") == 0
     assert "griddepcontrol.launch_dependents" in after
-    # read-only 128-bit: x per token (conv threads), f_a per token (4 vectors), g_out and
-    # norm_weight (output threads)
-    assert _count(ptx, "ld.global.nc.v4.b32") == q + 4 * q + 2
-    assert _count(ptx, "ld.global.v4.b32") == 3  # the conv state (coherent: it is written back)
+    # unstaged, read-only 128-bit loads: x per token (conv threads), f_a per token (4 vectors),
+    # g_out and norm_weight (output threads); and the conv state (coherent: it is written back)
+    assert _count(ptx, "ld.global.nc.v4.b32") == (0 if staged else q + 4 * q + 2)
+    assert _count(ptx, "ld.global.v4.b32") == (0 if staged else 3)
     # state, conv state, the output (and the zero rows of a skipped request), all 128-bit
     assert _count128(ptx, "st.global") == 8 + 3 + 1 + 1
     # per token: GEMV row sums (2), q/k norms (4), S k and S q (2 + 2), sum of o^2 over 8 rows (3)
     assert _count(ptx, "shfl.sync.bfly.b32") == 13 * q
-    assert _count(ptx, "bar.sync") == 2
+    assert _count(ptx, "bar.sync") == 2 + staged  # staged: f_a, copied by 16 threads, read by all
     assert _count128(ptx, "st.shared") == 2 * q  # conv outputs (fp32) staged per token
     assert _count128(ptx, "ld.shared") >= 3 * 8 * q  # exp(g), k, q vectors per token
     assert _count(ptx, "fma.rn.f32") >= 2 * 32 * q  # the rank-1 update and S q (fp32)
@@ -226,7 +256,9 @@ def test_kda_core_ptx(compiled, key):
     else:
         assert len(re.findall(r"setp.gt.f32\s+%p\d+, %r\d+, 0f41A00000;", ptx)) == q  # softplus: x > 20
     assert _count(ptx, "ld.global.b16") == 1  # beta
-    assert _count(ptx, "ld.global.s32") + _count(ptx, "ld.global.b32") == 3  # slot, A_log, dt_bias
+    # the slot (of the item; staged also of the first item's prefetch and the next one's),
+    # A_log, dt_bias
+    assert _count(ptx, "ld.global.s32") + _count(ptx, "ld.global.b32") == (3 if staged else 1) + 2
     assert "st.global.b16" not in ptx and "ld.local" not in ptx and "st.local" not in ptx
 
 
@@ -240,7 +272,8 @@ def test_kda_core_verify_ptx(compiled, key):
     _, q, layout = VERIFY_COMPILES[key]
     ptx = k.ptx
     assert f".target {key[1]}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
-    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8  # state, f_b rows, conv taps
+    assert _count(ptx, "cp.async.cg.shared.global") == 4 + 8  # f_b rows, conv taps (one item per CTA)
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8  # the source state, streamed
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     conv_rows = 2 + q if layout == "SD" else 0
     assert _count128(ptx, "st.global") == 8 * q + conv_rows + 1 + 1  # states, conv rows, output, zero rows
@@ -400,6 +433,8 @@ class TestKdaCoreOnGpu:
         (1, 1, (), LB, "SD"),
         (5, 1, (3, 1), LB, "SD"),  # padding requests (slot 0, vLLM's, and -1) in the middle
         (64, 1, (), LB, "SD"),
+        (150, 1, (3, 77, 149), LB, "SD"),  # more items than SMs: one CTA an SM loops over them
+        (100, 1, (0, 50), LB, "DS"),
         (3, 2, (0,), LB, "SD"),
         (4, 4, (), LB, "SD"),
         (2, 8, (), LB, "SD"),
@@ -445,6 +480,23 @@ class TestKdaCoreOnGpu:
             out = run_kernel("k3f::kda_core_verify", gpu)
             check_verify(out, gpu, ref, cpu, unused, q)
             cpu[9], cpu[10] = ref[1], ref[2]  # the reference's states go on to the next step
+
+    @pytest.mark.parametrize("sms,requests,skip", [(12, 5, (2,)), (6, 7, (0, 6)), (25, 9, ())])
+    def test_kda_core_loops_over_items(self, monkeypatch, sms, requests, skip):
+        """The persistent grid on a GPU made to look small (its SM count patched), so that every
+        CTA takes several items, padding rows among them, and buffers alternate."""
+        import codegen.launchers.kda_core as launcher
+
+        monkeypatch.setattr(launcher, "sm_count", lambda index: sms)
+        monkeypatch.setattr(launcher, "PERSISTENT_FROM_ITEMS", 2)
+        heads = HEADS["tp16"]
+        assert launcher.persistent_ctas(requests * heads, heads, sms) < requests * heads
+        gen = torch.Generator().manual_seed(7 * sms + requests)
+        cpu, unused = kda_inputs(heads, requests, 1, gen, LB, skip, "SD")
+        ref = reference(cpu)
+        gpu = to_gpu(cpu, "SD")
+        out = run_kernel("k3f::kda_core", gpu)
+        check(out, gpu[9], gpu[10], ref, unused, cpu[11], 1)
 
     def test_op_dispatches_to_the_kernel_and_replays_in_a_cuda_graph(self):
         bind.install_cuda_kernels()

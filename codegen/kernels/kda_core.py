@@ -1,4 +1,4 @@
-"""``kda_core``: the KDA decode core, one CTA per (request, head).
+"""``kda_core``: the KDA decode core, one CTA per (request, head) or, at large batches, one an SM.
 
 The math is ``rewriter/layers/kda.py:kda_core`` with ``rewriter/ops.py``'s
 ``kda_conv_update`` and ``kda_recurrent_step`` (the CPU reference of ``k3f::kda_core``),
@@ -30,35 +30,51 @@ a runtime value (the page, 64-bit offsets); within a slot the recurrent state is
 [H, V, K] contiguous and the conv state [3, 3P] (``SD``, vLLM's default: tap-major) or
 [3P, 3] (``DS``), a compile-time choice.
 
-Work split: grid (B, H), 512 threads, launched with programmatic dependent launch (PDL).
-Before ``griddepcontrol.wait`` a CTA loads only weights, which no kernel writes: the conv
-taps and, at q = 1, the f_b_proj rows below (at q > 1 holding them too across the state
-loads would spill registers); state_indices, the activations and the states are read, and
-anything written, only after it (``launch_dependents`` follows at once).
+Work split: 512 threads a CTA, launched with programmatic dependent launch (PDL), in one of two
+forms (a compile-time choice, ``persistent``, that the launcher makes from the batch):
+- one CTA per (request, head) (grid B x H, flattened);
+- ``persistent`` (one token per request, one slot, from ``PERSISTENT_FROM_ITEMS`` pairs in
+  ``codegen/launchers/kda_core.py``): a grid of one CTA an SM (a multiple of H, so that a CTA
+  keeps its head), each CTA looping over items ``cta, cta + grid, ...``. The kernel holds one
+  CTA an SM, so a grid of more CTAs would run in waves, each CTA's loads exposed in turn;
+  here each item first copies the next one's inputs (``cp.async`` into the other of two
+  shared-memory buffers), so only the first item's round trips are exposed.
+Before ``griddepcontrol.wait`` a CTA copies only weights, which no kernel writes, by
+``cp.async`` into shared memory (held in registers across the items they would crowd out the
+state): its quarter of each f_b_proj row, the conv threads' fp32 taps and (persistent) the norm
+weight. state_indices, the activations and the states are read, and anything written, only
+after it (``launch_dependents`` follows at once).
 Thread ``i`` owns state row ``v = i // 4`` and, of its 32 128-bit vectors (4 fp32), the 8
 with ``vector % 4 == i % 4``: a warp reads 8 rows x 64 contiguous bytes per load, and the
-64 KB of the head's state are all in flight (8 loads per thread,
-``ld.global.L1::no_allocate``) right after the wait, before the prologue. The prologue:
+64 KB of the head's state are all in flight (8 per thread; ``ld.global.L1::no_allocate``
+into registers, or persistent ``cp.async`` into the item's buffer) before the prologue. An
+item's inputs come in two ``cp.async`` groups (its activations, its state; empty unless
+persistent), so an item waits for its activations before the prologue and for its state
+after it. The prologue:
 - the f_b_proj GEMV: the same (row, quarter) split over the head's 128 x 128 bf16 weight
-  rows (4 streamed 128-bit loads per thread; f_a by ``ld.global.nc.v4``),
-  a 4-lane butterfly (the row's 4 threads all hold g1 then), and exp(g) goes to shared
-  memory;
-- the conv: 48 threads of 8 channels each (16 per q, k, v): the fp32 conv taps (8 streamed
-  128-bit loads, before the wait), the conv state (3 x 128-bit, bf16: one per tap in SD, the
-  8 channels' 24 contiguous values in DS) and x in 128-bit
-  loads, the tokens in order, the new conv state written back as 3 x 128-bit stores; q and
-  k (warp 0, 16 lanes each) get their L2 norms from a 16-lane butterfly; q, k, v go to
-  shared memory (fp32);
-- sigmoid(beta) per token.
+  rows, f_a from the item's buffer (persistent; copied by 16 threads, so a barrier first) or
+  by ``ld.global.nc.v4``, a 4-lane butterfly (the row's 4 threads all hold g1 then), and exp(g)
+  goes to shared memory;
+- the conv: 48 threads of 8 channels each (16 per q, k, v): the conv state (3 x 128-bit, bf16:
+  one per tap in SD, the 8 channels' 24 contiguous values in DS) and x in 128-bit loads or
+  from the item's buffer, the tokens in order, the new conv state written back as 3 x 128-bit
+  stores; q and k (warp 0, 16 lanes each) get their L2 norms from a 16-lane butterfly; q, k, v
+  go to shared memory (fp32);
+- sigmoid(beta) per token (loaded when the item starts).
 One barrier, then each thread runs the tokens' delta-rule updates on its registers (two
 4-lane butterflies per token: S k and S q) and writes its row of o (bf16) and, per warp,
 the sum of o^2 over its 8 rows to shared memory. The state goes back with 8 128-bit stores
 per thread; after a second barrier 16 threads per token gate and normalize 8 channels each
-and store them with one 128-bit store.
+(g_out from the item's buffer when persistent) and store them with one 128-bit store.
+Between items nothing more is needed: every shared-memory vector an item writes is read by
+others only after a barrier of the same item, and the next item's copies go to the other
+buffer, whose last readers passed a barrier before the copying thread did.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -79,6 +95,31 @@ OUT_THREADS = HEAD_DIM // VEC  # 16 per token
 QK_EPS = 1e-6  # rewriter.layers.common.l2_normalize
 
 
+@dataclass(frozen=True)
+class Shared:
+    """The kernel's shared-memory tensors (trace-time handles, ``KdaCore.shared``); the staged
+    inputs are None unless ``KdaCore.persistent``."""
+    g: Any  # exp(g) [D, q]
+    qkv: Any  # conv outputs, q and k normalized [D, 3, q]
+    beta: Any  # sigmoid(beta) [q]
+    o: Any  # o before the norm [D, q]
+    sq: Any  # per-warp sums of o^2 [warps, q]
+    state: Any  # state rows [4, thread, 8, buffers]
+    fb: Any  # f_b_proj row quarters [8, thread, 4]
+    conv_w: Any  # conv taps [4, conv thread, 8 channels]
+    conv_s: Any  # conv state [8, conv thread, 3, buffers]
+    x: Any  # the conv threads' x [8, conv thread, buffers]
+    fa: Any  # f_a [8, 16, buffers]
+    g_out: Any  # the output gate [8, 16, buffers]
+    norm_w: Any  # the norm weight [8, 16]
+
+
+def g2s_atom(dtype=Float32):
+    """Global -> shared memory by ``cp.async``, 128 bits past the L1 (the state, the weights)."""
+    return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=128)
+
+
 class KdaCore:
     """Compile-time configuration: heads H, tokens per request q, the decay's lower bound
     (None: the softplus form), the gated norm's eps, the conv state's layout in a slot
@@ -86,7 +127,7 @@ class KdaCore:
     (3 + k). head_dim is 128, conv width 4."""
 
     def __init__(self, heads: int, q_len: int, lower_bound: float | None, eps: float, conv_layout: str = "SD",
-                 verify: bool = False, conv_rows: int = CONV_WIDTH - 1):
+                 verify: bool = False, conv_rows: int = CONV_WIDTH - 1, persistent: bool = False):
         if heads < 1:
             raise ValueError(f"heads {heads} must be >= 1")
         if not 1 <= q_len <= MAX_Q:
@@ -106,17 +147,22 @@ class KdaCore:
         self.verify, self.conv_rows = verify, conv_rows
         # taps held as [channel, tap] registers: SD's 128-bit rows, or the scalars a verify reads in DS
         self.tap_major = conv_layout == "SD" or verify
+        if persistent and (q_len != 1 or verify):
+            raise ValueError("the persistent form takes one token per request, one slot (no verify)")
+        # persistent: a grid smaller than the items loops over them (``persistent_ctas``), every
+        # input of an item copied into shared memory ahead of it
+        self.persistent = persistent
 
     @cute.jit
     def __call__(self, mQKV: cute.Tensor, mGOut: cute.Tensor, mFa: cute.Tensor, mBeta: cute.Tensor,
                  mFbW: cute.Tensor, mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
                  mNormW: cute.Tensor, mConvS: cute.Tensor, mState: cute.Tensor, mIdx: cute.Tensor,
-                 mAcc: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
+                 mAcc: cute.Tensor, mOut: cute.Tensor, ctas: Int32, stream: cuda.CUstream):
         """``mAcc``: num_accepted [B] of a verify step (unread otherwise: the launcher passes
-        state_indices)."""
+        state_indices). ``ctas``: the grid, one CTA per (request, head) or fewer
+        (``persistent_ctas``: then a multiple of the heads)."""
         self.kernel(mQKV, mGOut, mFa, mBeta, mFbW, mConvW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc,
-                    mOut).launch(grid=[mIdx.shape[0], self.heads, 1], block=[THREADS, 1, 1], stream=stream,
-                                 use_pdl=True)
+                    mOut).launch(grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mQKV: cute.Tensor, mGOut: cute.Tensor, mFa: cute.Tensor, mBeta: cute.Tensor,
@@ -124,68 +170,125 @@ class KdaCore:
                mNormW: cute.Tensor, mConvS: cute.Tensor, mState: cute.Tensor, mIdx: cute.Tensor,
                mAcc: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        req, head, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
-        Q = const_expr(self.q_len)
-        D = const_expr(HEAD_DIM)
-        row = tidx // 4  # state row v; also the GEMV's weight row (channel k of g)
-        part = tidx % 4
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        H = const_expr(self.heads)
+        items = mIdx.shape[0] * H
+        head = cta % H  # every item of this CTA: the grid is the items or a multiple of H
+        sh = self.shared()
 
-        smem = cutlass.memory.SmemAllocator()
-        sG = smem.allocate_tensor(Float32, cute.make_layout((D, Q)), byte_alignment=16)  # exp(g)
-        sQKV = smem.allocate_tensor(Float32, cute.make_layout((D, 3, Q)), byte_alignment=16)  # normalized q, k; v
-        sBeta = smem.allocate_tensor(Float32, cute.make_layout((Q,)), byte_alignment=16)
-        sO = smem.allocate_tensor(BFloat16, cute.make_layout((D, Q)), byte_alignment=16)
-        sSq = smem.allocate_tensor(Float32, cute.make_layout((THREADS // 32, Q)), byte_alignment=16)
-
-        # 0. before the wait (PDL), weights only (no kernel writes them): the conv threads' taps and,
-        # with one token per request (registers allow holding them across the state loads, not
-        # with more), this thread's f_b_proj row quarter. Plain loads, not ld.global.nc: ptxas
-        # sinks those below griddepcontrol.wait, plain ones stay above it
-        n = head * D + row
-        rFbW = cute.make_rmem_tensor((VEC, 4), BFloat16)
-        if const_expr(Q == 1):
-            self.load_fb(mFbW, rFbW, n, part)
-        rConvW = cute.make_rmem_tensor((F32_VEC, CONV_CH), Float32)
+        # 0. before the wait (PDL), weights only (no kernel writes them), by cp.async into shared
+        # memory (held in registers across the items they would crowd out the state): this
+        # thread's quarter of f_b_proj row n, the conv threads' taps, the norm weight
+        n = head * HEAD_DIM + tidx // 4
+        for u in cutlass.range_constexpr(4):
+            cute.copy(g2s_atom(BFloat16), cute.local_tile(mFbW[n, None], (VEC,), (u * 4 + tidx % 4,)),
+                      sh.fb[None, tidx, u])
         if tidx < CONV_THREADS:
             ch0 = self.conv_channel(head, tidx)
             for c in cutlass.range_constexpr(CONV_CH):
-                cute.copy(g2r_stream_atom(Float32), cute.local_tile(mConvW[ch0 + c, None], (F32_VEC,), (0,)),
-                          rConvW[None, c])
+                cute.copy(g2s_atom(), cute.local_tile(mConvW[ch0 + c, None], (F32_VEC,), (0,)), sh.conv_w[None, tidx, c])
+        if const_expr(self.persistent):
+            if tidx < OUT_THREADS:
+                cute.copy(g2s_atom(BFloat16), cute.local_tile(mNormW, (VEC,), (tidx,)), sh.norm_w[None, tidx])
+        cute.arch.cp_async_commit_group()
         # the activations, the states and state_indices are written by earlier kernels (the outputs
         # may reuse their memory): every read of them and every global write comes after the wait
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        if const_expr(self.verify):
-            a = mAcc[req]
-            a = cutlass.select_(a < 1, Int32(1), a)
-            a = cutlass.select_(a > Q, Int32(Q), a)
-            conv_slot = mIdx[req, 0]
-            source = mIdx[req, a - 1]
-            slot = cutlass.select_(conv_slot > 0, source, Int32(0))  # the state's source: a live request
-        else:
-            a = Int32(1)
-            slot = mIdx[req]
-            conv_slot = slot
+        # 1. the first item's inputs into buffer 0 (two groups: its activations, its state; empty
+        # unless persistent); persistent, each item first sends the next one's into the other
+        # buffer, so that its own round trips are all behind it
+        self.prefetch(mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, cta // H, head, tidx, 0)
+        if const_expr(self.persistent):
+            for item in cutlass.range(cta, items, ctas, unroll=1):
+                buf = (item - cta) // ctas % 2
+                if item + ctas < items:
+                    self.prefetch(mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, (item + ctas) // H, head, tidx,
+                                  1 - buf)
+                else:
+                    cute.arch.cp_async_commit_group()  # two empty groups: four per item either way
+                    cute.arch.cp_async_commit_group()
+                self.item(mQKV, mGOut, mFa, mBeta, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, item // H,
+                          head, buf, tidx)
+        else:  # one CTA per item
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_commit_group()
+            self.item(mQKV, mGOut, mFa, mBeta, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H, head,
+                      0, tidx)
+
+    def shared(self) -> Shared:
+        """The kernel's shared memory. Per-thread copies are laid out [vector, thread, ...] so
+        that a warp's 128-bit accesses of one index are contiguous (no bank conflicts). Only the
+        persistent form stages an item's inputs and state, in two buffers (items alternate)."""
+        Q, D = self.q_len, HEAD_DIM
+        nb = 2
+        smem = cutlass.memory.SmemAllocator()
+
+        def alloc(dtype, shape, stride=None):
+            layout = cute.make_layout(shape) if stride is None else cute.make_layout(shape, stride=stride)
+            return smem.allocate_tensor(dtype, layout, byte_alignment=16)
+
+        def per_thread(dtype, elems, threads, *rest):  # [elems, threads, *rest], threads innermost after elems
+            stride, size = [1, elems], elems * threads
+            for r in rest:
+                stride.append(size)
+                size *= r
+            return alloc(dtype, (elems, threads, *rest), tuple(stride))
+
+        staged = self.persistent  # the inputs copied ahead of each item
+        return Shared(
+            g=alloc(Float32, (D, Q)),  # exp(g)
+            qkv=alloc(Float32, (D, 3, Q)),  # normalized q, k; v
+            beta=alloc(Float32, (Q,)),
+            o=alloc(BFloat16, (D, Q)),
+            sq=alloc(Float32, (THREADS // 32, Q)),
+            state=per_thread(Float32, F32_VEC, THREADS, ROW_VECS, nb) if staged else None,  # a thread's 8 vectors
+            fb=per_thread(BFloat16, VEC, THREADS, 4),  # a thread's quarter of its f_b_proj row
+            conv_w=per_thread(Float32, F32_VEC, CONV_THREADS, CONV_CH),  # 8 channels x 4 taps
+            conv_s=per_thread(BFloat16, VEC, CONV_THREADS, 3, nb) if staged else None,
+            x=per_thread(BFloat16, VEC, CONV_THREADS, nb) if staged else None,
+            fa=per_thread(BFloat16, VEC, OUT_THREADS, nb) if staged else None,
+            g_out=per_thread(BFloat16, VEC, OUT_THREADS, nb) if staged else None,
+            norm_w=per_thread(BFloat16, VEC, OUT_THREADS) if staged else None)
+
+    @cute.jit
+    def item(self, mQKV, mGOut, mFa, mBeta, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, req, head,
+             buf, tidx):
+        """One (request ``req``, ``head``) from buffer ``buf``: conv, gate, the delta-rule steps,
+        the state stored back and the gated norm. Of the four most recent cp.async groups, the
+        first two are this item's (activations, state), the last two the next item's; the staged
+        form reads them from shared memory, the other one reads its activations and its state
+        from global memory (the state straight into registers)."""
+        Q, D = self.q_len, HEAD_DIM
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        row = tidx // 4
+        part = tidx % 4
+        n = head * D + row
+        a, slot, conv_slot = self.slots(mIdx, mAcc, req)
         if slot > 0:
-            # 1. the head's state rows: every load issued before any other work
-            ld_state = g2r_stream_atom(Float32)
-            gRow = mState[slot, head, row, None]
             rS = cute.make_rmem_tensor((F32_VEC, ROW_VECS), Float32)
-            for j in cutlass.range_constexpr(ROW_VECS):
-                cute.copy(ld_state, cute.local_tile(gRow, (F32_VEC,), (j * 4 + part,)), rS[None, j])
+            if const_expr(not self.persistent):  # staged: prefetched, read after the prologue
+                self.load_state(rS, mState[slot, head, row, None], part)
+            b = Float32(0.0)
+            if tidx < Q:
+                b = mBeta[req * Q + tidx, head].to(Float32)
+            cute.arch.cp_async_wait_group(3)  # the weights and this item's activations landed
+            if const_expr(self.persistent):
+                cute.arch.barrier()  # f_a was copied by 16 threads for all
 
             # 2. prologue: conv (48 threads), f_b_proj GEMV + decay (all), sigmoid(beta)
             if tidx < CONV_THREADS:
-                self.conv(mQKV, rConvW, mConvS, sQKV, conv_slot, a, req, head, tidx, warp)
-            if const_expr(Q > 1):
-                self.load_fb(mFbW, rFbW, n, part)
-            self.gate(mFa, rFbW, mALog, mDtBias, sG, req, head, n, row, part)
+                self.conv(mQKV, sh, mConvS, conv_slot, a, req, head, tidx, warp, buf)
+            self.gate(mFa, sh, mALog, mDtBias, req, head, n, row, part, buf)
             if tidx < Q:
-                b = mBeta[req * Q + tidx, head].to(Float32)
-                sBeta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
+                sh.beta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
+            if const_expr(self.persistent):
+                cute.arch.cp_async_wait_group(2)  # this item's state rows (each thread reads only its own)
+                for j in cutlass.range_constexpr(ROW_VECS):
+                    cute.autovec_copy(sh.state[None, tidx, j, buf], rS[None, j])
             cute.arch.barrier()
 
             # 3. the delta-rule steps of the q tokens on this thread's 32 state values
@@ -194,42 +297,42 @@ class KdaCore:
                 pred = Float32(0.0)
                 for u in cutlass.range_constexpr(ROW_VECS):
                     vec = u * 4 + part
-                    cute.autovec_copy(cute.local_tile(sG[None, j], (F32_VEC,), (vec,)), rA)
+                    cute.autovec_copy(cute.local_tile(sh.g[None, j], (F32_VEC,), (vec,)), rA)
                     s = rS[None, u].load() * rA.load()
                     rS[None, u].store(s)
-                    cute.autovec_copy(cute.local_tile(sQKV[None, 1, j], (F32_VEC,), (vec,)), rA)
+                    cute.autovec_copy(cute.local_tile(sh.qkv[None, 1, j], (F32_VEC,), (vec,)), rA)
                     pred = pred + (s * rA.load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 pred = cute.arch.warp_reduction(pred, operator.add, threads_in_group=4)
-                delta = (sQKV[row, 2, j] - pred) * sBeta[j]
+                delta = (sh.qkv[row, 2, j] - pred) * sh.beta[j]
                 o = Float32(0.0)
                 for u in cutlass.range_constexpr(ROW_VECS):
                     vec = u * 4 + part
-                    cute.autovec_copy(cute.local_tile(sQKV[None, 1, j], (F32_VEC,), (vec,)), rA)
+                    cute.autovec_copy(cute.local_tile(sh.qkv[None, 1, j], (F32_VEC,), (vec,)), rA)
                     s = rS[None, u].load() + delta * rA.load()
                     rS[None, u].store(s)
-                    cute.autovec_copy(cute.local_tile(sQKV[None, 0, j], (F32_VEC,), (vec,)), rA)
+                    cute.autovec_copy(cute.local_tile(sh.qkv[None, 0, j], (F32_VEC,), (vec,)), rA)
                     o = o + (s * rA.load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 o = cute.arch.warp_reduction(o, operator.add, threads_in_group=4).to(BFloat16)
                 if part == 0:
-                    sO[row, j] = o
+                    sh.o[row, j] = o
                 # sum of o^2 over the warp's 8 rows (lanes of one row hold the same o)
                 of = o.to(Float32)
                 sq = of * of
                 for step in cutlass.range_constexpr(3):
                     sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=4 << step)
                 if lane == 0:
-                    sSq[warp, j] = sq
+                    sh.sq[warp, j] = sq
                 if const_expr(self.verify):  # token j's state into column j's slot
                     target = mIdx[req, j]
                     if target > 0:
                         self.store_state(rS, mState[target, head, row, None], part)
             if const_expr(not self.verify):
-                self.store_state(rS, gRow, part)
+                self.store_state(rS, mState[slot, head, row, None], part)
             cute.arch.barrier()
 
             # 4. sigmoid-gated RMSNorm: 16 threads per token, 8 channels each
             if tidx < OUT_THREADS * Q:
-                self.gated_norm(mGOut, mNormW, mOut, sO, sSq, req, head, tidx)
+                self.gated_norm(mGOut, mNormW, sh, mOut, req, head, tidx, buf)
         else:
             if tidx < OUT_THREADS * Q:
                 rZ = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -240,6 +343,57 @@ class KdaCore:
                                           (head * OUT_THREADS + c8,)))
 
     # helpers, inlined into the kernel (dynamic ifs allowed: @cute.jit)
+    @cute.jit
+    def slots(self, mIdx, mAcc, req):
+        """(accepted a, the slot the state is read from, the conv state's slot) of request ``req``:
+        a one-slot step's slot for both; a verify step's column a - 1 (column 0 for the conv), its
+        state slot 0 (no state) where column 0 is a padding row's."""
+        if const_expr(self.verify):
+            a = mAcc[req]
+            a = cutlass.select_(a < 1, Int32(1), a)
+            a = cutlass.select_(a > self.q_len, Int32(self.q_len), a)
+            conv_slot = mIdx[req, 0]
+            source = mIdx[req, a - 1]
+            return a, cutlass.select_(conv_slot > 0, source, Int32(0)), conv_slot
+        slot = mIdx[req]
+        return Int32(1), slot, slot
+
+    @cute.jit
+    def prefetch(self, mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, req, head, tidx, buf):
+        """``cp.async`` into buffer ``buf`` of (request ``req``, ``head``)'s inputs, if the request
+        has a slot and the form is ``persistent``, as two groups (empty otherwise): the conv threads'
+        conv state and x, f_a and g_out (16 threads each); then this thread's 32 state values."""
+        _, slot, _ = self.slots(mIdx, mAcc, req)
+        if slot > 0:
+            if const_expr(self.persistent):
+                if tidx < CONV_THREADS:
+                    ch0 = self.conv_channel(head, tidx)
+                    gCS = mConvS[slot, None]
+                    for u in cutlass.range_constexpr(3):
+                        cute.copy(g2s_atom(BFloat16), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
+                                  sh.conv_s[None, tidx, u, buf])
+                    cute.copy(g2s_atom(BFloat16), cute.local_tile(mQKV[req, None], (VEC,), (ch0 // VEC,)),
+                              sh.x[None, tidx, buf])
+                if tidx < OUT_THREADS:
+                    cute.copy(g2s_atom(BFloat16), cute.local_tile(mGOut[req, None], (VEC,), (head * OUT_THREADS + tidx,)),
+                              sh.g_out[None, tidx, buf])
+                elif tidx < 2 * OUT_THREADS:
+                    v = tidx - OUT_THREADS
+                    cute.copy(g2s_atom(BFloat16), cute.local_tile(mFa[req, None], (VEC,), (v,)), sh.fa[None, v, buf])
+        cute.arch.cp_async_commit_group()
+        if const_expr(self.persistent):
+            if slot > 0:
+                gRow = mState[slot, head, tidx // 4, None]
+                for j in cutlass.range_constexpr(ROW_VECS):
+                    cute.copy(g2s_atom(), cute.local_tile(gRow, (F32_VEC,), (j * 4 + tidx % 4,)),
+                              sh.state[None, tidx, j, buf])
+        cute.arch.cp_async_commit_group()
+
+    def load_state(self, rS, gRow, part):
+        """This thread's 32 state values of one row: 8 streamed 128-bit loads."""
+        for u in range(ROW_VECS):
+            cute.copy(g2r_stream_atom(Float32), cute.local_tile(gRow, (F32_VEC,), (u * 4 + part,)), rS[None, u])
+
     def store_state(self, rS, gRow, part):
         """This thread's 32 state values of one row back: 8 128-bit stores."""
         for u in range(ROW_VECS):
@@ -251,11 +405,12 @@ class KdaCore:
         return tidx // 16 * self.proj + head * HEAD_DIM + tidx % 16 * CONV_CH
 
     @cute.jit
-    def conv(self, mQKV, rW, mConvS, sQKV, slot, a, req, head, tidx, warp):
+    def conv(self, mQKV, sh, mConvS, slot, a, req, head, tidx, warp, buf):
         """Thread ``tidx`` < 48: channels [8c, 8c + 8) of segment ``seg`` (q, k, v) of the head
-        (conv taps ``rW``, loaded before the wait): the causal conv + SiLU of the q tokens, the
-        conv state written back, q and k L2-normalized (warp 0: lanes 0-15 q, 16-31 k), results
-        to ``sQKV[:, seg, token]``. A verify step's window starts at row ``a - 1``."""
+        (conv taps in shared memory, copied before the wait): the causal conv + SiLU of the q
+        tokens, the conv state written back, q and k L2-normalized (warp 0: lanes 0-15 q, 16-31
+        k), results to ``sh.qkv[:, seg, token]``. The conv state and x come from buffer ``buf``
+        (``persistent``) or global memory. A verify step's window starts at row ``a - 1``."""
         Q, D = self.q_len, HEAD_DIM
         seg = tidx // 16
         c8 = tidx % 16
@@ -264,7 +419,10 @@ class KdaCore:
         # 24 contiguous bf16 (channel-major, oldest first); a verify step in DS, 24 scalars
         rCS = cute.make_rmem_tensor((VEC, 3), BFloat16)
         gCS = mConvS[slot, None]
-        if const_expr(self.verify and self.conv_layout == "DS"):
+        if const_expr(self.persistent):
+            for u in cutlass.range_constexpr(3):
+                cute.autovec_copy(sh.conv_s[None, tidx, u, buf], rCS[None, u])
+        elif const_expr(self.verify and self.conv_layout == "DS"):
             for c in cutlass.range_constexpr(CONV_CH):
                 for u in cutlass.range_constexpr(3):
                     rCS[c, u] = gCS[(ch0 + c) * self.conv_rows + a - 1 + u]
@@ -277,9 +435,12 @@ class KdaCore:
                 cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
                           rCS[None, u])
         rX = cute.make_rmem_tensor((VEC, Q), BFloat16)
-        for j in cutlass.range_constexpr(Q):
-            cute.copy(g2r_atom(BFloat16), cute.local_tile(mQKV[req * Q + j, None], (VEC,), (ch0 // VEC,)),
-                      rX[None, j])
+        if const_expr(self.persistent):
+            cute.autovec_copy(sh.x[None, tidx, buf], rX[None, 0])
+        else:
+            for j in cutlass.range_constexpr(Q):
+                cute.copy(g2r_atom(BFloat16), cute.local_tile(mQKV[req * Q + j, None], (VEC,), (ch0 // VEC,)),
+                          rX[None, j])
         window = [[self.conv_tap(rCS, c, i) for i in range(3)] for c in range(CONV_CH)]
         scale = Float32(1.0)
         rY = cute.make_rmem_tensor((CONV_CH,), Float32)
@@ -288,8 +449,10 @@ class KdaCore:
             for c in cutlass.range_constexpr(CONV_CH):
                 x = rX[c, j]
                 w = window[c]
-                acc = w[0].to(Float32) * rW[0, c] + w[1].to(Float32) * rW[1, c]
-                acc = acc + w[2].to(Float32) * rW[2, c] + x.to(Float32) * rW[3, c]
+                rW = cute.make_rmem_tensor((F32_VEC,), Float32)
+                cute.autovec_copy(sh.conv_w[None, tidx, c], rW)
+                acc = w[0].to(Float32) * rW[0] + w[1].to(Float32) * rW[1]
+                acc = acc + w[2].to(Float32) * rW[2] + x.to(Float32) * rW[3]
                 silu = acc * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-acc)))
                 rY[c] = silu.to(BFloat16).to(Float32)
                 window[c] = [w[1], w[2], x]
@@ -302,7 +465,7 @@ class KdaCore:
             rY.store(rY.load() * scale)
             for half in cutlass.range_constexpr(CONV_CH // F32_VEC):
                 cute.copy(st_s, cute.local_tile(rY, (F32_VEC,), (half,)),
-                          cute.local_tile(sQKV[None, seg, j], (F32_VEC,), (c8 * 2 + half,)))
+                          cute.local_tile(sh.qkv[None, seg, j], (F32_VEC,), (c8 * 2 + half,)))
         if const_expr(self.verify):
             self.write_verify_conv(gCS, rCS, rX, ch0)
         else:
@@ -351,25 +514,28 @@ class KdaCore:
         else:
             r[(3 * c + i) % VEC, (3 * c + i) // VEC] = value
 
-    def load_fb(self, mFbW, rW, n, part):
-        """This thread's quarter of f_b_proj weight row ``n``: 4 streamed 128-bit loads."""
-        for u in range(4):
-            cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(mFbW[n, None], (VEC,), (u * 4 + part,)), rW[None, u])
-
     @cute.jit
-    def gate(self, mFa, rW, mALog, mDtBias, sG, req, head, n, row, part):
+    def gate(self, mFa, sh, mALog, mDtBias, req, head, n, row, part, buf):
         """g1 = f_a @ f_b_weight^T for channel ``row`` of the head (global channel ``n``; 4
-        threads per row, 4 vectors each, ``rW``), rounded to bf16 as the reference's linear is,
-        then exp(decay) into ``sG`` (the row's 4 threads store the same value)."""
+        threads per row, 4 vectors each of the row in shared memory; f_a from buffer ``buf``
+        (``persistent``) or global memory), rounded to bf16 as the reference's linear is, then
+        exp(decay) into ``sh.g`` (the row's 4 threads store the same value)."""
         Q = self.q_len
         a = cute.math.exp(mALog[head])
         dt = mDtBias[n]
+        tidx = row * 4 + part
         rX = cute.make_rmem_tensor((VEC,), BFloat16)
+        rW = cute.make_rmem_tensor((VEC,), BFloat16)
         for j in cutlass.range_constexpr(Q):
             acc = Float32(0.0)
             for u in cutlass.range_constexpr(4):
-                cute.copy(g2r_atom(BFloat16), cute.local_tile(mFa[req * Q + j, None], (VEC,), (u * 4 + part,)), rX)
-                acc = acc + (rW[None, u].load().to(Float32) * rX.load().to(Float32)).reduce(
+                if const_expr(self.persistent):
+                    cute.autovec_copy(sh.fa[None, u * 4 + part, buf], rX)
+                else:
+                    cute.copy(g2r_atom(BFloat16), cute.local_tile(mFa[req * Q + j, None], (VEC,), (u * 4 + part,)),
+                              rX)
+                cute.autovec_copy(sh.fb[None, tidx, u], rW)
+                acc = acc + (rW.load().to(Float32) * rX.load().to(Float32)).reduce(
                     cute.ReductionOp.ADD, Float32(0.0), 0)
             g1 = cute.arch.warp_reduction(acc, operator.add, threads_in_group=4)
             x = g1.to(BFloat16).to(Float32) + dt
@@ -378,10 +544,10 @@ class KdaCore:
             else:  # softplus with torch's threshold 20
                 soft = Float32(cutlass.select_(x > Float32(20.0), x, cute.math.log1p(cute.math.exp(x))))
                 decay = -a * soft
-            sG[row, j] = cute.math.exp(decay)
+            sh.g[row, j] = cute.math.exp(decay)
 
     @cute.jit
-    def gated_norm(self, mGOut, mNormW, mOut, sO, sSq, req, head, tidx):
+    def gated_norm(self, mGOut, mNormW, sh, mOut, req, head, tidx, buf):
         """Thread ``tidx`` < 16 q: token ``tidx // 16``, channels [8c, 8c + 8):
         o * rsqrt(mean(o^2) + eps) * norm_weight * sigmoid(g_out), one 128-bit store."""
         D = HEAD_DIM
@@ -390,14 +556,18 @@ class KdaCore:
         t = req * self.q_len + j
         rG = cute.make_rmem_tensor((VEC,), BFloat16)
         rN = cute.make_rmem_tensor((VEC,), BFloat16)
-        cute.copy(g2r_atom(BFloat16), cute.local_tile(mGOut[t, None], (VEC,), (head * OUT_THREADS + c8,)), rG)
-        cute.copy(g2r_atom(BFloat16), cute.local_tile(mNormW, (VEC,), (c8,)), rN)
+        if const_expr(self.persistent):
+            cute.autovec_copy(sh.g_out[None, c8, buf], rG)
+            cute.autovec_copy(sh.norm_w[None, c8], rN)
+        else:
+            cute.copy(g2r_atom(BFloat16), cute.local_tile(mGOut[t, None], (VEC,), (head * OUT_THREADS + c8,)), rG)
+            cute.copy(g2r_atom(BFloat16), cute.local_tile(mNormW, (VEC,), (c8,)), rN)
         total = Float32(0.0)
         for w in cutlass.range_constexpr(THREADS // 32):
-            total = total + sSq[w, j]
+            total = total + sh.sq[w, j]
         r = cute.math.rsqrt(total * Float32(1.0 / D) + Float32(self.eps))
         rO = cute.make_rmem_tensor((VEC,), BFloat16)
-        cute.autovec_copy(cute.local_tile(sO[None, j], (VEC,), (c8,)), rO)
+        cute.autovec_copy(cute.local_tile(sh.o[None, j], (VEC,), (c8,)), rO)
         g = rG.load().to(Float32)
         gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
         y = rO.load().to(Float32) * r * rN.load().to(Float32) * gate
@@ -412,7 +582,8 @@ def build(spec) -> tuple[KdaCore, tuple]:
     h, q = s["heads"], s["q_len"]
     verify = bool(p.get("verify", False))
     rows = s.get("conv_rows", CONV_WIDTH - 1)
-    kernel = KdaCore(h, q, p["lower_bound"], p["eps"], p["conv_layout"], verify=verify, conv_rows=rows)
+    kernel = KdaCore(h, q, p["lower_bound"], p["eps"], p["conv_layout"], verify=verify, conv_rows=rows,
+                     persistent=bool(p.get("persistent", False)))
     d, pr = HEAD_DIM, h * HEAD_DIM
     tokens, requests, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()  # runtime sizes
     conv_page, state_page = cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=F32_VEC)  # slot strides
@@ -435,5 +606,6 @@ def build(spec) -> tuple[KdaCore, tuple]:
             t(Int32, (requests, q), (cute.sym_int32(), 1), 4) if verify else t(Int32, (requests,), (1,), 4),
             t(Int32, (requests,), (1,), 4),  # num_accepted (a verify; else state_indices again)
             t(BFloat16, (tokens, pr), (pr, 1)),  # out
+            Int32(1),  # ctas: a runtime value
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return kernel, args

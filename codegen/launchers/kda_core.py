@@ -1,6 +1,8 @@
 """``kda_core``: f_b_proj + short conv + gates + delta-rule update + sigmoid-gated RMSNorm
 (``k3f::kda_core``, and ``k3f::kda_core_verify`` for a speculative verify step in vLLM's
-multi-slot contract); one kernel, one CTA per (request, head), the tokens of a request in order.
+multi-slot contract); one kernel, one CTA per (request, head), or from ``PERSISTENT_FROM_ITEMS``
+pairs at one token per request one CTA an SM, each taking a head's requests in turn
+(``persistent_ctas``); the tokens of a request in order.
 
 The conv and recurrent states are taken as vLLM lays them out (one page per slot: any slot
 stride, the conv state SD or DS within a slot), read and written in place."""
@@ -12,12 +14,15 @@ from typing import Any
 import torch
 
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
+from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is, sm_count
 from rewriter.layers.state import conv_layout_of
 
 KDA_HEAD_DIM = 128  # codegen/kernels/kda_core.py: 4 threads x 32 fp32 per state row, 512 threads
 KDA_CONV_WIDTH = 4
 KDA_MAX_Q = 8  # tokens per request
+# (request, head) pairs from which a one-token step takes the persistent form: more than one CTA
+# an SM on an H100 / H200 (132 SMs). Below it one CTA per pair, its loads in the order of its work
+PERSISTENT_FROM_ITEMS = 133
 
 
 VERIFY_OP = "k3f::kda_core_verify"
@@ -84,6 +89,8 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
     if not 1 <= q <= KDA_MAX_Q:
         return f"{q} tokens per request outside 1..{KDA_MAX_Q}"
     shapes, params = {"heads": h, "head_dim": d, "q_len": q}, {}
+    if q == 1 and not verify and b * h >= PERSISTENT_FROM_ITEMS:
+        params["persistent"] = True
     if verify:
         if state_indices.shape[1] != q:
             return f"state_indices holds {state_indices.shape[1]} slots per request for {q} tokens"
@@ -118,6 +125,18 @@ def _kda_core_runtime(args: Sequence[Any]) -> str | None:
     return aligned({n: a for n, a in zip(names, args) if n})
 
 
+def persistent_ctas(items: int, heads: int, sms: int) -> int:
+    """The persistent form's grid for ``items`` (request, head) pairs on ``sms`` SMs. The kernel
+    holds one CTA an SM (512 threads, up to 128 registers), so beyond ``sms`` items a grid of one
+    CTA per item runs in waves, each CTA's loads exposed in turn. Instead one CTA an SM (a
+    multiple of ``heads``, so a CTA keeps one head and its weights) loops over items, copying
+    the next item's inputs while it works on this one. (With more tokens per request the loop
+    would spill registers: one CTA per item.)"""
+    if items <= sms:
+        return items
+    return max(heads, sms // heads * heads)
+
+
 def _kda_core_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     (fn,) = fns
     (mixed_qkv, g_out, f_a, beta, f_b_weight, conv_weight, a_log, dt_bias, norm_weight, conv_state, recurrent_state,
@@ -128,8 +147,12 @@ def _kda_core_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], ou
     conv_w = conv_weight.view(conv_weight.shape[0], conv_weight.shape[2])
     conv_s = conv_state.as_strided((conv_state.shape[0], conv_state.shape[1] * conv_state.shape[2]),
                                    (conv_state.stride(0), 1))
+    heads = specs[0].shape_dict["heads"]
+    items = state_indices.shape[0] * heads
+    ctas = (persistent_ctas(items, heads, sm_count(mixed_qkv.device.index)) if specs[0].param_dict.get("persistent")
+            else items)
     fn(mixed_qkv, g_out, f_a, beta, f_b_weight, conv_w, a_log, dt_bias, norm_weight, conv_s, recurrent_state,
-       state_indices, num_accepted, out)
+       state_indices, num_accepted, out, ctas)
     return out
 
 

@@ -3,14 +3,13 @@ per-tensor scale) + W_UV + sigmoid output gate (``k3f::mla_attend``); one kernel
 splits meet at a grid-wide barrier, so the whole grid must be resident at once."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, dtype_name, shape_is
+from codegen.template import Template, aligned, dtype_name, shape_is, sm_count
 from rewriter.ops import cache_is_fp8
 
 MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels/mla_attend.py
@@ -75,18 +74,12 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
                             params={"scale": float(scale), "gate_stride": gate.stride(0)}),)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    """SMs of a GPU, asked once: the runtime check runs on every served call."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _mla_attend_runtime(args: Sequence[Any]) -> str | None:
     mqa_q, kv_cache, *_ = args
     ctas = mqa_q.shape[0] * mla_splits(mqa_q.shape[0])
-    if mqa_q.is_cuda and _sm_count(mqa_q.device.index) < ctas:
+    if mqa_q.is_cuda and sm_count(mqa_q.device.index) < ctas:
         return (f"{ctas} CTAs meet at a grid-wide barrier and need as many SMs; this GPU has "
-                f"{_sm_count(mqa_q.device.index)}")
+                f"{sm_count(mqa_q.device.index)}")
     return aligned({"mqa_q": mqa_q, "kv_cache": kv_cache, "kv_b_weight": args[5]})
 
 
