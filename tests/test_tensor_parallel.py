@@ -86,6 +86,30 @@ def test_tp_ranks_equal_tp1(world):
     mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
 
 
+def _gather_worker(rank: int, world: int, port: int) -> None:
+    from rewriter.ops import gather_last_dim, register_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    register_group("g", dist.group.WORLD)
+    try:
+        for shape in ((5,), (1, 4), (3, 4), (2, 3, 4)):
+            def piece(r, shape=shape):
+                return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) + 100 * r
+
+            got = gather_last_dim(piece(rank), "g", world)
+            expected = torch.cat([piece(r) for r in range(world)], dim=-1)
+            assert torch.equal(got, expected) and got.is_contiguous(), f"rank {rank} shape {shape}"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_last_dim_puts_the_ranks_side_by_side():
+    """The router's and the latent tail's gather (one collective into a [world, ...] buffer and
+    one copy) gives ``cat`` of the ranks' pieces in rank order, contiguous, for 1- to 3-D pieces."""
+    mp.spawn(_gather_worker, args=(3, _free_port()), nprocs=3, join=True)
+
+
 def test_tp4_pads_expert_shards_like_vllm(tiny):
     """At TP 4 the tiny config's 16-wide expert shards are zero-padded to 32, as vLLM pads them."""
     from conftest import make_layer
