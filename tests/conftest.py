@@ -84,9 +84,12 @@ def pdl_flags(spec) -> list[int]:
 
 @pytest.fixture(scope="module")
 def kcache(tmp_path_factory):
-    """A kernel disk cache of the module's own, so compile tests compile and never read a stale entry."""
+    """A kernel disk cache of the module's own, so compile tests compile and never read a stale entry;
+    the in-memory cache emptied too, or a kernel an earlier module compiled would never reach it."""
     from codegen.cache import KernelCache
+    from codegen.compiler import clear_memory_cache
 
+    clear_memory_cache()
     return KernelCache(tmp_path_factory.mktemp("kernel-cache"))
 
 
