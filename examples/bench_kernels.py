@@ -5,7 +5,7 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res)
+    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res, kda_core)
 
 The dense MLP, output projection, latent tail and router sections time the GEMV and the GEMM at the same batches
 (each forced outside its range for the sweep only), to place the batch where the templates
@@ -196,9 +196,58 @@ def bench_router(tp: int) -> None:
           lambda: list(zip(rotated(gate, D), rotated(down, D))))  # as many pairs as down copies: >= 200 MB
 
 
+def kda_core_args(tp: int, requests: int, gen: torch.Generator, device: str = "cuda") -> list:
+    """``k3f::kda_core``'s arguments for one rank of Kimi K3 at ``requests`` one-token requests:
+    random activations and weights at realistic magnitudes, distinct slots, the states in
+    vLLM's pages (SD)."""
+    from rewriter.config import KimiK3Config
+    from rewriter.layers.state import kda_state_pages
+
+    cfg = KimiK3Config.preset("kimi-k3")
+    h, d = cfg.shard(tp).kda_heads, cfg.kda_head_dim
+    p, slots = h * d, requests + 4
+
+    def rnd(*shape, scale=1.0, shift=0.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype).to(device)
+
+    conv, state = kda_state_pages(rnd(slots, 3 * p, 3), rnd(slots, h, d, d, scale=0.1, dtype=torch.float32), "SD")
+    idx = (torch.randperm(slots - 1, generator=gen)[:requests] + 1).to(torch.int32).to(device)
+    return [rnd(requests, 3 * p), rnd(requests, p), rnd(requests, d), rnd(requests, h), rnd(p, d, scale=0.05),
+            rnd(3 * p, 1, 4, scale=0.3, dtype=torch.float32), rnd(h, scale=0.2, dtype=torch.float32),
+            rnd(p, scale=0.5, shift=-3.0, dtype=torch.float32), rnd(d, scale=0.1, shift=1.0), conv, state, idx,
+            h, d, cfg.gate_lower_bound, cfg.rms_norm_eps]
+
+
+def bench_kda_core(tp: int) -> None:
+    """The KDA core alone, per launch: a one-element torch kernel between launches so that no
+    launch overlaps the next (PDL) (that kernel alone is timed too), and back to back; the
+    states rotated past the L2 over up to 64 copies."""
+    gen = torch.Generator().manual_seed(tp)
+    print(f"kda_core TP {tp}\n| requests | form | launch + torch kernel | torch kernel alone | back to back |\n"
+          "|---|---|---|---|---|")
+    for requests in (1, 8, 64):
+        first = kda_core_args(tp, requests, gen)
+        copies = min(64, max(3, int(200e6 // (first[10].numel() * 4)) + 1))
+        cases = [first] + [kda_core_args(tp, requests, gen) for _ in range(copies - 1)]
+        tpl, specs, fns = kernel("k3f::kda_core", first)
+        outs = [torch.empty_like(a[1]) for a in cases]
+        bump = torch.zeros(1, device="cuda")
+
+        def run(serial: bool) -> None:
+            for a, o in zip(cases, outs):
+                tpl.launch(fns, specs, a, out=o)
+                if serial:
+                    bump.add_(1)
+
+        serial, alone = graph_us(lambda: run(True)) / copies, graph_us(lambda: [bump.add_(1) for _ in cases]) / copies
+        back = graph_us(lambda: run(False)) / copies
+        form = "persistent" if specs[0].param_dict.get("persistent") else "a CTA per (request, head)"
+        print(f"| {requests} | {form} | {serial:.2f} us | {alone:.2f} | {back:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("in_proj", "attn_res", "dense", "o_proj", "latent_tail", "router")
+    parts = ("in_proj", "attn_res", "dense", "o_proj", "latent_tail", "router", "kda_core")
     parser.add_argument("--only", nargs="+", choices=parts, default=parts)
     only = parser.parse_args().only
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
@@ -224,6 +273,9 @@ def main() -> None:
     if "router" in only:
         for tp in (16, 8):
             bench_router(tp)
+    if "kda_core" in only:
+        for tp in (16, 8):
+            bench_kda_core(tp)
 
 
 if __name__ == "__main__":

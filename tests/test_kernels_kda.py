@@ -521,3 +521,23 @@ class TestKdaCoreOnGpu:
         torch.cuda.synchronize()
         check(out, gpu[9], gpu[10], ref, unused, cpu[11], 1)
         assert bind.stats()["k3f::kda_core"]["kernel"] == before + 2
+
+
+@pytest.mark.parametrize("tp,requests,persistent", [(16, 8, False), (16, 64, True), (8, 64, True)])
+def test_benchmark_inputs_are_a_served_call(tp, requests, persistent):
+    """``examples/bench_kernels.py --only kda_core`` times the form the template serves at its
+    batch, on inputs the op's reference takes (finite outputs, every request's state moved)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.kda_core_args(tp, requests, torch.Generator().manual_seed(tp), device="cpu")
+    assert kda_spec("sm_90a", args).param_dict.get("persistent", False) == persistent
+    before = args[10].clone()
+    out = torch.ops.k3f.kda_core(*args)
+    assert out.shape == (requests, HEADS[f"tp{tp}"] * D) and torch.isfinite(out).all()
+    moved = (args[10] != before).flatten(1).any(1)
+    assert moved[args[11].long()].all() and not moved[0]  # the requests' slots, not the null block
