@@ -223,7 +223,6 @@ class KdaCore:
         that a warp's 128-bit accesses of one index are contiguous (no bank conflicts). Only the
         persistent form stages an item's inputs and state, in two buffers (items alternate)."""
         Q, D = self.q_len, HEAD_DIM
-        nb = 2
         smem = cutlass.memory.SmemAllocator()
 
         def alloc(dtype, shape, stride=None):
@@ -237,20 +236,20 @@ class KdaCore:
                 size *= r
             return alloc(dtype, (elems, threads, *rest), tuple(stride))
 
-        staged = self.persistent  # the inputs copied ahead of each item
+        staged = self.persistent  # the inputs copied ahead of each item, in two buffers
         return Shared(
             g=alloc(Float32, (D, Q)),  # exp(g)
             qkv=alloc(Float32, (D, 3, Q)),  # normalized q, k; v
             beta=alloc(Float32, (Q,)),
             o=alloc(BFloat16, (D, Q)),
             sq=alloc(Float32, (THREADS // 32, Q)),
-            state=per_thread(Float32, F32_VEC, THREADS, ROW_VECS, nb) if staged else None,  # a thread's 8 vectors
+            state=per_thread(Float32, F32_VEC, THREADS, ROW_VECS, 2) if staged else None,  # a thread's 8 vectors
             fb=per_thread(BFloat16, VEC, THREADS, 4),  # a thread's quarter of its f_b_proj row
             conv_w=per_thread(Float32, F32_VEC, CONV_THREADS, CONV_CH),  # 8 channels x 4 taps
-            conv_s=per_thread(BFloat16, VEC, CONV_THREADS, 3, nb) if staged else None,
-            x=per_thread(BFloat16, VEC, CONV_THREADS, nb) if staged else None,
-            fa=per_thread(BFloat16, VEC, OUT_THREADS, nb) if staged else None,
-            g_out=per_thread(BFloat16, VEC, OUT_THREADS, nb) if staged else None,
+            conv_s=per_thread(BFloat16, VEC, CONV_THREADS, 3, 2) if staged else None,
+            x=per_thread(BFloat16, VEC, CONV_THREADS, 2) if staged else None,
+            fa=per_thread(BFloat16, VEC, OUT_THREADS, 2) if staged else None,
+            g_out=per_thread(BFloat16, VEC, OUT_THREADS, 2) if staged else None,
             norm_w=per_thread(BFloat16, VEC, OUT_THREADS) if staged else None)
 
     @cute.jit

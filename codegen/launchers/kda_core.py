@@ -21,7 +21,7 @@ KDA_HEAD_DIM = 128  # codegen/kernels/kda_core.py: 4 threads x 32 fp32 per state
 KDA_CONV_WIDTH = 4
 KDA_MAX_Q = 8  # tokens per request
 # (request, head) pairs from which a one-token step takes the persistent form: more than one CTA
-# an SM on an H100 / H200 (132 SMs). Below it one CTA per pair, its loads in the order of its work
+# an SM on an H100 SXM / H200 (132 SMs). Below it one CTA per pair, its loads in the order of its work
 PERSISTENT_FROM_ITEMS = 133
 
 
