@@ -27,6 +27,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exit_without_teardown() -> None:
+    """End a worker that passed, skipping the interpreter's teardown: after gloo collectives a
+    worker aborted at exit one run in 6 to 15 ("terminate called without an active exception", a
+    C++ thread destroyed while joinable), after its group was destroyed and its last line printed;
+    40 runs of 40 passed with this exit. A worker that fails raises before reaching it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     sys.path.insert(0, HERE)
     from conftest import make_inputs, make_layer, rel_err
@@ -73,11 +83,10 @@ def _worker(rank: int, world: int, port: int) -> None:
                 for name, a, b in zip(("output", "prefix_sum", "blocks"), got, expected):
                     err = rel_err(a, b)
                     assert err < TOL, f"rewritten TP {world} rank {rank} layer {layer_idx} batch {batch}: {name} {err:.2e}"
-        # every rank past its last collective before any tears the group down (a TP 2 worker once
-        # aborted inside gloo at the end, cause unconfirmed: a peer leaving mid-message is the usual one)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_without_teardown()
 
 
 @pytest.mark.slow
@@ -102,6 +111,7 @@ def _gather_worker(rank: int, world: int, port: int) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_without_teardown()
 
 
 def test_gather_last_dim_puts_the_ranks_side_by_side():
