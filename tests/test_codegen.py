@@ -493,7 +493,7 @@ BUILT_ON = {
     "attn_in_proj_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
     "attn_in_proj_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                           "ldmatrix.sync.aligned"),
-    "kda_core": ("cp.async.cg.shared.global", "shfl.sync.bfly", "ex2.approx"),  # weights by cp.async
+    "kda_core": ("shfl.sync.bfly", "ex2.approx"),
     "o_proj_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                     "ldmatrix.sync.aligned"),
     "mlp_gate_up_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
@@ -514,7 +514,8 @@ BUILT_ON = {
 BUILT_ON_PAIRS = ("barrier.cluster.arrive",)
 STREAMED = ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "ld.shared.v4")
 # the MXFP4 stages' weights: into registers, or (from MXFP4_SMEM_WEIGHTS_FROM tokens) into shared memory
-KDA_STATE_LOADS = {False: ("ld.global.L1::no_allocate.L2::256B.v4",), True: ("cp.async.wait_group", "ld.shared.v4")}
+KDA_STATE_LOADS = {False: ("ld.global.L1::no_allocate.L2::256B.v4",),
+                   True: ("cp.async.cg.shared.global", "cp.async.wait_group", "ld.shared.v4")}
 MXFP4_WEIGHT_LOADS = {False: ("ld.global.L1::no_allocate.v4.b32",), True: ("cp.async.cg.shared.global", "ld.shared.v4")}
 
 
@@ -541,7 +542,7 @@ def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch,
         extra = ()
         if "by_expert_max_tokens" in st["spec"]["params"]:
             extra = STREAMED
-        elif name == "kda_core":  # the state: into registers, or (persistent, 64 tokens) shared memory
+        elif name == "kda_core":  # state and weights: into registers, or (persistent, 64 tokens) shared memory
             extra = KDA_STATE_LOADS[bool(st["spec"]["params"].get("persistent"))]
         elif name.endswith("_mxfp4"):
             extra = BUILT_ON_PAIRS + MXFP4_WEIGHT_LOADS[bool(st["spec"]["params"].get("smem_weights"))]

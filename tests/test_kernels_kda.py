@@ -220,24 +220,33 @@ def test_kda_core_ptx(compiled, key):
     assert ".reqntid 512, 1, 1" in ptx  # 4 threads per state row: at most 128 registers each
     staged = k.spec.param_dict.get("persistent", False)  # items looped over, every input copied ahead
     assert staged == ("persistent" in key[0])
-    # by cp.async into shared memory, 128 bits past the L1, before the wait: the f_b_proj row
-    # quarters (4 per thread), the conv taps (8 fp32 rows per conv thread) and, staged, the norm
-    # weight; after it, staged, per item at two sites (the first item's and the next one's): the
-    # conv state (3) and x (1) of each conv thread, g_out and f_a (1 each, 16 threads) and the fp32
-    # state (8 per thread)
-    assert _count(ptx, "cp.async.cg.shared.global") == 4 + 8 + (1 + 2 * (3 + 1 + 1 + 1 + 8) if staged else 0)
-    # else the state rows streamed straight into registers (8 per thread)
-    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == (0 if staged else 8)
-    # one group the weights, then two per item (activations, state), each item with its next one's
-    # two behind it: it waits for all but 3 (its activations) and, staged, all but 2 (its state)
-    assert _count(ptx, "cp.async.commit_group") == 1 + 2 * (1 + staged) + 2
-    assert [len(re.findall(rf"cp.async.wait_group\s+{n};", ptx)) for n in (3, 2)] == [1, int(staged)]
-    # PDL: weights are all that comes before griddepcontrol.wait; launch_dependents right after
-    # it, both once
+    if staged:
+        # by cp.async into shared memory, 128 bits past the L1, before the wait: the f_b_proj row
+        # quarters (4 per thread), the conv taps (8 fp32 rows per conv thread) and the norm weight;
+        # after it, per item at two sites (the first item's and the next one's): the conv state (3)
+        # and x (1) of each conv thread, g_out and f_a (1 each, 16 threads) and the fp32 state (8
+        # per thread)
+        assert _count(ptx, "cp.async.cg.shared.global") == 4 + 8 + 1 + 2 * (3 + 1 + 1 + 1 + 8)
+        assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 0
+        # one group the weights, then two per item (activations, state), each item with its next
+        # one's two behind it: it waits for all but 3 (its activations) and all but 2 (its state)
+        assert _count(ptx, "cp.async.commit_group") == 1 + 2 * 2 + 2
+        assert [len(re.findall(rf"cp.async.wait_group\s+{n};", ptx)) for n in (3, 2)] == [1, 1]
+    else:
+        # streamed into registers (8 x 128-bit per thread): the head's fp32 state, the f_b_proj
+        # rows (4 per thread) and the conv taps (8 fp32 rows per conv thread); no cp.async
+        assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8
+        assert "cp.async" not in ptx
+    # PDL: weights are all that comes before griddepcontrol.wait (the f_b_proj rows there at
+    # q = 1 only); launch_dependents right after it, both once
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     before, after = ptx.split("griddepcontrol.wait;")
-    assert _count(before, "cp.async.cg.shared.global") == 4 + 8 + staged
-    assert _count(before, "ld.global") == 0 and _count(before, "st.") == 0
+    if staged:
+        assert _count(before, "cp.async.cg.shared.global") == 4 + 8 + 1
+    else:
+        assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + (4 if q == 1 else 0)
+    assert _count(before, "ld.global.b32") == 0 and _count(before, "ld.global.nc") == 0
+    assert _count(before, "ld.global.v4") == 0 and _count(before, "st.") == 0
     assert "griddepcontrol.launch_dependents" in after
     # unstaged, read-only 128-bit loads: x per token (conv threads), f_a per token (4 vectors),
     # g_out and norm_weight (output threads); and the conv state (coherent: it is written back)
@@ -272,8 +281,8 @@ def test_kda_core_verify_ptx(compiled, key):
     _, q, layout = VERIFY_COMPILES[key]
     ptx = k.ptx
     assert f".target {key[1]}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
-    assert _count(ptx, "cp.async.cg.shared.global") == 4 + 8  # f_b rows, conv taps (one item per CTA)
-    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8  # the source state, streamed
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8  # state, f_b rows, conv taps
+    assert "cp.async" not in ptx
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     conv_rows = 2 + q if layout == "SD" else 0
     assert _count128(ptx, "st.global") == 8 * q + conv_rows + 1 + 1  # states, conv rows, output, zero rows

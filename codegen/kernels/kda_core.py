@@ -39,18 +39,18 @@ forms (a compile-time choice, ``persistent``, that the launcher makes from the b
   CTA an SM, so a grid of more CTAs would run in waves, each CTA's loads exposed in turn;
   here each item first copies the next one's inputs (``cp.async`` into the other of two
   shared-memory buffers), so only the first item's round trips are exposed.
-Before ``griddepcontrol.wait`` a CTA copies only weights, which no kernel writes, by
-``cp.async`` into shared memory (held in registers across the items they would crowd out the
-state): its quarter of each f_b_proj row, the conv threads' fp32 taps and (persistent) the norm
-weight. state_indices, the activations and the states are read, and anything written, only
-after it (``launch_dependents`` follows at once).
+Before ``griddepcontrol.wait`` a CTA loads only weights, which no kernel writes: its quarter
+of each f_b_proj row (at q > 1 only after the wait: held across the state loads it would spill
+registers), the conv threads' fp32 taps and (persistent) the norm weight; into registers, or
+persistent by ``cp.async`` into shared memory (held in registers across the items they would
+crowd out the state). state_indices, the activations and the states are read, and anything
+written, only after it (``launch_dependents`` follows at once).
 Thread ``i`` owns state row ``v = i // 4`` and, of its 32 128-bit vectors (4 fp32), the 8
 with ``vector % 4 == i % 4``: a warp reads 8 rows x 64 contiguous bytes per load, and the
 64 KB of the head's state are all in flight (8 per thread; ``ld.global.L1::no_allocate``
-into registers, or persistent ``cp.async`` into the item's buffer) before the prologue. An
-item's inputs come in two ``cp.async`` groups (its activations, its state; empty unless
-persistent), so an item waits for its activations before the prologue and for its state
-after it. The prologue:
+into registers, or persistent ``cp.async`` into the item's buffer) before the prologue. A
+persistent item's inputs come in two ``cp.async`` groups (its activations, its state), so it
+waits for its activations before the prologue and for its state after it. The prologue:
 - the f_b_proj GEMV: the same (row, quarter) split over the head's 128 x 128 bf16 weight
   rows, f_a from the item's buffer (persistent; copied by 16 threads, so a barrier first) or
   by ``ld.global.nc.v4``, a 4-lane butterfly (the row's 4 threads all hold g1 then), and exp(g)
@@ -177,31 +177,46 @@ class KdaCore:
         head = cta % H  # every item of this CTA: the grid is the items or a multiple of H
         sh = self.shared()
 
-        # 0. before the wait (PDL), weights only (no kernel writes them), by cp.async into shared
-        # memory (held in registers across the items they would crowd out the state): this
-        # thread's quarter of f_b_proj row n, the conv threads' taps, the norm weight
+        # 0. before the wait (PDL), weights only (no kernel writes them): this thread's quarter of
+        # f_b_proj row n (at q > 1 in registers only after the wait: held across the state loads
+        # it would spill), the conv threads' taps and, persistent, the norm weight. Persistent by
+        # cp.async into shared memory (held in registers across the items they would crowd out
+        # the state), else in registers by plain loads (not ld.global.nc: ptxas sinks those
+        # below griddepcontrol.wait, plain ones stay above it)
         n = head * HEAD_DIM + tidx // 4
-        for u in cutlass.range_constexpr(4):
-            cute.copy(g2s_atom(BFloat16), cute.local_tile(mFbW[n, None], (VEC,), (u * 4 + tidx % 4,)),
-                      sh.fb[None, tidx, u])
-        if tidx < CONV_THREADS:
-            ch0 = self.conv_channel(head, tidx)
-            for c in cutlass.range_constexpr(CONV_CH):
-                cute.copy(g2s_atom(), cute.local_tile(mConvW[ch0 + c, None], (F32_VEC,), (0,)), sh.conv_w[None, tidx, c])
+        rFb, rConvW = None, None
         if const_expr(self.persistent):
+            for u in cutlass.range_constexpr(4):
+                cute.copy(g2s_atom(BFloat16), cute.local_tile(mFbW[n, None], (VEC,), (u * 4 + tidx % 4,)),
+                          sh.fb[None, tidx, u])
+            if tidx < CONV_THREADS:
+                ch0 = self.conv_channel(head, tidx)
+                for c in cutlass.range_constexpr(CONV_CH):
+                    cute.copy(g2s_atom(), cute.local_tile(mConvW[ch0 + c, None], (F32_VEC,), (0,)),
+                              sh.conv_w[None, tidx, c])
             if tidx < OUT_THREADS:
                 cute.copy(g2s_atom(BFloat16), cute.local_tile(mNormW, (VEC,), (tidx,)), sh.norm_w[None, tidx])
-        cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_commit_group()
+        else:
+            rFb = cute.make_rmem_tensor((VEC, 4), BFloat16)
+            if const_expr(self.q_len == 1):
+                self.load_fb(mFbW, rFb, n, tidx % 4)
+            rConvW = cute.make_rmem_tensor((F32_VEC, CONV_CH), Float32)
+            if tidx < CONV_THREADS:
+                ch0 = self.conv_channel(head, tidx)
+                for c in cutlass.range_constexpr(CONV_CH):
+                    cute.copy(g2r_stream_atom(Float32), cute.local_tile(mConvW[ch0 + c, None], (F32_VEC,), (0,)),
+                              rConvW[None, c])
         # the activations, the states and state_indices are written by earlier kernels (the outputs
         # may reuse their memory): every read of them and every global write comes after the wait
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # 1. the first item's inputs into buffer 0 (two groups: its activations, its state; empty
-        # unless persistent); persistent, each item first sends the next one's into the other
-        # buffer, so that its own round trips are all behind it
-        self.prefetch(mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, cta // H, head, tidx, 0)
+        # 1. persistent: the first item's inputs into buffer 0 (two groups: its activations, its
+        # state); each item first sends the next one's into the other buffer, so that its own
+        # round trips are all behind it
         if const_expr(self.persistent):
+            self.prefetch(mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, cta // H, head, tidx, 0)
             for item in cutlass.range(cta, items, ctas, unroll=1):
                 buf = (item - cta) // ctas % 2
                 if item + ctas < items:
@@ -210,13 +225,11 @@ class KdaCore:
                 else:
                     cute.arch.cp_async_commit_group()  # two empty groups: four per item either way
                     cute.arch.cp_async_commit_group()
-                self.item(mQKV, mGOut, mFa, mBeta, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, item // H,
-                          head, buf, tidx)
-        else:  # one CTA per item
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_commit_group()
-            self.item(mQKV, mGOut, mFa, mBeta, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H, head,
-                      0, tidx)
+                self.item(mQKV, mGOut, mFa, mBeta, mFbW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, item // H,
+                          head, buf, tidx, rFb, rConvW)
+        else:  # one CTA per item, its inputs read where it uses them
+            self.item(mQKV, mGOut, mFa, mBeta, mFbW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H, head,
+                      0, tidx, rFb, rConvW)
 
     def shared(self) -> Shared:
         """The kernel's shared memory. Per-thread copies are laid out [vector, thread, ...] so
@@ -244,8 +257,8 @@ class KdaCore:
             o=alloc(BFloat16, (D, Q)),
             sq=alloc(Float32, (THREADS // 32, Q)),
             state=per_thread(Float32, F32_VEC, THREADS, ROW_VECS, 2) if staged else None,  # a thread's 8 vectors
-            fb=per_thread(BFloat16, VEC, THREADS, 4),  # a thread's quarter of its f_b_proj row
-            conv_w=per_thread(Float32, F32_VEC, CONV_THREADS, CONV_CH),  # 8 channels x 4 taps
+            fb=per_thread(BFloat16, VEC, THREADS, 4) if staged else None,  # a thread's f_b_proj row quarter
+            conv_w=per_thread(Float32, F32_VEC, CONV_THREADS, CONV_CH) if staged else None,  # 8 channels x 4 taps
             conv_s=per_thread(BFloat16, VEC, CONV_THREADS, 3, 2) if staged else None,
             x=per_thread(BFloat16, VEC, CONV_THREADS, 2) if staged else None,
             fa=per_thread(BFloat16, VEC, OUT_THREADS, 2) if staged else None,
@@ -253,8 +266,8 @@ class KdaCore:
             norm_w=per_thread(BFloat16, VEC, OUT_THREADS) if staged else None)
 
     @cute.jit
-    def item(self, mQKV, mGOut, mFa, mBeta, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, req, head,
-             buf, tidx):
+    def item(self, mQKV, mGOut, mFa, mBeta, mFbW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, req, head,
+             buf, tidx, rFb, rConvW):
         """One (request ``req``, ``head``) from buffer ``buf``: conv, gate, the delta-rule steps,
         the state stored back and the gated norm. Of the four most recent cp.async groups, the
         first two are this item's (activations, state), the last two the next item's; the staged
@@ -274,14 +287,16 @@ class KdaCore:
             b = Float32(0.0)
             if tidx < Q:
                 b = mBeta[req * Q + tidx, head].to(Float32)
-            cute.arch.cp_async_wait_group(3)  # the weights and this item's activations landed
             if const_expr(self.persistent):
+                cute.arch.cp_async_wait_group(3)  # the weights and this item's activations landed
                 cute.arch.barrier()  # f_a was copied by 16 threads for all
 
             # 2. prologue: conv (48 threads), f_b_proj GEMV + decay (all), sigmoid(beta)
             if tidx < CONV_THREADS:
-                self.conv(mQKV, sh, mConvS, conv_slot, a, req, head, tidx, warp, buf)
-            self.gate(mFa, sh, mALog, mDtBias, req, head, n, row, part, buf)
+                self.conv(mQKV, sh, rConvW, mConvS, conv_slot, a, req, head, tidx, warp, buf)
+            if const_expr(not self.persistent and Q > 1):
+                self.load_fb(mFbW, rFb, n, part)
+            self.gate(mFa, sh, rFb, mALog, mDtBias, req, head, n, row, part, buf)
             if tidx < Q:
                 sh.beta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
             if const_expr(self.persistent):
@@ -359,34 +374,37 @@ class KdaCore:
 
     @cute.jit
     def prefetch(self, mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, req, head, tidx, buf):
-        """``cp.async`` into buffer ``buf`` of (request ``req``, ``head``)'s inputs, if the request
-        has a slot and the form is ``persistent``, as two groups (empty otherwise): the conv threads'
-        conv state and x, f_a and g_out (16 threads each); then this thread's 32 state values."""
+        """Persistent: ``cp.async`` into buffer ``buf`` of (request ``req``, ``head``)'s inputs, if
+        the request has a slot, as two groups (empty otherwise): the conv threads' conv state and
+        x, f_a and g_out (16 threads each); then this thread's 32 state values."""
         _, slot, _ = self.slots(mIdx, mAcc, req)
         if slot > 0:
-            if const_expr(self.persistent):
-                if tidx < CONV_THREADS:
-                    ch0 = self.conv_channel(head, tidx)
-                    gCS = mConvS[slot, None]
-                    for u in cutlass.range_constexpr(3):
-                        cute.copy(g2s_atom(BFloat16), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
-                                  sh.conv_s[None, tidx, u, buf])
-                    cute.copy(g2s_atom(BFloat16), cute.local_tile(mQKV[req, None], (VEC,), (ch0 // VEC,)),
-                              sh.x[None, tidx, buf])
-                if tidx < OUT_THREADS:
-                    cute.copy(g2s_atom(BFloat16), cute.local_tile(mGOut[req, None], (VEC,), (head * OUT_THREADS + tidx,)),
-                              sh.g_out[None, tidx, buf])
-                elif tidx < 2 * OUT_THREADS:
-                    v = tidx - OUT_THREADS
-                    cute.copy(g2s_atom(BFloat16), cute.local_tile(mFa[req, None], (VEC,), (v,)), sh.fa[None, v, buf])
+            if tidx < CONV_THREADS:
+                ch0 = self.conv_channel(head, tidx)
+                gCS = mConvS[slot, None]
+                for u in cutlass.range_constexpr(3):
+                    cute.copy(g2s_atom(BFloat16), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
+                              sh.conv_s[None, tidx, u, buf])
+                cute.copy(g2s_atom(BFloat16), cute.local_tile(mQKV[req, None], (VEC,), (ch0 // VEC,)),
+                          sh.x[None, tidx, buf])
+            if tidx < OUT_THREADS:
+                cute.copy(g2s_atom(BFloat16), cute.local_tile(mGOut[req, None], (VEC,), (head * OUT_THREADS + tidx,)),
+                          sh.g_out[None, tidx, buf])
+            elif tidx < 2 * OUT_THREADS:
+                v = tidx - OUT_THREADS
+                cute.copy(g2s_atom(BFloat16), cute.local_tile(mFa[req, None], (VEC,), (v,)), sh.fa[None, v, buf])
         cute.arch.cp_async_commit_group()
-        if const_expr(self.persistent):
-            if slot > 0:
-                gRow = mState[slot, head, tidx // 4, None]
-                for j in cutlass.range_constexpr(ROW_VECS):
-                    cute.copy(g2s_atom(), cute.local_tile(gRow, (F32_VEC,), (j * 4 + tidx % 4,)),
-                              sh.state[None, tidx, j, buf])
+        if slot > 0:
+            gRow = mState[slot, head, tidx // 4, None]
+            for j in cutlass.range_constexpr(ROW_VECS):
+                cute.copy(g2s_atom(), cute.local_tile(gRow, (F32_VEC,), (j * 4 + tidx % 4,)),
+                          sh.state[None, tidx, j, buf])
         cute.arch.cp_async_commit_group()
+
+    def load_fb(self, mFbW, rW, n, part):
+        """This thread's quarter of f_b_proj weight row ``n``: 4 streamed 128-bit loads."""
+        for u in range(4):
+            cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(mFbW[n, None], (VEC,), (u * 4 + part,)), rW[None, u])
 
     def load_state(self, rS, gRow, part):
         """This thread's 32 state values of one row: 8 streamed 128-bit loads."""
@@ -404,9 +422,10 @@ class KdaCore:
         return tidx // 16 * self.proj + head * HEAD_DIM + tidx % 16 * CONV_CH
 
     @cute.jit
-    def conv(self, mQKV, sh, mConvS, slot, a, req, head, tidx, warp, buf):
+    def conv(self, mQKV, sh, rConvW, mConvS, slot, a, req, head, tidx, warp, buf):
         """Thread ``tidx`` < 48: channels [8c, 8c + 8) of segment ``seg`` (q, k, v) of the head
-        (conv taps in shared memory, copied before the wait): the causal conv + SiLU of the q
+        (conv taps loaded before the wait: in shared memory when persistent, else ``rConvW``): the
+        causal conv + SiLU of the q
         tokens, the conv state written back, q and k L2-normalized (warp 0: lanes 0-15 q, 16-31
         k), results to ``sh.qkv[:, seg, token]``. The conv state and x come from buffer ``buf``
         (``persistent``) or global memory. A verify step's window starts at row ``a - 1``."""
@@ -449,7 +468,10 @@ class KdaCore:
                 x = rX[c, j]
                 w = window[c]
                 rW = cute.make_rmem_tensor((F32_VEC,), Float32)
-                cute.autovec_copy(sh.conv_w[None, tidx, c], rW)
+                if const_expr(self.persistent):
+                    cute.autovec_copy(sh.conv_w[None, tidx, c], rW)
+                else:
+                    rW.store(rConvW[None, c].load())
                 acc = w[0].to(Float32) * rW[0] + w[1].to(Float32) * rW[1]
                 acc = acc + w[2].to(Float32) * rW[2] + x.to(Float32) * rW[3]
                 silu = acc * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-acc)))
@@ -514,9 +536,10 @@ class KdaCore:
             r[(3 * c + i) % VEC, (3 * c + i) // VEC] = value
 
     @cute.jit
-    def gate(self, mFa, sh, mALog, mDtBias, req, head, n, row, part, buf):
+    def gate(self, mFa, sh, rFb, mALog, mDtBias, req, head, n, row, part, buf):
         """g1 = f_a @ f_b_weight^T for channel ``row`` of the head (global channel ``n``; 4
-        threads per row, 4 vectors each of the row in shared memory; f_a from buffer ``buf``
+        threads per row, 4 vectors each of the row in shared memory when persistent, else in
+        ``rFb``; f_a from buffer ``buf``
         (``persistent``) or global memory), rounded to bf16 as the reference's linear is, then
         exp(decay) into ``sh.g`` (the row's 4 threads store the same value)."""
         Q = self.q_len
@@ -533,7 +556,10 @@ class KdaCore:
                 else:
                     cute.copy(g2r_atom(BFloat16), cute.local_tile(mFa[req * Q + j, None], (VEC,), (u * 4 + part,)),
                               rX)
-                cute.autovec_copy(sh.fb[None, tidx, u], rW)
+                if const_expr(self.persistent):
+                    cute.autovec_copy(sh.fb[None, tidx, u], rW)
+                else:
+                    rW.store(rFb[None, u].load())
                 acc = acc + (rW.load().to(Float32) * rX.load().to(Float32)).reduce(
                     cute.ReductionOp.ADD, Float32(0.0), 0)
             g1 = cute.arch.warp_reduction(acc, operator.add, threads_in_group=4)
