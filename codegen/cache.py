@@ -22,6 +22,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,8 +101,8 @@ class KernelCache:
     def get(self, key: str) -> Entry | None:
         """The verified entry for ``key``, or None (missing, or corrupt: then it is deleted)."""
         return read_or_discard(self.path(key), lambda data: self._decode(key, data),
-                               (zipfile.BadZipFile, KeyError, ValueError, json.JSONDecodeError, UnicodeDecodeError,
-                                OSError),
+                               (zipfile.BadZipFile, zlib.error, KeyError, ValueError, json.JSONDecodeError,
+                                UnicodeDecodeError, OSError),
                                lambda e: self.rejected.append((key, f"{type(e).__name__}: {e}")))
 
     @staticmethod

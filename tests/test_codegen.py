@@ -139,8 +139,19 @@ def test_cache_writes_atomically_and_rejects_corrupt_entries(tmp_path):
         path.write_bytes(bad)
         assert cache.get(key) is None and not path.exists()
         cache.put(key, Entry({"function": "f"}, "x", b"y"))
+    # a deflated payload whose stream is broken (zlib's error, not a CRC mismatch)
+    cache.put(key, Entry({"function": "f"}, ".target sm_90a\n" * 400, b"y"))
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("kernel.ptx")
+    assert info.compress_type == zipfile.ZIP_DEFLATED
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    data[start] |= 0b110  # block type 3: reserved, an invalid stream
+    path.write_bytes(bytes(data))
+    assert cache.get(key) is None and not path.exists() and "error" in cache.rejected[-1][1]
+    cache.put(key, Entry({"function": "f"}, "x", b"y"))
     path.rename(cache.path("cd" * 32))
-    assert cache.get("cd" * 32) is None and len(cache.rejected) == 3
+    assert cache.get("cd" * 32) is None and len(cache.rejected) == 4
     with cache.lock(key):
         pass
     assert cache.clear() == 0 and cache.keys() == []
