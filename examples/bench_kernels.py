@@ -75,15 +75,30 @@ def bench_gemm(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> N
     print(f"attn_in_proj_gemm {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s")
 
 
-def bench_attn_res(t: int, n: int) -> None:
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda").bfloat16()
+def bench_attn_res() -> None:
+    """The AttnRes norm at each split of a token's row (CTAs a token x 128-bit vectors a
+    thread, forced for the sweep only), 10 chained launches a graph; the served split starred."""
+    from codegen.launchers import attn_res_norm
 
-    args = [rnd(t, D), rnd(t, D), rnd(t, 8, D), rnd(D), rnd(D) * 0.02, rnd(D), n, -1, 1e-5]
-    tpl, specs, fns = kernel("k3f::attn_res_norm", args)
-    out = (torch.empty_like(args[0]), torch.empty_like(args[0]))
-    us = graph_us(lambda: [tpl.launch(fns, specs, args, out=out) for _ in range(10)]) / 10
-    print(f"attn_res_norm T={t} sources={n + 1}: {us:5.2f} us")
+    served = attn_res_norm.CLUSTER_BY_TOKENS
+    splits = [(c, v) for c in (8, 4, 2, 1) for v in (1, 2)]
+    print("attn_res_norm, us a launch by split (CTAs a token x vectors a thread; * served)")
+    print("| tokens | sources | " + " | ".join(f"{c}x{v}" for c, v in splits) + " |\n|---|---|" + "---|" * len(splits))
+    for t in (1, 8, 16, 32, 64):
+        for n in (1, 8):
+            args = [torch.randn(*shape, device="cuda").bfloat16() for shape in ((t, D), (t, D), (t, 8, D), (D,))]
+            args += [args[3] * 0.02, args[3].clone(), n, -1, 1e-5]
+            out = (torch.empty_like(args[0]), torch.empty_like(args[0]))
+            attn_res_norm.CLUSTER_BY_TOKENS = served
+            star = attn_res_norm.split_for(t, D)
+            cells = []
+            for c, v in splits:
+                attn_res_norm.CLUSTER_BY_TOKENS = ((t, c, v),)
+                tpl, specs, fns = kernel("k3f::attn_res_norm", args)
+                us = graph_us(lambda: [tpl.launch(fns, specs, args, out=out) for _ in range(10)]) / 10
+                cells.append(f"{us:.2f}{'*' if (c, v) == star else ''}")
+            print(f"| {t} | {n + 1} | " + " | ".join(cells) + " |")
+    attn_res_norm.CLUSTER_BY_TOKENS = served
 
 
 def bench_dense(tp: int) -> None:
@@ -260,8 +275,7 @@ def main() -> None:
             for t in (2, 4, 8, 16, 64):
                 bench_gemm(name, split, t, ws)
     if "attn_res" in only:
-        for t, n in [(1, 1), (1, 8), (8, 8), (64, 8)]:
-            bench_attn_res(t, n)
+        bench_attn_res()
     if "dense" in only:
         for tp in (16, 8):
             bench_dense(tp)

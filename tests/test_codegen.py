@@ -78,9 +78,21 @@ def test_spec_is_plain_hashable_data():
 def test_templates_make_specs_from_the_layer_values():
     spec = spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=3, num_blocks=4, write_idx=4))
     assert spec.kernel == "attn_res_norm" and spec.shape_dict == {"hidden": 7168, "blocks": 8}
-    assert spec.param_dict == {"num_blocks": 4, "write_idx": 4, "has_delta": True, "eps": 1e-5}
-    # the token count is a runtime size for attn_res_norm: one compile serves every batch
-    assert spec == spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=64, num_blocks=4, write_idx=4))
+    assert spec.param_dict == {"num_blocks": 4, "write_idx": 4, "has_delta": True, "eps": 1e-5, "cluster": 8,
+                               "vectors": 1}
+    # the token count is a runtime size for attn_res_norm: one compile serves every batch of a
+    # row of CLUSTER_BY_TOKENS (the split of a token's row over a cluster of CTAs)
+    from codegen.launchers.attn_res_norm import CLUSTER_BY_TOKENS, split_for
+
+    for most, cluster, vectors in CLUSTER_BY_TOKENS:
+        for t in (most, most - 1):
+            p = spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=t, num_blocks=4, write_idx=4)).param_dict
+            assert (p["cluster"], p["vectors"]) == (cluster, vectors) == split_for(t, 7168)
+    assert split_for(CLUSTER_BY_TOKENS[-1][0] + 1, 7168) == (1, 2)
+    assert spec == spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=2, num_blocks=4, write_idx=4))
+    # a row whose vectors an 8-way split does not divide takes the largest cluster that does
+    assert spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(d=7160)).param_dict["cluster"] == 1
+    assert spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(d=7152)).param_dict["cluster"] == 2
     g = spec_of("k3f::kda_in_proj", "sm_100a", gemv_args(tokens=1))
     assert g.kernel == "attn_in_proj_gemv" and g.shape_dict == {"tokens": 1, "k": 7168, "rows": 3216}
     assert g.param_dict["segments"] == (2304, 768, 128, 6) and not g.param_dict["pipeline"]
@@ -289,29 +301,39 @@ def test_attn_res_norm_ptx(compiled, arch):
     k = compiled["attn_res_norm", arch]
     ptx = k.ptx
     assert f".target {arch}" in ptx and k.cache == "miss" and k.obj
-    # prefix and delta (x2 vectors per thread): 128-bit read-only loads; the block: cp.async
-    # straight into shared memory, committed once and waited for once
-    assert _count(ptx, "ld.global.nc.v4.b32") == 2 * 2
-    assert _count(ptx, "cp.async.cg.shared.global") == 2 * 1
+    # a token's row over a cluster of 8 CTAs of 128 threads (112 vectors each): one vector a thread.
+    # prefix and delta: 128-bit read-only loads; the block: cp.async straight into shared
+    # memory, committed once and waited for once
+    assert (k.spec.param_dict["cluster"], k.spec.param_dict["vectors"]) == (8, 1) and ".reqntid 128" in ptx
+    assert _count(ptx, "ld.global.nc.v4.b32") == 2
+    assert _count(ptx, "cp.async.cg.shared.global") == 1
     assert _count(ptx, "cp.async.commit_group") == 1 and _count(ptx, "cp.async.wait_group") == 1
     # PDL: the three weights (plain loads: ptxas keeps them above the wait) are all that comes
     # before griddepcontrol.wait; launch_dependents right after it, both once
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     before, after = ptx.split("griddepcontrol.wait;")
-    assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 2 * 3
+    assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 3
     assert "ld.global.L1::no_allocate" not in after and "ld.global.nc" not in before and _count(before, "st.") == 0
     assert "griddepcontrol.launch_dependents" in after
-    assert _count(ptx, "st.global.v4.b32") == 2 * 2  # new prefix and output, 128-bit stores
-    assert _count(ptx, "st.shared.v4.b32") == 2 * 1  # the new prefix staged (the block came by cp.async)
-    assert _count(ptx, "shfl.sync.bfly.b32") >= 5 * (2 * 2 + 1)  # warp sums: 2 per source + the mix
-    assert _count(ptx, "bar.sync") == 2 and _count(ptx, "ex2.approx") == 2  # softmax over 2 sources
-    assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx  # nothing scalar
+    assert _count(ptx, "st.global.v4.b32") == 2  # new prefix and output, 128-bit stores
+    assert _count(ptx, "st.shared.v4.b32") == 1  # the new prefix staged (the block came by cp.async)
+    # the cluster: one relaxed arrive at the top; the sums pushed into the peers (never read
+    # from them), each exchange behind an arrive + wait; no CTA-wide barrier
+    assert _count(before, "barrier.cluster.arrive.relaxed") == 1
+    assert _count(ptx, "barrier.cluster.arrive") == 3 and _count(ptx, "barrier.cluster.wait") == 3
+    assert _count(ptx, "mapa") == 2 and "ld.shared::cluster" not in ptx
+    assert _count(ptx, "st.shared::cluster") >= 2 and _count(ptx, "bar.sync") == 0
+    # warp sums: 2 per source + the mix, each pushed and then gathered
+    assert _count(ptx, "shfl.sync.bfly.b32") == 2 * 5 * (2 * 2 + 1)
+    assert _count(ptx, "ex2.approx") == 2  # softmax over 2 sources
+    assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx and ".local" not in ptx  # nothing scalar, no spills
     nine = compiled["attn_res_norm_9", arch].ptx  # 8 blocks + the prefix: 9 sources
-    assert _count(nine, "ld.global.nc.v4.b32") == 2 * 2 and _count(nine, "ex2.approx") == 9
-    assert _count(nine, "cp.async.cg.shared.global") == 2 * 8  # every block's copies issued before any wait
+    assert _count(nine, "ld.global.nc.v4.b32") == 2 and _count(nine, "ex2.approx") == 9
+    assert _count(nine, "cp.async.cg.shared.global") == 8  # every block's copy issued before any wait
     before_wait = nine.split("cp.async.wait_group")[0]
-    assert _count(before_wait, "cp.async.cg.shared.global") == 2 * 8 and _count(before_wait, "ld.shared") == 0
+    assert _count(before_wait, "cp.async.cg.shared.global") == 8 and _count(before_wait, "ld.shared") == 0
     assert _count(nine, "griddepcontrol.wait") == 1 and _count(nine, "griddepcontrol.launch_dependents") == 1
+    assert _count(nine, "shfl.sync.bfly.b32") == 2 * 5 * (2 * 9 + 1)
 
 
 @needs_cutedsl

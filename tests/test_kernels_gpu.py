@@ -38,7 +38,7 @@ def attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen):
             num_blocks, write_idx, 1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("tokens", [1, 5, 12, 64, 100])  # 8, 8, 4, 2 and 1 CTAs a token
 @pytest.mark.parametrize("num_blocks,write_idx,has_delta", [
     (0, 0, False),  # layer 0: the embedding is the prefix, written as block 0
     (1, -1, True),  # inside a block
@@ -47,6 +47,22 @@ def attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen):
     (3, 1, True),  # a block write inside the sources (not a Kimi K3 layout; the kernel takes it)
 ])
 def test_attn_res_norm(tokens, num_blocks, write_idx, has_delta):
+    check_attn_res_norm(tokens, num_blocks, write_idx, has_delta)
+
+
+@pytest.mark.parametrize("cluster,vectors", [(c, v) for c in (8, 4, 2, 1) for v in (1, 2)])
+@pytest.mark.parametrize("num_blocks,write_idx", [(8, -1), (4, 4)])
+def test_attn_res_norm_every_split(monkeypatch, cluster, vectors, num_blocks, write_idx):
+    """Each split of a row the rules may serve (CTAs a token, vectors a thread), forced."""
+    from codegen.launchers import attn_res_norm
+
+    monkeypatch.setattr(attn_res_norm, "CLUSTER_BY_TOKENS", ((64, cluster, vectors),))
+    spec = check_attn_res_norm(3, num_blocks, write_idx, True)
+    assert (spec.param_dict["cluster"], spec.param_dict["vectors"]) == (cluster, vectors)
+
+
+def check_attn_res_norm(tokens, num_blocks, write_idx, has_delta):
+    """The kernel against the reference on fresh inputs, outputs and the written block poisoned; its spec."""
     gen = torch.Generator().manual_seed(1000 * tokens + 10 * num_blocks + write_idx)
     cpu = attn_res_inputs(tokens, num_blocks, write_idx, has_delta, gen)
     ref_blocks = cpu[2].clone()
@@ -63,6 +79,7 @@ def test_attn_res_norm(tokens, num_blocks, write_idx, has_delta):
     assert rel_err(x, ref_x) <= TOL
     assert torch.equal(new_prefix.cpu(), ref_prefix)  # bf16(prefix + delta): exact
     assert torch.equal(gpu[2].cpu(), ref_blocks)  # the block write, and nothing else touched
+    return specs[0]
 
 
 @pytest.mark.parametrize("tokens", list(range(1, 9)))

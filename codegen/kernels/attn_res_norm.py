@@ -1,4 +1,4 @@
-"""``attn_res_norm``: AttnRes before attention + the input RMSNorm, one CTA per token.
+"""``attn_res_norm``: AttnRes before attention + the input RMSNorm, a cluster of CTAs per token.
 
 The math is ``rewriter/layers/attn_res.py`` (the CPU reference of ``k3f::attn_res_norm``):
 
@@ -10,15 +10,25 @@ The math is ``rewriter/layers/attn_res.py`` (the CPU reference of ``k3f::attn_re
     mix    = sum_s softmax(l)_s * S_s
     out    = bf16(mix * rsqrt(mean(mix^2) + eps) * out_norm_weight)
 
-Work split: the row of D = 7168 values is cut into 128-bit vectors (8 bf16); thread i of
-the CTA owns vectors i, i + threads, ... (coalesced: one warp reads 512 contiguous bytes
-per step). Every source is read from HBM exactly once, the finished blocks by ``cp.async``
-straight into shared memory (all of a thread's copies in flight at once, beside the prefix
-and delta loads: one HBM round trip; staged through registers, ptxas let a few out at a time),
-each thread reading back only its own vectors; the 2 (n + 1) partial sums (squares, dot with
-q) are reduced with warp shuffles and one pass through shared memory, then each thread
-computes the softmax weights itself, mixes its vectors and a second (1-value) block
-reduction gives the norm of the mix.
+Work split: the row of D = 7168 values is cut into 128-bit vectors (8 bf16), and the vectors
+into ``cluster`` equal shares, one per CTA of a thread-block cluster (the launcher picks 1 to 8
+from the token count). One SM cannot keep a whole row's sources in flight: a CTA per token
+took 3.3 us with 2 sources and 6.7 to 8.1 with 9 at batch 1 on the H200, most of it waiting
+for its loads; 8 CTAs a token take 2.5 and 3.5. At 64 tokens 512 CTAs reduce more than they
+save (9.3 us), so the cluster shrinks with the batch (2 CTAs: 5.5 us). Thread i of a CTA
+owns the share's vectors i, i + threads, ... (one or two a thread, also by token count).
+Every source is read from HBM exactly once, the finished blocks by ``cp.async`` straight into
+shared memory (all of a thread's copies in flight at once, beside the prefix and delta loads:
+one HBM round trip), each thread reading back only its own vectors.
+
+The two reductions cross the cluster through distributed shared memory, pushed: each warp
+sums its 2 (n + 1) partials (squares, dot with q) with shuffles, and its lane r stores them
+into CTA r's shared memory, at this (CTA, warp)'s entry; after one cluster barrier every warp
+of every CTA sums the same entries in the same order (lane e takes entry e, then shuffles), so
+all CTAs compute bit-identical softmax weights without another exchange. The mix's squared
+norm goes the same way. Nothing reads a peer's shared memory, so a CTA may leave after the
+last barrier; the first store into a peer waits for the cluster's start (an arrive at the top,
+the wait before the push).
 
 Programmatic dependent launch: the kernel launches with PDL; the three weight vectors are
 loaded before ``griddepcontrol.wait`` (no kernel writes them; plain loads, which ptxas keeps
@@ -41,10 +51,11 @@ MAX_SOURCES = 9
 
 class AttnResNorm:
     """Compile-time configuration: hidden size, block-buffer size, number of source
-    blocks, block write index (-1: none), whether a delta is added, eps."""
+    blocks, block write index (-1: none), whether a delta is added, eps, CTAs per token and
+    128-bit vectors per thread."""
 
     def __init__(self, hidden: int, num_blocks_buf: int, num_blocks: int, write_idx: int, has_delta: bool,
-                 eps: float, threads: int | None = None):
+                 eps: float, cluster: int, vectors: int):
         if hidden % VEC:
             raise ValueError(f"hidden {hidden} must be a multiple of {VEC}")
         if not 0 <= num_blocks < MAX_SOURCES:
@@ -59,39 +70,56 @@ class AttnResNorm:
         self.write_idx = write_idx
         self.has_delta = has_delta
         self.eps = float(eps)
-        self.num_vec = hidden // VEC
-        # two vectors per thread: 9 sources x 2 x 8 bf16 stay in 72 registers
-        half = -(-self.num_vec // 2)
-        self.threads = threads or min(1024, max(32, -(-half // 32) * 32))
-        self.vec_per_thread = -(-self.num_vec // self.threads)
-        self.even = self.num_vec % self.threads == 0
+        num_vec = hidden // VEC
+        if cluster not in (1, 2, 4, 8) or num_vec % cluster:
+            raise ValueError(f"cluster {cluster}: 1, 2, 4 or 8 CTAs dividing the {num_vec} vectors of a row")
+        if vectors not in (1, 2):
+            raise ValueError(f"vectors {vectors}: 1 or 2 a thread")
+        self.cluster = cluster
+        self.share = num_vec // cluster  # vectors of the row each CTA owns
+        # one vector a thread: the most loads in flight at a few tokens; two: half the warps to reduce
+        self.threads = min(1024, -(-self.share // (32 * vectors)) * 32)
+        self.vec_per_thread = -(-self.share // self.threads)
+        self.even = self.share % self.threads == 0
         self.num_warps = self.threads // 32
+        self.entries = self.cluster * self.num_warps  # a CTA receives one set of sums per (CTA, warp)
 
     @cute.jit
     def __call__(self, mPrefix: cute.Tensor, mDelta: cute.Tensor | None, mBlocks: cute.Tensor,
                  mNormW: cute.Tensor, mQkW: cute.Tensor, mOutW: cute.Tensor, mOut: cute.Tensor,
                  mNewPrefix: cute.Tensor, stream: cuda.CUstream):
+        cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
         self.kernel(mPrefix, mDelta, mBlocks, mNormW, mQkW, mOutW, mOut, mNewPrefix).launch(
-            grid=[mPrefix.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+            grid=[mPrefix.shape[0] * self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=cluster,
+            stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mPrefix: cute.Tensor, mDelta: cute.Tensor | None, mBlocks: cute.Tensor, mNormW: cute.Tensor,
                mQkW: cute.Tensor, mOutW: cute.Tensor, mOut: cute.Tensor, mNewPrefix: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
+        bidx, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
+        C = const_expr(self.cluster)
+        W = const_expr(self.num_warps)
+        E = const_expr(self.entries)
+        token = bidx // C
+        rank = bidx % C
+        first = rank * self.share  # this CTA's first vector of the row
         V = const_expr(self.vec_per_thread)
         S = const_expr(self.num_blocks + 1)
         P = const_expr(S - 1)  # the new prefix is the last source
         inv_d = const_expr(1.0 / self.hidden)
 
         smem = cutlass.memory.SmemAllocator()
-        # the sources, as read (bf16): the finished blocks land here straight from HBM (cp.async,
-        # no registers, so all of them are in flight at once) and the mix reads them back
-        sSrc = smem.allocate_tensor(BFloat16, cute.make_layout((self.hidden, S)), byte_alignment=16)
-        sPartial = smem.allocate_tensor(Float32, cute.make_layout((2 * S, self.num_warps)), byte_alignment=16)
-        sMixSq = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps,)), byte_alignment=16)
+        # this CTA's share of the sources, as read (bf16): the finished blocks land here straight
+        # from HBM (cp.async, no registers, so all of them are in flight at once), the mix reads them back
+        sSrc = smem.allocate_tensor(BFloat16, cute.make_layout((self.share * VEC, S)), byte_alignment=16)
+        # the cluster's partial sums, pushed by every (CTA, warp): entry e = rank * W + warp
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((2 * S, E)), byte_alignment=16)
+        sMixSq = smem.allocate_tensor(Float32, cute.make_layout((1, E)), byte_alignment=16)
+        # this CTA's shared memory is in place: peers may store into it once their wait sees every arrival
+        cute.arch.cluster_arrive_relaxed()
 
         ld = g2r_atom(BFloat16)
         st = r2g_atom(BFloat16)
@@ -117,8 +145,9 @@ class AttnResNorm:
         # sinks those below griddepcontrol.wait (an acquire), plain loads stay above it
         ld_w = g2r_stream_atom(BFloat16)
         for j in cutlass.range_constexpr(V):
-            v = tidx + j * self.threads
-            if const_expr(self.even) or v < self.num_vec:
+            lv = tidx + j * self.threads
+            if const_expr(self.even) or lv < self.share:
+                v = first + lv
                 cute.copy(ld_w, cute.local_tile(mNormW, (VEC,), (v,)), rW)
                 cute.copy(ld_w, cute.local_tile(mQkW, (VEC,), (v,)), rV)
                 cute.copy(ld_w, cute.local_tile(mOutW, (VEC,), (v,)), rOutW[None, j])
@@ -133,16 +162,17 @@ class AttnResNorm:
         for s in cutlass.range_constexpr(P):
             if const_expr(s != self.write_idx):  # the block about to be written is p itself
                 for j in cutlass.range_constexpr(V):
-                    v = tidx + j * self.threads
-                    if const_expr(self.even) or v < self.num_vec:
-                        cute.copy(g2s, cute.local_tile(mBlocks[token, s, None], (VEC,), (v,)),
-                                  cute.local_tile(sSrc[None, s], (VEC,), (v,)))
+                    lv = tidx + j * self.threads
+                    if const_expr(self.even) or lv < self.share:
+                        cute.copy(g2s, cute.local_tile(mBlocks[token, s, None], (VEC,), (first + lv,)),
+                                  cute.local_tile(sSrc[None, s], (VEC,), (lv,)))
         cute.arch.cp_async_commit_group()
 
         # 2. meanwhile the new prefix p: stored, written as a block, staged
         for j in cutlass.range_constexpr(V):
-            v = tidx + j * self.threads
-            if const_expr(self.even) or v < self.num_vec:
+            lv = tidx + j * self.threads
+            if const_expr(self.even) or lv < self.share:
+                v = first + lv
                 cute.copy(ld, cute.local_tile(gPrefix, (VEC,), (v,)), rV)
                 if const_expr(self.has_delta):
                     cute.copy(ld, cute.local_tile(mDelta[token, None], (VEC,), (v,)), rW)
@@ -150,7 +180,7 @@ class AttnResNorm:
                 cute.copy(st, rV, cute.local_tile(gNewPrefix, (VEC,), (v,)))
                 if const_expr(self.write_idx >= 0):
                     cute.copy(st, rV, cute.local_tile(mBlocks[token, self.write_idx, None], (VEC,), (v,)))
-                cute.copy(st_s, rV, cute.local_tile(sSrc[None, P], (VEC,), (v,)))
+                cute.copy(st_s, rV, cute.local_tile(sSrc[None, P], (VEC,), (lv,)))
                 x = rV.load().to(Float32)
                 rSq[P] = rSq[P] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 rDot[P] = rDot[P] + (x * rQ[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -163,31 +193,28 @@ class AttnResNorm:
                 rDot[s] = rDot[P]
             else:
                 for j in cutlass.range_constexpr(V):
-                    v = tidx + j * self.threads
-                    if const_expr(self.even) or v < self.num_vec:
-                        cute.autovec_copy(cute.local_tile(sSrc[None, s], (VEC,), (v,)), rV)
+                    lv = tidx + j * self.threads
+                    if const_expr(self.even) or lv < self.share:
+                        cute.autovec_copy(cute.local_tile(sSrc[None, s], (VEC,), (lv,)), rV)
                         x = rV.load().to(Float32)
                         rSq[s] = rSq[s] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                         rDot[s] = rDot[s] + (x * rQ[None, j].load()).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
-        # 3. reduce the 2S partial sums over the warp (shuffles), then over the CTA (shared memory)
+        # 3. the 2S sums over the cluster: each warp's, pushed into every CTA, then summed there
+        rSum = cute.make_rmem_tensor((2 * S,), Float32)
         for s in cutlass.range_constexpr(S):
-            sq = cute.arch.warp_reduction(rSq[s], operator.add)
-            dot = cute.arch.warp_reduction(rDot[s], operator.add)
-            if lane == 0:
-                sPartial[2 * s, warp] = sq
-                sPartial[2 * s + 1, warp] = dot
-        cute.arch.barrier()
+            rSum[2 * s] = cute.arch.warp_reduction(rSq[s], operator.add)
+            rSum[2 * s + 1] = cute.arch.warp_reduction(rDot[s], operator.add)
+        cute.arch.cluster_wait()  # every CTA of the cluster has started
+        self.push(rSum, sPart, lane, rank * W + warp)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        self.gather(rSum, sPart, lane)
 
         # 4. logits and softmax weights (every thread computes all S of them)
         rLogit = cute.make_rmem_tensor((S,), Float32)
         for s in cutlass.range_constexpr(S):
-            sq = Float32(0.0)
-            dot = Float32(0.0)
-            for w in cutlass.range_constexpr(self.num_warps):
-                sq = sq + sPartial[2 * s, w]
-                dot = dot + sPartial[2 * s + 1, w]
-            rLogit[s] = dot * cute.math.rsqrt(sq * inv_d + self.eps)
+            rLogit[s] = rSum[2 * s + 1] * cute.math.rsqrt(rSum[2 * s] * inv_d + self.eps)
         m = rLogit[0]
         for s in cutlass.range_constexpr(1, S):
             m = cute.arch.fmax(m, rLogit[s])
@@ -199,42 +226,66 @@ class AttnResNorm:
         for s in cutlass.range_constexpr(S):
             rLogit[s] = rLogit[s] * inv_total
 
-        # 5. the mix (each thread reads back only what it staged: no barrier needed), its norm, the output
+        # 5. the mix (each thread reads back only what it staged: no barrier needed), its norm over
+        # the cluster (pushed like step 3), the output
         rMix = cute.make_rmem_tensor((VEC, V), Float32)
         rMix.fill(0.0)
-        mix_sq = Float32(0.0)
+        rMixSq = cute.make_rmem_tensor((1,), Float32)
+        rMixSq.fill(0.0)
         for j in cutlass.range_constexpr(V):
-            v = tidx + j * self.threads
-            if const_expr(self.even) or v < self.num_vec:
+            lv = tidx + j * self.threads
+            if const_expr(self.even) or lv < self.share:
                 src = P if const_expr(self.write_idx == 0) else 0
-                cute.autovec_copy(cute.local_tile(sSrc[None, src], (VEC,), (v,)), rV)
+                cute.autovec_copy(cute.local_tile(sSrc[None, src], (VEC,), (lv,)), rV)
                 acc = rV.load().to(Float32) * rLogit[0]
                 for s in cutlass.range_constexpr(1, S):
                     src = P if const_expr(s == self.write_idx) else s
-                    cute.autovec_copy(cute.local_tile(sSrc[None, src], (VEC,), (v,)), rV)
+                    cute.autovec_copy(cute.local_tile(sSrc[None, src], (VEC,), (lv,)), rV)
                     acc = acc + rV.load().to(Float32) * rLogit[s]
                 rMix[None, j].store(acc)
-                mix_sq = mix_sq + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        mix_sq = cute.arch.warp_reduction(mix_sq, operator.add)
-        if lane == 0:
-            sMixSq[warp] = mix_sq
-        cute.arch.barrier()
-        total_sq = Float32(0.0)
-        for w in cutlass.range_constexpr(self.num_warps):
-            total_sq = total_sq + sMixSq[w]
-        r = cute.math.rsqrt(total_sq * inv_d + self.eps)
+                rMixSq[0] = rMixSq[0] + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        rMixSq[0] = cute.arch.warp_reduction(rMixSq[0], operator.add)
+        self.push(rMixSq, sMixSq, lane, rank * W + warp)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        self.gather(rMixSq, sMixSq, lane)
+        r = cute.math.rsqrt(rMixSq[0] * inv_d + self.eps)
         for j in cutlass.range_constexpr(V):
-            v = tidx + j * self.threads
-            if const_expr(self.even) or v < self.num_vec:
+            lv = tidx + j * self.threads
+            if const_expr(self.even) or lv < self.share:
                 rV.store((rMix[None, j].load() * r * rOutW[None, j].load().to(Float32)).to(BFloat16))
-                cute.copy(st, rV, cute.local_tile(gOut, (VEC,), (v,)))
+                cute.copy(st, rV, cute.local_tile(gOut, (VEC,), (first + lv,)))
+
+    @cute.jit
+    def push(self, rSum: cute.Tensor, sDst: cute.Tensor, lane, entry):
+        """Lane r of the warp stores the warp's sums (the same in every lane after its shuffles)
+        at ``entry`` of CTA r's ``sDst`` (``[values, entries]``)."""
+        if lane < self.cluster:
+            peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sDst.iterator, lane), sDst.layout)
+            cute.autovec_copy(rSum, peer[None, entry])
+
+    @cute.jit
+    def gather(self, rSum: cute.Tensor, sSrc: cute.Tensor, lane):
+        """``rSum`` = the sums of every entry of ``sSrc``, in every lane: lane e adds entry e
+        (e, e + 32, ...), then the warp's shuffles; the same order in every warp and CTA."""
+        n = const_expr(cute.size(rSum))
+        E = const_expr(self.entries)
+        rSum.fill(0.0)
+        for e0 in cutlass.range_constexpr(-(-E // 32)):
+            e = lane + e0 * 32
+            if const_expr((e0 + 1) * 32 <= E) or e < E:
+                for k in cutlass.range_constexpr(n):
+                    rSum[k] = rSum[k] + sSrc[k, e]
+        for k in cutlass.range_constexpr(n):
+            rSum[k] = cute.arch.warp_reduction(rSum[k], operator.add)
 
 
 def build(spec) -> tuple[AttnResNorm, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     s, p = spec.shape_dict, spec.param_dict
     d, nb = s["hidden"], s["blocks"]
-    kernel = AttnResNorm(d, nb, p["num_blocks"], p["write_idx"], p["has_delta"], p["eps"])
+    kernel = AttnResNorm(d, nb, p["num_blocks"], p["write_idx"], p["has_delta"], p["eps"], p["cluster"],
+                         p["vectors"])
     tokens = cute.sym_int32()  # the token count is a runtime size: one compile serves every batch
 
     def row(*shape):  # row-major bf16 tensor, first mode = tokens

@@ -1,5 +1,5 @@
 """``attn_res_norm``: AttnRes mix over <= 9 sources + RMSNorm, block write and new prefix
-(``k3f::attn_res_norm``); one kernel, one CTA per token."""
+(``k3f::attn_res_norm``); one kernel, a cluster of CTAs per token (``CLUSTER_BY_TOKENS``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,6 +9,20 @@ import torch
 
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
+
+# The split of a token's row by token count: (up to this many tokens, CTAs a token, 128-bit
+# vectors a thread); past the last row one CTA of two vectors a thread. One SM per token waits
+# on its loads; with many tokens the CTAs' reductions cost more than the split saves (H200,
+# BENCHMARKS.md, twentieth session). The cluster halves until it divides the row's vectors.
+CLUSTER_BY_TOKENS = ((8, 8, 1), (16, 4, 1), (64, 2, 2))
+
+
+def split_for(tokens: int, hidden: int) -> tuple[int, int]:
+    """(cluster, vectors a thread) that ``CLUSTER_BY_TOKENS`` gives ``tokens``."""
+    c, v = next(((c, v) for most, c, v in CLUSTER_BY_TOKENS if tokens <= most), (1, 2))
+    while (hidden // 8) % c:
+        c //= 2
+    return c, v
 
 
 def _attn_res_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
@@ -39,7 +53,8 @@ def _attn_res_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
     return (KernelSpec.make("attn_res_norm", op, arch, shapes={"hidden": d, "blocks": nb},
                            dtypes={"act": "bf16", "weight": "bf16"},
                            params={"num_blocks": int(num_blocks), "write_idx": max(int(write_idx), -1),
-                                   "has_delta": delta is not None, "eps": float(eps)}),)
+                                   "has_delta": delta is not None, "eps": float(eps),
+                                   **dict(zip(("cluster", "vectors"), split_for(t, d)))}),)
 
 
 def _attn_res_runtime(args: Sequence[Any]) -> str | None:
@@ -58,4 +73,4 @@ def _attn_res_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], ou
 
 
 TEMPLATE = Template("attn_res_norm", ("k3f::attn_res_norm",), _attn_res_spec, _attn_res_runtime, _attn_res_launch,
-                    doc="AttnRes mix over <= 9 sources + RMSNorm, block write and new prefix; one CTA per token")
+                    doc="AttnRes mix over <= 9 sources + RMSNorm, block write and new prefix; a cluster of CTAs per token")
