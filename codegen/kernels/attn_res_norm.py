@@ -286,7 +286,7 @@ def build(spec) -> tuple[AttnResNorm, tuple]:
     d, nb = s["hidden"], s["blocks"]
     kernel = AttnResNorm(d, nb, p["num_blocks"], p["write_idx"], p["has_delta"], p["eps"], p["cluster"],
                          p["vectors"])
-    tokens = cute.sym_int32()  # the token count is a runtime size: one compile serves every batch
+    tokens = cute.sym_int32()  # the token count is a runtime size: one compile serves every batch of a split
 
     def row(*shape):  # row-major bf16 tensor, first mode = tokens
         stride, acc = [], 1

@@ -50,11 +50,12 @@ def _attn_res_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
         return f"num_blocks {num_blocks} outside 0..{min(8, nb)} (at most 9 sources)"
     if write_idx >= nb:
         return f"write_idx {write_idx} outside the block buffer ({nb} blocks)"
+    cluster, vectors = split_for(t, d)
     return (KernelSpec.make("attn_res_norm", op, arch, shapes={"hidden": d, "blocks": nb},
                            dtypes={"act": "bf16", "weight": "bf16"},
                            params={"num_blocks": int(num_blocks), "write_idx": max(int(write_idx), -1),
                                    "has_delta": delta is not None, "eps": float(eps),
-                                   **dict(zip(("cluster", "vectors"), split_for(t, d)))}),)
+                                   "cluster": cluster, "vectors": vectors}),)
 
 
 def _attn_res_runtime(args: Sequence[Any]) -> str | None:
