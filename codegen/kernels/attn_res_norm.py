@@ -13,7 +13,7 @@ The math is ``rewriter/layers/attn_res.py`` (the CPU reference of ``k3f::attn_re
 Work split: the row of D = 7168 values is cut into 128-bit vectors (8 bf16), and the vectors
 into ``cluster`` equal shares, one per CTA of a thread-block cluster (the launcher picks 1 to 8
 from the token count). One SM cannot keep a whole row's sources in flight: a CTA per token
-took 3.3 us with 2 sources and 6.7 to 8.1 with 9 at batch 1 on the H200, most of it waiting
+took 3.2 us with 2 sources and 6.9 with 9 at batch 1 on the H200, most of it waiting
 for its loads; 8 CTAs a token take 2.5 and 3.5. At 64 tokens 512 CTAs reduce more than they
 save (9.3 us), so the cluster shrinks with the batch (2 CTAs: 5.5 us). Thread i of a CTA
 owns the share's vectors i, i + threads, ... (one or two a thread, also by token count).
