@@ -81,24 +81,26 @@ def bench_attn_res() -> None:
     from codegen.launchers import attn_res_norm
 
     served = attn_res_norm.CLUSTER_BY_TOKENS
+    tokens = (1, 8, 16, 32, 64)
+    stars = {t: attn_res_norm.split_for(t, D) for t in tokens}
     splits = [(c, v) for c in (8, 4, 2, 1) for v in (1, 2)]
     print("attn_res_norm, us a launch by split (CTAs a token x vectors a thread; * served)")
     print("| tokens | sources | " + " | ".join(f"{c}x{v}" for c, v in splits) + " |\n|---|---|" + "---|" * len(splits))
-    for t in (1, 8, 16, 32, 64):
-        for n in (1, 8):
-            args = [torch.randn(*shape, device="cuda").bfloat16() for shape in ((t, D), (t, D), (t, 8, D), (D,))]
-            args += [args[3] * 0.02, args[3].clone(), n, -1, 1e-5]
-            out = (torch.empty_like(args[0]), torch.empty_like(args[0]))
-            attn_res_norm.CLUSTER_BY_TOKENS = served
-            star = attn_res_norm.split_for(t, D)
-            cells = []
-            for c, v in splits:
-                attn_res_norm.CLUSTER_BY_TOKENS = ((t, c, v),)
-                tpl, specs, fns = kernel("k3f::attn_res_norm", args)
-                us = graph_us(lambda: [tpl.launch(fns, specs, args, out=out) for _ in range(10)]) / 10
-                cells.append(f"{us:.2f}{'*' if (c, v) == star else ''}")
-            print(f"| {t} | {n + 1} | " + " | ".join(cells) + " |")
-    attn_res_norm.CLUSTER_BY_TOKENS = served
+    try:
+        for t in tokens:
+            for n in (1, 8):
+                args = [torch.randn(*shape, device="cuda").bfloat16() for shape in ((t, D), (t, D), (t, 8, D), (D,))]
+                args += [args[3] * 0.02, args[3].clone(), n, -1, 1e-5]
+                out = (torch.empty_like(args[0]), torch.empty_like(args[0]))
+                cells = []
+                for c, v in splits:
+                    attn_res_norm.CLUSTER_BY_TOKENS = ((t, c, v),)
+                    tpl, specs, fns = kernel("k3f::attn_res_norm", args)
+                    us = graph_us(lambda: [tpl.launch(fns, specs, args, out=out) for _ in range(10)]) / 10
+                    cells.append(f"{us:.2f}{'*' if (c, v) == stars[t] else ''}")
+                print(f"| {t} | {n + 1} | " + " | ".join(cells) + " |")
+    finally:
+        attn_res_norm.CLUSTER_BY_TOKENS = served
 
 
 def bench_dense(tp: int) -> None:

@@ -163,8 +163,8 @@ def test_o_proj_specs(tp, prefix):
     assert tuple(gemm.param_dict["segments"]) == (D,) and res_many.param_dict == res.param_dict
     assert res.kernel == "attn_res_norm" and res.op == "k3f::o_proj_attn_res"
     # a given prefix gets attn as its delta; without one attn is the new block's prefix (no delta)
-    assert res.param_dict == {"num_blocks": 3, "write_idx": -1, "has_delta": prefix, "eps": EPS, "cluster": 8,
-                                 "vectors": 1}
+    assert res.param_dict == {"num_blocks": 3, "write_idx": -1, "has_delta": prefix, "eps": EPS,
+                              "cluster": 8, "vectors": 1}
 
 
 @pytest.mark.parametrize("op,args,reason", [

@@ -206,10 +206,7 @@ class AttnResNorm:
             rSum[2 * s] = cute.arch.warp_reduction(rSq[s], operator.add)
             rSum[2 * s + 1] = cute.arch.warp_reduction(rDot[s], operator.add)
         cute.arch.cluster_wait()  # every CTA of the cluster has started
-        self.push(rSum, sPart, lane, rank * W + warp)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        self.gather(rSum, sPart, lane)
+        self.exchange(rSum, sPart, lane, rank * W + warp)
 
         # 4. logits and softmax weights (every thread computes all S of them)
         rLogit = cute.make_rmem_tensor((S,), Float32)
@@ -245,10 +242,7 @@ class AttnResNorm:
                 rMix[None, j].store(acc)
                 rMixSq[0] = rMixSq[0] + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         rMixSq[0] = cute.arch.warp_reduction(rMixSq[0], operator.add)
-        self.push(rMixSq, sMixSq, lane, rank * W + warp)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        self.gather(rMixSq, sMixSq, lane)
+        self.exchange(rMixSq, sMixSq, lane, rank * W + warp)
         r = cute.math.rsqrt(rMixSq[0] * inv_d + self.eps)
         for j in cutlass.range_constexpr(V):
             lv = tidx + j * self.threads
@@ -257,17 +251,16 @@ class AttnResNorm:
                 cute.copy(st, rV, cute.local_tile(gOut, (VEC,), (first + lv,)))
 
     @cute.jit
-    def push(self, rSum: cute.Tensor, sDst: cute.Tensor, lane, entry):
-        """Lane r of the warp stores the warp's sums (the same in every lane after its shuffles)
-        at ``entry`` of CTA r's ``sDst`` (``[values, entries]``)."""
+    def exchange(self, rSum: cute.Tensor, sBuf: cute.Tensor, lane, entry):
+        """The warp's sums ``rSum`` (the same in every lane after its shuffles) become the
+        cluster's: lane r stores them at ``entry`` of CTA r's ``sBuf`` (``[values, entries]``),
+        then, after the cluster barrier, every lane sums every entry: lane e adds entries e,
+        e + 32, ..., then the warp's shuffles; the same order in every warp and CTA."""
         if lane < self.cluster:
-            peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sDst.iterator, lane), sDst.layout)
+            peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sBuf.iterator, lane), sBuf.layout)
             cute.autovec_copy(rSum, peer[None, entry])
-
-    @cute.jit
-    def gather(self, rSum: cute.Tensor, sSrc: cute.Tensor, lane):
-        """``rSum`` = the sums of every entry of ``sSrc``, in every lane: lane e adds entry e
-        (e, e + 32, ...), then the warp's shuffles; the same order in every warp and CTA."""
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
         n = const_expr(cute.size(rSum))
         E = const_expr(self.entries)
         rSum.fill(0.0)
@@ -275,7 +268,7 @@ class AttnResNorm:
             e = lane + e0 * 32
             if const_expr((e0 + 1) * 32 <= E) or e < E:
                 for k in cutlass.range_constexpr(n):
-                    rSum[k] = rSum[k] + sSrc[k, e]
+                    rSum[k] = rSum[k] + sBuf[k, e]
         for k in cutlass.range_constexpr(n):
             rSum[k] = cute.arch.warp_reduction(rSum[k], operator.add)
 
