@@ -245,7 +245,8 @@ def test_kda_core_ptx(compiled, key):
         assert _count(before, "cp.async.cg.shared.global") == 4 + 8 + 1
     else:
         assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + (4 if q == 1 else 0)
-    assert _count(before, "ld.global.b32") == 0 and _count(before, "ld.global.nc") == 0
+    # and the decay's two constants, A_log of the head and dt_bias of the thread's row (weights too)
+    assert _count(before, "ld.global.b32") == 2 and _count(before, "ld.global.nc") == 0
     assert _count(before, "ld.global.v4") == 0 and _count(before, "st.") == 0
     assert "griddepcontrol.launch_dependents" in after
     # unstaged, read-only 128-bit loads: x per token (conv threads), f_a per token (4 vectors),

@@ -43,8 +43,10 @@ Before ``griddepcontrol.wait`` a CTA loads only weights, which no kernel writes:
 of each f_b_proj row (at q > 1 only after the wait: held across the state loads it would spill
 registers), the conv threads' fp32 taps and (persistent) the norm weight; into registers, or
 persistent by ``cp.async`` into shared memory (held in registers across the items they would
-crowd out the state). state_indices, the activations and the states are read, and anything
-written, only after it (``launch_dependents`` follows at once).
+crowd out the state); e^A_log of the head and the thread's dt_bias into registers.
+state_indices, the activations and the states are read, and anything written, only after it
+(``launch_dependents`` follows at once). A persistent CTA reads each item's slot two items
+ahead, so no item's work waits on a state index.
 Thread ``i`` owns state row ``v = i // 4`` and, of its 32 128-bit vectors (4 fp32), the 8
 with ``vector % 4 == i % 4``: a warp reads 8 rows x 64 contiguous bytes per load, and the
 64 KB of the head's state are all in flight (8 per thread; ``ld.global.L1::no_allocate``
@@ -184,6 +186,10 @@ class KdaCore:
         # the state), else in registers by plain loads (not ld.global.nc: ptxas sinks those
         # below griddepcontrol.wait, plain ones stay above it)
         n = head * HEAD_DIM + tidx // 4
+        # the decay's constants of the head and of row n, in registers for every item (read in
+        # the gate they were a round trip of their own on each item's path)
+        decay_a = cute.math.exp(mALog[head])
+        dt = mDtBias[n]
         rFb, rConvW = None, None
         if const_expr(self.persistent):
             for u in cutlass.range_constexpr(4):
@@ -214,22 +220,28 @@ class KdaCore:
 
         # 1. persistent: the first item's inputs into buffer 0 (two groups: its activations, its
         # state); each item first sends the next one's into the other buffer, so that its own
-        # round trips are all behind it
+        # round trips are all behind it. The slots travel with the loop: the one two items ahead
+        # is read while this item works, so no item waits for a state index
         if const_expr(self.persistent):
-            self.prefetch(mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, cta // H, head, tidx, 0)
+            slot = mIdx[cta // H]
+            upcoming = self.slot_of(mIdx, cta + ctas, items, H)
+            self.prefetch(mQKV, mGOut, mFa, mConvS, mState, sh, cta // H, slot, head, tidx, 0)
             for item in cutlass.range(cta, items, ctas, unroll=1):
                 buf = (item - cta) // ctas % 2
+                after = self.slot_of(mIdx, item + 2 * ctas, items, H)
                 if item + ctas < items:
-                    self.prefetch(mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, (item + ctas) // H, head, tidx,
+                    self.prefetch(mQKV, mGOut, mFa, mConvS, mState, sh, (item + ctas) // H, upcoming, head, tidx,
                                   1 - buf)
                 else:
                     cute.arch.cp_async_commit_group()  # two empty groups: four per item either way
                     cute.arch.cp_async_commit_group()
-                self.item(mQKV, mGOut, mFa, mBeta, mFbW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, item // H,
-                          head, buf, tidx, rFb, rConvW)
+                self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh,
+                          item // H, head, buf, tidx, rFb, rConvW, slot)
+                slot = upcoming
+                upcoming = after
         else:  # one CTA per item, its inputs read where it uses them
-            self.item(mQKV, mGOut, mFa, mBeta, mFbW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H, head,
-                      0, tidx, rFb, rConvW)
+            self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H,
+                      head, 0, tidx, rFb, rConvW, Int32(0))
 
     def shared(self) -> Shared:
         """The kernel's shared memory. Per-thread copies are laid out [vector, thread, ...] so
@@ -266,8 +278,8 @@ class KdaCore:
             norm_w=per_thread(BFloat16, VEC, OUT_THREADS) if staged else None)
 
     @cute.jit
-    def item(self, mQKV, mGOut, mFa, mBeta, mFbW, mALog, mDtBias, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, req, head,
-             buf, tidx, rFb, rConvW):
+    def item(self, mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, req, head,
+             buf, tidx, rFb, rConvW, known_slot):
         """One (request ``req``, ``head``) from buffer ``buf``: conv, gate, the delta-rule steps,
         the state stored back and the gated norm. Of the four most recent cp.async groups, the
         first two are this item's (activations, state), the last two the next item's; the staged
@@ -279,7 +291,10 @@ class KdaCore:
         row = tidx // 4
         part = tidx % 4
         n = head * D + row
-        a, slot, conv_slot = self.slots(mIdx, mAcc, req)
+        if const_expr(self.persistent):  # one slot, read ahead by the loop
+            a, slot, conv_slot = Int32(1), known_slot, known_slot
+        else:
+            a, slot, conv_slot = self.slots(mIdx, mAcc, req)
         if slot > 0:
             rS = cute.make_rmem_tensor((F32_VEC, ROW_VECS), Float32)
             if const_expr(not self.persistent):  # staged: prefetched, read after the prologue
@@ -296,7 +311,7 @@ class KdaCore:
                 self.conv(mQKV, sh, rConvW, mConvS, conv_slot, a, req, head, tidx, warp, buf)
             if const_expr(not self.persistent and Q > 1):
                 self.load_fb(mFbW, rFb, n, part)
-            self.gate(mFa, sh, rFb, mALog, mDtBias, req, head, n, row, part, buf)
+            self.gate(mFa, sh, rFb, decay_a, dt, req, n, row, part, buf)
             if tidx < Q:
                 sh.beta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
             if const_expr(self.persistent):
@@ -373,11 +388,18 @@ class KdaCore:
         return Int32(1), slot, slot
 
     @cute.jit
-    def prefetch(self, mQKV, mGOut, mFa, mConvS, mState, mIdx, mAcc, sh, req, head, tidx, buf):
+    def slot_of(self, mIdx, item, items, heads):
+        """Persistent: the slot of ``item`` (0 past the last item: nothing to prefetch)."""
+        slot = Int32(0)
+        if item < items:
+            slot = mIdx[item // heads]
+        return slot
+
+    @cute.jit
+    def prefetch(self, mQKV, mGOut, mFa, mConvS, mState, sh, req, slot, head, tidx, buf):
         """Persistent: ``cp.async`` into buffer ``buf`` of (request ``req``, ``head``)'s inputs, if
-        the request has a slot, as two groups (empty otherwise): the conv threads' conv state and
+        its ``slot`` (read ahead by the loop) is > 0, as two groups (empty otherwise): the conv threads' conv state and
         x, f_a and g_out (16 threads each); then this thread's 32 state values."""
-        _, slot, _ = self.slots(mIdx, mAcc, req)
         if slot > 0:
             if tidx < CONV_THREADS:
                 ch0 = self.conv_channel(head, tidx)
@@ -536,15 +558,14 @@ class KdaCore:
             r[(3 * c + i) % VEC, (3 * c + i) // VEC] = value
 
     @cute.jit
-    def gate(self, mFa, sh, rFb, mALog, mDtBias, req, head, n, row, part, buf):
+    def gate(self, mFa, sh, rFb, decay_a, dt, req, n, row, part, buf):
         """g1 = f_a @ f_b_weight^T for channel ``row`` of the head (global channel ``n``; 4
         threads per row, 4 vectors each of the row in shared memory when persistent, else in
         ``rFb``; f_a from buffer ``buf``
         (``persistent``) or global memory), rounded to bf16 as the reference's linear is, then
-        exp(decay) into ``sh.g`` (the row's 4 threads store the same value)."""
+        exp(decay) into ``sh.g`` (the row's 4 threads store the same value); ``decay_a`` is
+        e^A_log of the head and ``dt`` the row's dt_bias, both read before the wait."""
         Q = self.q_len
-        a = cute.math.exp(mALog[head])
-        dt = mDtBias[n]
         tidx = row * 4 + part
         rX = cute.make_rmem_tensor((VEC,), BFloat16)
         rW = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -565,10 +586,10 @@ class KdaCore:
             g1 = cute.arch.warp_reduction(acc, operator.add, threads_in_group=4)
             x = g1.to(BFloat16).to(Float32) + dt
             if const_expr(self.lower_bound is not None):
-                decay = Float32(self.lower_bound) / (Float32(1.0) + cute.math.exp(-(a * x)))
+                decay = Float32(self.lower_bound) / (Float32(1.0) + cute.math.exp(-(decay_a * x)))
             else:  # softplus with torch's threshold 20
                 soft = Float32(cutlass.select_(x > Float32(20.0), x, cute.math.log1p(cute.math.exp(x))))
-                decay = -a * soft
+                decay = -decay_a * soft
             sh.g[row, j] = cute.math.exp(decay)
 
     @cute.jit
