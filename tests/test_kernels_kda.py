@@ -205,6 +205,11 @@ def _count(ptx: str, instr: str) -> int:
     return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(instr)}", ptx, re.MULTILINE))
 
 
+def _count64(ptx: str, op: str) -> int:
+    """64-bit accesses ``op`` (``ld.global``, ``st.global.nc``...): 2 x b32, 4 x b16 or one b64."""
+    return _count(ptx, f"{op}.v2.b32") + _count(ptx, f"{op}.v4.b16") + _count(ptx, f"{op}.b64")
+
+
 def _count128(ptx: str, op: str) -> int:
     """128-bit accesses ``op`` (``st.global``, ``ld.shared``...): 4 x b32, or 2 x b64 as sm_100a writes fp32 ones."""
     return _count(ptx, f"{op}.v4.b32") + _count(ptx, f"{op}.v2.b64")
@@ -222,11 +227,12 @@ def test_kda_core_ptx(compiled, key):
     assert staged == ("persistent" in key[0])
     if staged:
         # by cp.async into shared memory, 128 bits past the L1, before the wait: the f_b_proj row
-        # quarters (4 per thread), the conv taps (8 fp32 rows per conv thread) and the norm weight;
-        # after it, per item at two sites (the first item's and the next one's): the conv state (3)
-        # and x (1) of each conv thread, g_out and f_a (1 each, 16 threads) and the fp32 state (8
-        # per thread)
-        assert _count(ptx, "cp.async.cg.shared.global") == 4 + 8 + 1 + 2 * (3 + 1 + 1 + 1 + 8)
+        # quarters (4 per thread), the conv taps (4 fp32 rows per conv thread) and the norm weight;
+        # after it, per item at two sites (the first item's and the next one's): g_out and f_a (1
+        # each, 16 threads) and the fp32 state (8 per thread); 64 bits through the L1: the conv
+        # state (3) and x (1) of each conv thread
+        assert _count(ptx, "cp.async.cg.shared.global") == 4 + 4 + 1 + 2 * (1 + 1 + 8)
+        assert _count(ptx, "cp.async.ca.shared.global") == 2 * (3 + 1)
         assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 0
         # one group the weights, then two per item (activations, state), each item with its next
         # one's two behind it: it waits for all but 3 (its activations) and all but 2 (its state)
@@ -234,35 +240,37 @@ def test_kda_core_ptx(compiled, key):
         assert [len(re.findall(rf"cp.async.wait_group\s+{n};", ptx)) for n in (3, 2)] == [1, 1]
     else:
         # streamed into registers (8 x 128-bit per thread): the head's fp32 state, the f_b_proj
-        # rows (4 per thread) and the conv taps (8 fp32 rows per conv thread); no cp.async
-        assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8
+        # rows (4 per thread) and the conv taps (4 fp32 rows per conv thread); no cp.async
+        assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 4
         assert "cp.async" not in ptx
     # PDL: weights are all that comes before griddepcontrol.wait (the f_b_proj rows there at
     # q = 1 only); launch_dependents right after it, both once
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     before, after = ptx.split("griddepcontrol.wait;")
     if staged:
-        assert _count(before, "cp.async.cg.shared.global") == 4 + 8 + 1
+        assert _count(before, "cp.async.cg.shared.global") == 4 + 4 + 1
     else:
-        assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + (4 if q == 1 else 0)
+        assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 4 + (4 if q == 1 else 0)
     # and the decay's two constants, A_log of the head and dt_bias of the thread's row (weights too)
     assert _count(before, "ld.global.b32") == 2 and _count(before, "ld.global.nc") == 0
     assert _count(before, "ld.global.v4") == 0 and _count(before, "st.") == 0
     assert "griddepcontrol.launch_dependents" in after
-    # unstaged, read-only 128-bit loads: x per token (conv threads), f_a per token (4 vectors),
-    # g_out and norm_weight (output threads); and the conv state (coherent: it is written back)
-    assert _count(ptx, "ld.global.nc.v4.b32") == (0 if staged else q + 4 * q + 2)
-    assert _count(ptx, "ld.global.v4.b32") == (0 if staged else 3)
-    # state, conv state, the output (and the zero rows of a skipped request), all 128-bit
-    assert _count128(ptx, "st.global") == 8 + 3 + 1 + 1
-    # per token: GEMV row sums (2), q/k norms (4), S k and S q (2 + 2), sum of o^2 over 8 rows (3)
-    assert _count(ptx, "shfl.sync.bfly.b32") == 13 * q
+    # unstaged, read-only 128-bit loads: f_a per token (4 vectors), g_out and norm_weight (output
+    # threads); 64-bit: x per token (conv threads) and the conv state (coherent: written back)
+    assert _count(ptx, "ld.global.nc.v4.b32") == (0 if staged else 4 * q + 2)
+    assert _count64(ptx, "ld.global.nc") == (0 if staged else q)
+    assert _count(ptx, "ld.global.v4.b32") == 0 and _count64(ptx, "ld.global") == (0 if staged else 3)
+    # state, the output (and the zero rows of a skipped request), all 128-bit; the conv state 64
+    assert _count128(ptx, "st.global") == 8 + 1 + 1
+    assert _count64(ptx, "st.global") == 3
+    # per token: GEMV row sums (2), q/k norms (5), S k and S q (2 + 2), sum of o^2 over 8 rows (3)
+    assert _count(ptx, "shfl.sync.bfly.b32") == 14 * q
     assert _count(ptx, "bar.sync") == 2 + staged  # staged: f_a, copied by 16 threads, read by all
-    assert _count128(ptx, "st.shared") == 2 * q  # conv outputs (fp32) staged per token
+    assert _count128(ptx, "st.shared") == q  # a conv thread's 4 outputs (fp32) staged per token
     assert _count128(ptx, "ld.shared") >= 3 * 8 * q  # exp(g), k, q vectors per token
     assert _count(ptx, "fma.rn.f32") >= 2 * 32 * q  # the rank-1 update and S q (fp32)
-    if lb is not None:  # exps: A_log, beta, 2 per decay and 8 SiLU per token, 8 output gates
-        assert _count(ptx, "ex2.approx") == 10 + 10 * q
+    if lb is not None:  # exps: A_log, beta, 2 per decay and 4 SiLU per token, 8 output gates
+        assert _count(ptx, "ex2.approx") == 10 + 6 * q
     else:
         assert len(re.findall(r"setp.gt.f32\s+%p\d+, %r\d+, 0f41A00000;", ptx)) == q  # softplus: x > 20
     assert _count(ptx, "ld.global.b16") == 1  # beta
@@ -276,20 +284,21 @@ def test_kda_core_ptx(compiled, key):
 @pytest.mark.parametrize("key", list(VERIFY_COMPILES))
 def test_kda_core_verify_ptx(compiled, key):
     """A verify step in one kernel: the source state streamed in once, token t's state stored
-    after its update (8 x 128-bit per token), the conv rows rewritten (SD: 2 + q 128-bit rows;
-    DS: scalars), no local memory, PDL as for one-slot steps."""
+    after its update (8 x 128-bit per token), the conv rows rewritten (SD: 2 + q 64-bit rows of
+    a thread's 4 channels; DS: scalars), no local memory, PDL as for one-slot steps."""
     k = compiled[key]
     _, q, layout = VERIFY_COMPILES[key]
     ptx = k.ptx
     assert f".target {key[1]}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
-    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 8  # state, f_b rows, conv taps
+    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == 8 + 4 + 4  # state, f_b rows, conv taps
     assert "cp.async" not in ptx
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     conv_rows = 2 + q if layout == "SD" else 0
-    assert _count128(ptx, "st.global") == 8 * q + conv_rows + 1 + 1  # states, conv rows, output, zero rows
+    assert _count128(ptx, "st.global") == 8 * q + 1 + 1  # states, output, zero rows
+    assert _count64(ptx, "st.global") == conv_rows
     if layout == "DS":
-        assert _count(ptx, "st.global.b16") == 8 * (2 + q)  # 8 channels x (2 + q) rows
-        assert _count(ptx, "ld.global.b16") == 1 + 24  # beta, 8 channels x 3 window taps
+        assert _count(ptx, "st.global.b16") == 4 * (2 + q)  # 4 channels x (2 + q) rows
+        assert _count(ptx, "ld.global.b16") == 1 + 12  # beta, 4 channels x 3 window taps
     assert _count(ptx, "bar.sync") == 2
 
 

@@ -7,10 +7,10 @@ VEC = 8  # 16-bit elements per 128-bit vector
 BITS = 128
 
 
-def g2r_atom(dtype, *, invariant: bool = True):
-    """Global -> registers, 128 bits. ``invariant`` (read-only for the kernel's lifetime)
-    makes it ``ld.global.nc.v4``: the read-only path, cached in L1."""
-    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=BITS, invariant=invariant)
+def g2r_atom(dtype, *, invariant: bool = True, bits: int = BITS):
+    """Global -> registers, 128 bits (or ``bits``). ``invariant`` (read-only for the kernel's
+    lifetime) makes it ``ld.global.nc.v4``: the read-only path, cached in L1."""
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, invariant=invariant)
 
 
 def g2r_stream_atom(dtype):
@@ -22,9 +22,9 @@ def g2r_stream_atom(dtype):
                                l2_prefetch_size=cute.nvgpu.L2PrefetchSize.SIZE_256B)
 
 
-def r2g_atom(dtype):
-    """Registers -> global, 128 bits (``st.global.v4``)."""
-    return cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=BITS)
+def r2g_atom(dtype, bits: int = BITS):
+    """Registers -> global, 128 bits (``st.global.v4``; or ``bits``)."""
+    return cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits)
 
 
 def r2s_atom(dtype):

@@ -57,11 +57,12 @@ waits for its activations before the prologue and for its state after it. The pr
   rows, f_a from the item's buffer (persistent; copied by 16 threads, so a barrier first) or
   by ``ld.global.nc.v4``, a 4-lane butterfly (the row's 4 threads all hold g1 then), and exp(g)
   goes to shared memory;
-- the conv: 48 threads of 8 channels each (16 per q, k, v): the conv state (3 x 128-bit, bf16:
-  one per tap in SD, the 8 channels' 24 contiguous values in DS) and x in 128-bit loads or
-  from the item's buffer, the tokens in order, the new conv state written back as 3 x 128-bit
-  stores; q and k (warp 0, 16 lanes each) get their L2 norms from a 16-lane butterfly; q, k, v
-  go to shared memory (fp32);
+- the conv: 96 threads of 4 channels each (a warp per q, k, v; with 8 channels a thread the
+  conv's dependent chain was what the other warps waited for at the barrier): the conv state
+  (3 x 64 bits, bf16: one per tap in SD, the 4 channels' 12 contiguous values in DS) and x
+  in 64-bit loads or from the item's buffer, the tokens in order, the new conv state written
+  back as 3 x 64-bit stores; q and k (warps 0 and 1) get their L2 norms from a 32-lane
+  butterfly; q, k, v go to shared memory (fp32);
 - sigmoid(beta) per token (loaded when the item starts).
 One barrier, then each thread runs the tokens' delta-rule updates on its registers (two
 4-lane butterflies per token: S k and S q) and writes its row of o (bf16) and, per warp,
@@ -91,8 +92,10 @@ MAX_Q = 8  # tokens per request: the per-token smem vectors and the output threa
 THREADS = 512  # 4 per state row
 F32_VEC = 4  # fp32 per 128-bit vector
 ROW_VECS = HEAD_DIM // F32_VEC // 4  # state vectors per thread (8)
-CONV_CH = 8  # conv channels per conv thread (3 x 128-bit of bf16 state)
-CONV_THREADS = 3 * HEAD_DIM // CONV_CH  # 48
+CONV_CH = 4  # conv channels per conv thread (3 x 64 bits of bf16 state)
+CONV_BITS = 16 * CONV_CH  # a conv thread's accesses of its channels' conv state and x
+SEG_THREADS = HEAD_DIM // CONV_CH  # 32: q, k and v one warp each
+CONV_THREADS = 3 * SEG_THREADS  # 96
 OUT_THREADS = HEAD_DIM // VEC  # 16 per token
 QK_EPS = 1e-6  # rewriter.layers.common.l2_normalize
 
@@ -116,10 +119,11 @@ class Shared:
     norm_w: Any  # the norm weight [8, 16]
 
 
-def g2s_atom(dtype=Float32):
-    """Global -> shared memory by ``cp.async``, 128 bits past the L1 (the state, the weights)."""
-    return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), dtype,
-                               num_bits_per_copy=128)
+def g2s_atom(dtype=Float32, bits: int = 128):
+    """Global -> shared memory by ``cp.async``, 128 bits past the L1 (the state, the weights);
+    narrower copies (the conv threads' 64 bits) through the L1, as cp.async has them."""
+    mode = cute.nvgpu.LoadCacheMode.GLOBAL if bits == 128 else cute.nvgpu.LoadCacheMode.ALWAYS
+    return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), dtype, num_bits_per_copy=bits)
 
 
 class KdaCore:
@@ -270,9 +274,9 @@ class KdaCore:
             sq=alloc(Float32, (THREADS // 32, Q)),
             state=per_thread(Float32, F32_VEC, THREADS, ROW_VECS, 2) if staged else None,  # a thread's 8 vectors
             fb=per_thread(BFloat16, VEC, THREADS, 4) if staged else None,  # a thread's f_b_proj row quarter
-            conv_w=per_thread(Float32, F32_VEC, CONV_THREADS, CONV_CH) if staged else None,  # 8 channels x 4 taps
-            conv_s=per_thread(BFloat16, VEC, CONV_THREADS, 3, 2) if staged else None,
-            x=per_thread(BFloat16, VEC, CONV_THREADS, 2) if staged else None,
+            conv_w=per_thread(Float32, F32_VEC, CONV_THREADS, CONV_CH) if staged else None,  # 4 channels x 4 taps
+            conv_s=per_thread(BFloat16, CONV_CH, CONV_THREADS, 3, 2) if staged else None,
+            x=per_thread(BFloat16, CONV_CH, CONV_THREADS, 2) if staged else None,
             fa=per_thread(BFloat16, VEC, OUT_THREADS, 2) if staged else None,
             g_out=per_thread(BFloat16, VEC, OUT_THREADS, 2) if staged else None,
             norm_w=per_thread(BFloat16, VEC, OUT_THREADS) if staged else None)
@@ -306,7 +310,7 @@ class KdaCore:
                 cute.arch.cp_async_wait_group(3)  # the weights and this item's activations landed
                 cute.arch.barrier()  # f_a was copied by 16 threads for all
 
-            # 2. prologue: conv (48 threads), f_b_proj GEMV + decay (all), sigmoid(beta)
+            # 2. prologue: conv (96 threads), f_b_proj GEMV + decay (all), sigmoid(beta)
             if tidx < CONV_THREADS:
                 self.conv(mQKV, sh, rConvW, mConvS, conv_slot, a, req, head, tidx, warp, buf)
             if const_expr(not self.persistent and Q > 1):
@@ -405,9 +409,9 @@ class KdaCore:
                 ch0 = self.conv_channel(head, tidx)
                 gCS = mConvS[slot, None]
                 for u in cutlass.range_constexpr(3):
-                    cute.copy(g2s_atom(BFloat16), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
-                              sh.conv_s[None, tidx, u, buf])
-                cute.copy(g2s_atom(BFloat16), cute.local_tile(mQKV[req, None], (VEC,), (ch0 // VEC,)),
+                    cute.copy(g2s_atom(BFloat16, CONV_BITS),
+                              cute.local_tile(gCS, (CONV_CH,), (self.conv_vector(ch0, u),)), sh.conv_s[None, tidx, u, buf])
+                cute.copy(g2s_atom(BFloat16, CONV_BITS), cute.local_tile(mQKV[req, None], (CONV_CH,), (ch0 // CONV_CH,)),
                           sh.x[None, tidx, buf])
             if tidx < OUT_THREADS:
                 cute.copy(g2s_atom(BFloat16), cute.local_tile(mGOut[req, None], (VEC,), (head * OUT_THREADS + tidx,)),
@@ -439,25 +443,25 @@ class KdaCore:
             cute.copy(r2g_atom(Float32), rS[None, u], cute.local_tile(gRow, (F32_VEC,), (u * 4 + part,)))
 
     def conv_channel(self, head, tidx):
-        """The first of conv thread ``tidx``'s 8 global channels: segment ``tidx // 16`` (q, k, v),
-        channels [8c, 8c + 8) of the head, c = ``tidx % 16``."""
-        return tidx // 16 * self.proj + head * HEAD_DIM + tidx % 16 * CONV_CH
+        """The first of conv thread ``tidx``'s 4 global channels: segment ``tidx // 32`` (q, k, v),
+        channels [4c, 4c + 4) of the head, c = ``tidx % 32``."""
+        return tidx // SEG_THREADS * self.proj + head * HEAD_DIM + tidx % SEG_THREADS * CONV_CH
 
     @cute.jit
     def conv(self, mQKV, sh, rConvW, mConvS, slot, a, req, head, tidx, warp, buf):
-        """Thread ``tidx`` < 48: channels [8c, 8c + 8) of segment ``seg`` (q, k, v) of the head
-        (conv taps loaded before the wait: in shared memory when persistent, else ``rConvW``): the
-        causal conv + SiLU of the q
-        tokens, the conv state written back, q and k L2-normalized (warp 0: lanes 0-15 q, 16-31
-        k), results to ``sh.qkv[:, seg, token]``. The conv state and x come from buffer ``buf``
-        (``persistent``) or global memory. A verify step's window starts at row ``a - 1``."""
+        """Thread ``tidx`` < 96: channels [4c, 4c + 4) of segment ``seg`` (q, k, v: one warp each)
+        of the head (conv taps loaded before the wait: in shared memory when persistent, else
+        ``rConvW``): the causal conv + SiLU of the q tokens, the conv state written back, q and k
+        L2-normalized (warps 0 and 1, a 32-lane butterfly each), results to
+        ``sh.qkv[:, seg, token]``. The conv state and x come from buffer ``buf`` (``persistent``)
+        or global memory. A verify step's window starts at row ``a - 1``."""
         Q, D = self.q_len, HEAD_DIM
-        seg = tidx // 16
-        c8 = tidx % 16
+        seg = tidx // SEG_THREADS
+        c4 = tidx % SEG_THREADS
         ch0 = self.conv_channel(head, tidx)  # first global channel
-        # the 8 channels' conv state, 3 x 128 bits: SD, tap u's 8 channels at u * 3P + ch0; DS,
-        # 24 contiguous bf16 (channel-major, oldest first); a verify step in DS, 24 scalars
-        rCS = cute.make_rmem_tensor((VEC, 3), BFloat16)
+        # the 4 channels' conv state, 3 x 64 bits: SD, tap u's 4 channels at u * 3P + ch0; DS,
+        # 12 contiguous bf16 (channel-major, oldest first); a verify step in DS, 12 scalars
+        rCS = cute.make_rmem_tensor((CONV_CH, 3), BFloat16)
         gCS = mConvS[slot, None]
         if const_expr(self.persistent):
             for u in cutlass.range_constexpr(3):
@@ -466,25 +470,21 @@ class KdaCore:
             for c in cutlass.range_constexpr(CONV_CH):
                 for u in cutlass.range_constexpr(3):
                     rCS[c, u] = gCS[(ch0 + c) * self.conv_rows + a - 1 + u]
-        elif const_expr(self.verify):
-            for u in cutlass.range_constexpr(3):
-                cute.copy(g2r_atom(BFloat16, invariant=False),
-                          cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, a - 1 + u),)), rCS[None, u])
         else:
+            first = a - 1 if const_expr(self.verify) else 0  # a one-slot step: a = 1
             for u in cutlass.range_constexpr(3):
-                cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)),
-                          rCS[None, u])
-        rX = cute.make_rmem_tensor((VEC, Q), BFloat16)
+                cute.copy(g2r_atom(BFloat16, invariant=False, bits=CONV_BITS),
+                          cute.local_tile(gCS, (CONV_CH,), (self.conv_vector(ch0, first + u),)), rCS[None, u])
+        rX = cute.make_rmem_tensor((CONV_CH, Q), BFloat16)
         if const_expr(self.persistent):
             cute.autovec_copy(sh.x[None, tidx, buf], rX[None, 0])
         else:
             for j in cutlass.range_constexpr(Q):
-                cute.copy(g2r_atom(BFloat16), cute.local_tile(mQKV[req * Q + j, None], (VEC,), (ch0 // VEC,)),
-                          rX[None, j])
+                cute.copy(g2r_atom(BFloat16, bits=CONV_BITS),
+                          cute.local_tile(mQKV[req * Q + j, None], (CONV_CH,), (ch0 // CONV_CH,)), rX[None, j])
         window = [[self.conv_tap(rCS, c, i) for i in range(3)] for c in range(CONV_CH)]
         scale = Float32(1.0)
         rY = cute.make_rmem_tensor((CONV_CH,), Float32)
-        st_s = r2s_atom(Float32)
         for j in cutlass.range_constexpr(Q):
             for c in cutlass.range_constexpr(CONV_CH):
                 x = rX[c, j]
@@ -499,37 +499,36 @@ class KdaCore:
                 silu = acc * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-acc)))
                 rY[c] = silu.to(BFloat16).to(Float32)
                 window[c] = [w[1], w[2], x]
-            if warp == 0:  # q and k: L2 norm over the head's 128 channels (16 lanes x 8)
+            if warp < 2:  # q and k: L2 norm over the head's 128 channels (32 lanes x 4)
                 y = rY.load()
                 sq = cute.arch.warp_reduction((y * y).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), operator.add,
-                                              threads_in_group=16)
+                                              threads_in_group=SEG_THREADS)
                 qk_scale = Float32(cutlass.select_(seg == 0, Float32(D ** -0.5), Float32(1.0)))
                 scale = cute.math.rsqrt(sq + Float32(QK_EPS)) * qk_scale
             rY.store(rY.load() * scale)
-            for half in cutlass.range_constexpr(CONV_CH // F32_VEC):
-                cute.copy(st_s, cute.local_tile(rY, (F32_VEC,), (half,)),
-                          cute.local_tile(sh.qkv[None, seg, j], (F32_VEC,), (c8 * 2 + half,)))
+            cute.copy(r2s_atom(Float32), rY, cute.local_tile(sh.qkv[None, seg, j], (CONV_CH,), (c4,)))
         if const_expr(self.verify):
             self.write_verify_conv(gCS, rCS, rX, ch0)
         else:
-            rOut = cute.make_rmem_tensor((VEC, 3), BFloat16)
+            rOut = cute.make_rmem_tensor((CONV_CH, 3), BFloat16)
             for c in cutlass.range_constexpr(CONV_CH):
                 for i in cutlass.range_constexpr(3):
                     self.set_conv_tap(rOut, c, i, window[c][i])
             for u in cutlass.range_constexpr(3):
-                cute.copy(r2g_atom(BFloat16), rOut[None, u],
-                          cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)))
+                cute.copy(r2g_atom(BFloat16, CONV_BITS), rOut[None, u],
+                          cute.local_tile(gCS, (CONV_CH,), (self.conv_vector(ch0, u),)))
 
     def write_verify_conv(self, gCS, rCS, rX, ch0):
         """A verify step's conv rows: 0, 1 the old rows a, a + 1 (the window's newer two taps),
-        2 .. q + 1 this step's inputs; SD by 128-bit rows, DS by scalars."""
+        2 .. q + 1 this step's inputs; SD by 64-bit rows of the thread's 4 channels, DS by scalars."""
         Q = self.q_len
         if self.conv_layout == "SD":
             for u in range(2):
-                cute.copy(r2g_atom(BFloat16), rCS[None, u + 1],
-                          cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, u),)))
+                cute.copy(r2g_atom(BFloat16, CONV_BITS), rCS[None, u + 1],
+                          cute.local_tile(gCS, (CONV_CH,), (self.conv_vector(ch0, u),)))
             for j in range(Q):
-                cute.copy(r2g_atom(BFloat16), rX[None, j], cute.local_tile(gCS, (VEC,), (self.conv_vector(ch0, 2 + j),)))
+                cute.copy(r2g_atom(BFloat16, CONV_BITS), rX[None, j],
+                          cute.local_tile(gCS, (CONV_CH,), (self.conv_vector(ch0, 2 + j),)))
         else:
             for c in range(CONV_CH):
                 base = (ch0 + c) * self.conv_rows
@@ -539,23 +538,23 @@ class KdaCore:
                     gCS[base + 2 + j] = rX[c, j]
 
     def conv_vector(self, ch0, u):
-        """Which 128-bit vector of a slot's conv state is row (tap) ``u`` of channels [ch0, ch0 + 8)
-        (SD; DS one-slot steps: the ``u``-th of their 24 contiguous values)."""
+        """Which 4-value vector of a slot's conv state is row (tap) ``u`` of channels [ch0, ch0 + 4)
+        (SD; DS one-slot steps: the ``u``-th of their 12 contiguous values)."""
         if const_expr(self.conv_layout == "SD"):
-            return u * (3 * self.proj // VEC) + ch0 // VEC
+            return u * (3 * self.proj // CONV_CH) + ch0 // CONV_CH
         return ch0 // CONV_CH * 3 + u
 
     def conv_tap(self, r, c, i):
         """Tap ``i`` (oldest first) of channel ``c`` in the 3 loaded vectors ``r``."""
         if const_expr(self.tap_major):
             return r[c, i]
-        return r[(3 * c + i) % VEC, (3 * c + i) // VEC]
+        return r[(3 * c + i) % CONV_CH, (3 * c + i) // CONV_CH]
 
     def set_conv_tap(self, r, c, i, value):
         if const_expr(self.tap_major):
             r[c, i] = value
         else:
-            r[(3 * c + i) % VEC, (3 * c + i) // VEC] = value
+            r[(3 * c + i) % CONV_CH, (3 * c + i) // CONV_CH] = value
 
     @cute.jit
     def gate(self, mFa, sh, rFb, decay_a, dt, req, n, row, part, buf):
