@@ -63,7 +63,7 @@ waits for its activations before the prologue and for its state after it. The pr
   in 64-bit loads or from the item's buffer, the tokens in order, the new conv state written
   back as 3 x 64-bit stores; q and k (warps 0 and 1) get their L2 norms from a 32-lane
   butterfly; q, k, v go to shared memory (fp32);
-- sigmoid(beta) per token (loaded when the item starts).
+- sigmoid(beta) per token (loaded when the item starts; persistent, an item ahead).
 One barrier, then each thread runs the tokens' delta-rule updates on its registers (two
 4-lane butterflies per token: S k and S q) and writes its row of o (bf16) and, per warp,
 the sum of o^2 over its 8 rows to shared memory. The state goes back with 8 128-bit stores
@@ -225,14 +225,16 @@ class KdaCore:
         # 1. persistent: the first item's inputs into buffer 0 (two groups: its activations, its
         # state); each item first sends the next one's into the other buffer, so that its own
         # round trips are all behind it. The slots travel with the loop: the one two items ahead
-        # is read while this item works, so no item waits for a state index
+        # is read while this item works, so no item waits for a state index; beta an item ahead
         if const_expr(self.persistent):
             slot = mIdx[cta // H]
             upcoming = self.slot_of(mIdx, cta + ctas, items, H)
+            beta = self.beta_of(mBeta, cta, items, H, tidx)
             self.prefetch(mQKV, mGOut, mFa, mConvS, mState, sh, cta // H, slot, head, tidx, 0)
             for item in cutlass.range(cta, items, ctas, unroll=1):
                 buf = (item - cta) // ctas % 2
                 after = self.slot_of(mIdx, item + 2 * ctas, items, H)
+                beta_next = self.beta_of(mBeta, item + ctas, items, H, tidx)
                 if item + ctas < items:
                     self.prefetch(mQKV, mGOut, mFa, mConvS, mState, sh, (item + ctas) // H, upcoming, head, tidx,
                                   1 - buf)
@@ -240,12 +242,13 @@ class KdaCore:
                     cute.arch.cp_async_commit_group()  # two empty groups: four per item either way
                     cute.arch.cp_async_commit_group()
                 self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh,
-                          item // H, head, buf, tidx, rFb, rConvW, slot)
+                          item // H, head, buf, tidx, rFb, rConvW, slot, beta)
                 slot = upcoming
                 upcoming = after
+                beta = beta_next
         else:  # one CTA per item, its inputs read where it uses them
             self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H,
-                      head, 0, tidx, rFb, rConvW, Int32(0))
+                      head, 0, tidx, rFb, rConvW, Int32(0), Float32(0.0))
 
     def shared(self) -> Shared:
         """The kernel's shared memory. Per-thread copies are laid out [vector, thread, ...] so
@@ -283,7 +286,7 @@ class KdaCore:
 
     @cute.jit
     def item(self, mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, req, head,
-             buf, tidx, rFb, rConvW, known_slot):
+             buf, tidx, rFb, rConvW, known_slot, known_beta):
         """One (request ``req``, ``head``) from buffer ``buf``: conv, gate, the delta-rule steps,
         the state stored back and the gated norm. Of the four most recent cp.async groups, the
         first two are this item's (activations, state), the last two the next item's; the staged
@@ -304,7 +307,9 @@ class KdaCore:
             if const_expr(not self.persistent):  # staged: prefetched, read after the prologue
                 self.load_state(rS, mState[slot, head, row, None], part)
             b = Float32(0.0)
-            if tidx < Q:
+            if const_expr(self.persistent):  # read an item ahead by the loop
+                b = known_beta
+            elif tidx < Q:
                 b = mBeta[req * Q + tidx, head].to(Float32)
             if const_expr(self.persistent):
                 cute.arch.cp_async_wait_group(3)  # the weights and this item's activations landed
@@ -398,6 +403,16 @@ class KdaCore:
         if item < items:
             slot = mIdx[item // heads]
         return slot
+
+    @cute.jit
+    def beta_of(self, mBeta, item, items, heads, tidx):
+        """Persistent: thread 0's beta of ``item`` (one token a request; 0 past the last item),
+        read an item ahead: read where the item starts, its round trip held warp 0, and so the
+        prologue's barrier, back."""
+        b = Float32(0.0)
+        if (item < items) & (tidx == 0):
+            b = mBeta[item // heads, item % heads].to(Float32)
+        return b
 
     @cute.jit
     def prefetch(self, mQKV, mGOut, mFa, mConvS, mState, sh, req, slot, head, tidx, buf):
