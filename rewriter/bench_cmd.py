@@ -22,7 +22,11 @@ How it is measured, and what it leaves out:
   share), so the figures are one rank's compute without communication;
 - ``copies`` layers with their own random weights and decode state run back to back in one
   timed call, so each layer reads weights that are not in the L2 (the copies' weights
-  together exceed it several times over); time per layer = median replay / copies;
+  together exceed it several times over); the copies in turn, repeated, so that a replay runs
+  at least ``--layers-per-replay`` layers (default 8), as a model's step graph runs its layers
+  back to back: the graph's launch and its first kernel's ramp are shared by those layers
+  (with the 2 copies of a 64-token step alone they added about 6 us to each, H200,
+  BENCHMARKS.md); time per layer = median replay / layers run;
 - medians over ``reps`` timed replays after warm-up, CUDA events around each replay.
 """
 from __future__ import annotations
@@ -66,6 +70,22 @@ class Row:
         return None if not self.us else 100.0 * self.floor_us / self.us
 
 
+LAYERS_PER_REPLAY = 8  # default: layers a timed replay runs (the copies in turn, repeated)
+
+
+def rounds_for(copies: int, layers: int) -> int:
+    """How many times a replay runs the copies in turn, so that it runs at least ``layers`` layers."""
+    return max(1, math.ceil(layers / copies))
+
+
+def repeated(run: Callable[[], Any], rounds: int) -> Callable[[], Any]:
+    """``run`` called ``rounds`` times in a row (what one timed call or graph replay runs)."""
+    def run_rounds():
+        for _ in range(rounds):
+            run()
+    return run_rounds
+
+
 def copies_for(floor_bytes: int, requested: int | None) -> int:
     """Layers per timed call: enough that their weights exceed the L2 four times (at least 2)."""
     if requested is not None:
@@ -87,7 +107,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens each request already holds in the MLA cache (default 4096)")
     b.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="MLA latent cache: bf16 or fp8 E4M3 with one per-tensor scale (default bf16)")
-    b.add_argument("--copies", type=int, help="layers per timed call (default: 4x the L2 in weights)")
+    b.add_argument("--copies", type=int, help="layer copies, each with its own weights and state (default: 4x the "
+                   "L2 in weights)")
+    b.add_argument("--layers-per-replay", type=int, default=LAYERS_PER_REPLAY,
+                   help="layers a timed replay runs at least, the copies in turn, repeated, as a model's step graph "
+                        f"runs its layers (default {LAYERS_PER_REPLAY})")
     b.add_argument("--reps", type=int, default=30, help="timed replays per row (default 30)")
     b.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="what to run (default all)")
     b.add_argument("--compile-mode", choices=COMPILE_MODES, default="max-autotune",
@@ -108,6 +132,8 @@ def _check_args(args: argparse.Namespace) -> None:
     bad += [f"--batch {b} x --q {args.q} = {b * args.q} tokens (at most 64)" for b in args.batch if b * args.q > 64]
     if args.copies is not None and args.copies < 1:
         bad.append(f"--copies {args.copies}")
+    if args.layers_per_replay < 1:
+        bad.append(f"--layers-per-replay {args.layers_per_replay}")
     if args.reps < 3:
         bad.append(f"--reps {args.reps} (at least 3)")
     if bad:
@@ -157,9 +183,9 @@ def profile_kernels(run: Callable[[], Any]) -> list[tuple[str, float]]:
     return [(e.name, e.time_range.elapsed_us()) for e in events]
 
 
-def replay_timeline(replay: Callable[[], Any], per_layer: int, copies: int
+def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
                     ) -> list[tuple[str, float, float, float]] | None:
-    """The kernels of one layer (the second copy) in one profiled graph replay: (name, start us
+    """The kernels of one layer (the second of the replay's ``layers``) in one profiled graph replay: (name, start us
     from the layer's first kernel, duration us, us by which its end moved the layer's last end
     so far). The last column sums to the layer's span under replay, so it says which kernels
     the layer waits on (a kernel that ends inside an earlier one adds 0); None where the
@@ -172,9 +198,9 @@ def replay_timeline(replay: Callable[[], Any], per_layer: int, copies: int
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                      and not e.name.startswith(("Memcpy", "Memset"))), key=lambda e: e.time_range.start)
-    if len(events) != per_layer * copies:
+    if len(events) != per_layer * layers:
         return None
-    layer = events[per_layer:2 * per_layer] if copies > 1 else events
+    layer = events[per_layer:2 * per_layer] if layers > 1 else events
     spans = [(e.time_range.start, e.time_range.end) for e in layer]
     return [(e.name, start - spans[0][0], end - start, added)
             for e, (start, end), added in zip(layer, spans, span_additions(spans))]
@@ -293,7 +319,10 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     floor, ref_floor = planned.served_floor_bytes(), planned.reference_floor_bytes()
     floor_us, ref_floor_us = hbm_us(floor, H200_COPY_TBPS), hbm_us(ref_floor, H200_COPY_TBPS)
     copies = copies_for(floor, args.copies)
-    progress(f"TP {tp} batch {batch}: {copies} layer copies, HBM floor as served {floor / 1e6:.1f} MB = "
+    rounds = rounds_for(copies, args.layers_per_replay)
+    layers = copies * rounds  # per timed replay
+    progress(f"TP {tp} batch {batch}: {copies} layer copies x {rounds} per replay, HBM floor as served "
+             f"{floor / 1e6:.1f} MB = "
              f"{floor_us:.1f} us (reference layer {ref_floor / 1e6:.1f} MB = {ref_floor_us:.1f} us)")
     case = _Case(cfg, args.layer, meta_shape, copies, args.experts)
     rows = []
@@ -310,9 +339,9 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         kernels = len(launched)
         specs = [s for row in plan(result, arch) for s in row.get("specs", ())]
         labels = label_kernels(launched, specs)
-        g = _graph(run_all)
-        us = _median_us(g.replay, args.reps) / copies
-        timeline = replay_timeline(g.replay, len(launched), copies)
+        g = _graph(repeated(run_all, rounds))
+        us = _median_us(g.replay, args.reps) / layers
+        timeline = replay_timeline(g.replay, len(launched), layers)
         if timeline is not None:
             names = [label for label, _ in label_kernels([(n, d) for n, _, d, _ in timeline], specs)]
             timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for label, (_, t, d, a) in zip(names, timeline)]
@@ -335,18 +364,18 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
             progress(f"    {t:7.1f} {d:7.1f} {a:7.1f}  {label}")
         del g
     if "vllm-stock" in args.paths:
-        rows.append(_stock_row(case, tp, batch, floor_us, ref_floor_us, args.reps, progress))
+        rows.append(_stock_row(case, tp, batch, floor_us, ref_floor_us, args.reps, rounds, progress))
     ref = case.reference()
     if "eager" in args.paths:
         ref()
         kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
-        rows.append(Row(tp, batch, "eager", kernels, _median_us(ref, args.reps) / copies, floor_us,
+        rows.append(Row(tp, batch, "eager", kernels, _median_us(repeated(ref, rounds), args.reps) / layers, floor_us,
                         reference_floor_us=ref_floor_us))
         progress(f"  eager: {rows[-1].kernels} kernels, {rows[-1].us:.1f} us")
     if "cuda graph" in args.paths:
-        g = _graph(ref)
+        g = _graph(repeated(ref, rounds))
         kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
-        rows.append(Row(tp, batch, "cuda graph", kernels, _median_us(g.replay, args.reps) / copies, floor_us,
+        rows.append(Row(tp, batch, "cuda graph", kernels, _median_us(g.replay, args.reps) / layers, floor_us,
                         reference_floor_us=ref_floor_us))
         progress(f"  cuda graph: {rows[-1].us:.1f} us")
         del g
@@ -362,8 +391,8 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         kernels, _ = count_kernels(lambda: compiled[0](*case.inputs[0]))
-        g = _graph(run_compiled)
-        us = _median_us(g.replay, args.reps) / copies
+        g = _graph(repeated(run_compiled, rounds))
+        us = _median_us(g.replay, args.reps) / layers
         rows.append(Row(tp, batch, "torch.compile", kernels, us, floor_us,
                         f"{args.compile_mode}, CUDA graph; compiled in {seconds:.0f}s", ref_floor_us))
         del g
@@ -389,7 +418,7 @@ def agreement(run_a: Callable[..., Any], run_b: Callable[..., Any], inputs: list
                for a, b in zip(*outs) if a.is_floating_point())
 
 
-def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: float, reps: int,
+def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: float, reps: int, rounds: int,
                progress: Callable[[str], None]) -> Row:
     """The layer on vLLM's stock sm_90 kernels, or why it cannot run here."""
     from rewriter.stock_path import StockPathError, lower
@@ -415,8 +444,8 @@ def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: 
     run()  # the profiled call reads copy 0's weights after the other copies evicted them
     launched = profile_kernels(lambda: compiled[0](*case.inputs[0]))
     kernels = len(launched)
-    g = _graph(run)
-    us = _median_us(g.replay, reps) / len(compiled)
+    g = _graph(repeated(run, rounds))
+    us = _median_us(g.replay, reps) / (len(compiled) * rounds)
     del g
     row = Row(tp, batch, "vllm-stock", kernels, us, floor_us,
               f"Humming MoE, fla Triton KDA, cuBLAS; torch.compile, CUDA graph; compiled in {seconds:.0f}s; "

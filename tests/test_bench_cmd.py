@@ -4,13 +4,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewriter.bench_cmd import L2_BYTES, Row, copies_for, render
+from rewriter.bench_cmd import L2_BYTES, Row, copies_for, render, repeated, rounds_for
 from rewriter.cli import main
 
 
 def test_copies_rotate_weights_past_the_l2():
     assert copies_for(10 * 2**20, None) * 10 * 2**20 >= 4 * L2_BYTES
     assert copies_for(300e6, None) == 2 and copies_for(300e6, 5) == 5
+
+
+@pytest.mark.parametrize("copies,layers,rounds", [(2, 8, 4), (3, 8, 3), (8, 8, 1), (12, 8, 1), (2, 1, 1), (5, 11, 3)])
+def test_a_replay_runs_at_least_the_layers_asked(copies, layers, rounds):
+    """The copies in turn, repeated: at least ``layers`` layers, at most one round more than needed."""
+    assert rounds_for(copies, layers) == rounds
+    assert copies * rounds >= layers and (rounds == 1 or copies * (rounds - 1) < layers)
+    calls = []
+    repeated(lambda: calls.append(1), rounds)()
+    assert len(calls) == rounds
 
 
 def test_table_gives_the_share_of_the_floor():
@@ -24,6 +34,7 @@ def test_table_gives_the_share_of_the_floor():
     (["--tp", "0"], "--tp 0"),
     (["--batch", "0", "--reps", "2"], "--batch 0, --reps 2"),
     (["--q", "9"], "--q 9 (1..8)"),
+    (["--layers-per-replay", "0"], "--layers-per-replay 0"),
     (["--q", "4", "--batch", "1", "32"], "--batch 32 x --q 4 = 128 tokens (at most 64)"),
 ])
 def test_bad_arguments_name_the_problem(capsys, argv, message):
