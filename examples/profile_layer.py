@@ -14,12 +14,24 @@ against ``python -m rewriter bench``'s figure tells what the overlap gains.
 throughput and tensor-pipe columns are printed where the CSV has their metrics: a kernel far
 below its DRAM peak with its tensor pipe busy is compute-bound, with neither busy latency-bound.
 
+Where a latency-bound kernel waits, from its warp-state samples per SASS instruction:
+
+    ncu --clock-control none --profile-from-start off --section WarpStateStats --section SourceCounters \
+        -k "regex:[Kk]da" -o kda -f python3 examples/profile_layer.py --layer 1 --tp 16 --batch 64
+    ncu --import kda.ncu-rep --page source --csv --print-source sass > kda_sass.csv
+    python3 examples/profile_layer.py --stalls kda_sass.csv [--kernel REGEX] [--top N]
+
+prints each kernel's samples by stall reason, by region (the instructions up to each barrier,
+cluster-barrier wait or exit: what a CTA's phases cost, and which warps run them) and its
+costliest instructions.
+
 Needs CUDA and the cutedsl extra. Collectives are excluded as in ``bench``.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from collections import defaultdict
 
@@ -89,9 +101,96 @@ def summarize(path: str) -> None:
     print(f"{total:7.1f} us over {len(order)} kernels")
 
 
+STALL_COLUMN = "stall_"  # ncu's per-reason sample columns (and their "(Not Issued)" twins, not read)
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+REGION_ENDS = ("BAR.SYNC", "BAR.RED", "UCGABAR_WAIT", "EXIT")  # opcodes that close a region of the table
+
+
+def read_source_page(path: str) -> list[tuple[str, list[dict[str, str]]]]:
+    """(kernel name, its SASS rows) from ncu's source page (``--page source --csv --print-source
+    sass``), one entry per profiled kernel, rows in address order."""
+    kernels: list[tuple[str, list[dict[str, str]]]] = []
+    header: list[str] | None = None
+    with open(path, newline="") as f:
+        for row in csv.reader(f):
+            if row and row[0] == "Kernel Name":
+                kernels.append((row[1], []))
+                header = None
+            elif row[:2] == ["Address", "Source"]:
+                header = row
+            elif header is not None and kernels and len(row) == len(header):
+                kernels[-1][1].append(dict(zip(header, row)))
+    return kernels
+
+
+def _count(value: str) -> int:
+    return int(value.replace(",", "")) if value.strip().replace(",", "").isdigit() else 0
+
+
+def opcode(source: str) -> str:
+    """The instruction's opcode with its modifiers, its predicate (``@!P0``) left out."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
+
+
+def stall_table(name: str, rows: list[dict[str, str]], top: int) -> list[str]:
+    """One kernel's stall samples: by reason, by region, and its ``top`` instructions."""
+    samples = [_count(r[SAMPLES]) for r in rows]
+    total = sum(samples) or 1
+    reasons = sorted(((k[len(STALL_COLUMN):], sum(_count(r[k]) for r in rows)) for k in rows[0]
+                      if k.startswith(STALL_COLUMN) and not k.endswith("(Not Issued)")), key=lambda kv: -kv[1])
+
+    def stalls_of(rs: list[dict[str, str]], n: int = 3) -> str:
+        by = sorted(((k[len(STALL_COLUMN):], sum(_count(r[k]) for r in rs)) for k in rs[0]
+                     if k.startswith(STALL_COLUMN) and not k.endswith("(Not Issued)")), key=lambda kv: -kv[1])
+        return " ".join(f"{k}={v}" for k, v in by[:n] if v)
+
+    short = name.split("codegenkernels")[-1].split("_object_at_")[0][:60]
+    out = [f"{short}: {sum(samples)} samples over {len(rows)} instructions",
+           "  by reason: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in reasons if v)]
+    out.append(f"  {'region':>11} {'samples':>8} {'share':>6}  {'runs (warps x passes)':>21}  top stalls; ends at")
+    start = 0
+    for i, r in enumerate(rows):
+        if opcode(r["Source"]).startswith(REGION_ENDS) or i == len(rows) - 1:
+            part = rows[start:i + 1]
+            s = sum(samples[start:i + 1])
+            if s:
+                runs = max(_count(x[EXECUTED]) for x in part)
+                out.append(f"  {start:>5}-{i:<5} {s:>8} {100 * s / total:5.0f}%  {runs:>21}  {stalls_of(part)}; "
+                           f"{opcode(r['Source'])}")
+            start = i + 1
+    out.append(f"  top {top}: {'index':>5} {'samples':>8} {'runs':>8}  stalls  instruction")
+    for i in sorted(range(len(rows)), key=lambda j: -samples[j])[:top]:
+        if samples[i]:
+            out.append(f"  {'':>6}{i:>5} {samples[i]:>8} {_count(rows[i][EXECUTED]):>8}  {stalls_of([rows[i]])}  "
+                       f"{rows[i]['Source'].strip()}")
+    return out
+
+
+def stalls(path: str, kernel: str | None, top: int) -> None:
+    """Print ``stall_table`` for each kernel of the source-page CSV whose name matches ``kernel``."""
+    try:
+        pages = read_source_page(path)
+    except OSError as e:
+        raise SystemExit(f"{path}: {e.strerror}") from None
+    kernels = [(n, rows) for n, rows in pages if rows and (not kernel or re.search(kernel, n))]
+    if not kernels:
+        raise SystemExit(f"{path}: no kernel{' matching ' + repr(kernel) if kernel else ''} with SASS rows "
+                         "(ncu --page source --csv --print-source sass)")
+    for name, rows in kernels:
+        print("\n".join(stall_table(name, rows, top)))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--summarize", metavar="CSV", help="print the table of an ncu --csv file and exit")
+    p.add_argument("--stalls", metavar="CSV", help="print where each kernel of an ncu source-page CSV (--page source "
+                   "--csv --print-source sass) stalls, and exit")
+    p.add_argument("--kernel", metavar="REGEX", help="with --stalls: only kernels whose name matches")
+    p.add_argument("--top", type=int, default=12, help="with --stalls: the costliest instructions shown (default 12)")
     p.add_argument("--model", default="kimi-k3")
     p.add_argument("--layer", type=int, default=3)
     p.add_argument("--tp", type=int, default=16)
@@ -102,6 +201,8 @@ def main() -> int:
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize)
+    elif args.stalls:
+        stalls(args.stalls, args.kernel, args.top)
     else:
         profile(args)
     return 0
