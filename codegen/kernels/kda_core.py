@@ -291,7 +291,9 @@ class KdaCore:
         the state stored back and the gated norm. Of the four most recent cp.async groups, the
         first two are this item's (activations, state), the last two the next item's; the staged
         form reads them from shared memory, the other one reads its activations and its state
-        from global memory (the state straight into registers)."""
+        from global memory (the state straight into registers). The staged form takes its slot
+        and thread 0's beta from the loop (``known_slot``, ``known_beta``: read ahead); the other
+        reads its own and ignores them."""
         Q, D = self.q_len, HEAD_DIM
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
