@@ -185,7 +185,7 @@ def profile_kernels(run: Callable[[], Any]) -> list[tuple[str, float]]:
 
 def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
                     ) -> list[tuple[str, float, float, float]] | None:
-    """The kernels of one layer (the second of the replay's ``layers``) in one profiled graph replay: (name, start us
+    """The kernels of one layer (``middle_layer``'s) in one profiled graph replay: (name, start us
     from the layer's first kernel, duration us, us by which its end moved the layer's last end
     so far). The last column sums to the layer's span under replay, so it says which kernels
     the layer waits on (a kernel that ends inside an earlier one adds 0); None where the
@@ -198,12 +198,22 @@ def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                      and not e.name.startswith(("Memcpy", "Memset"))), key=lambda e: e.time_range.start)
-    if len(events) != per_layer * layers:
+    layer = middle_layer(events, per_layer, layers)
+    if layer is None:
         return None
-    layer = events[per_layer:2 * per_layer] if layers > 1 else events
     spans = [(e.time_range.start, e.time_range.end) for e in layer]
     return [(e.name, start - spans[0][0], end - start, added)
             for e, (start, end), added in zip(layer, spans, span_additions(spans))]
+
+
+def middle_layer(events: list, per_layer: int, layers: int) -> list | None:
+    """The events of the replay's middle layer (``layers // 2``: the chain ramped by the layers
+    before it, as most layers of a model's step find it), from a replay's events in start order;
+    None unless there are ``per_layer`` for each of the ``layers``."""
+    if len(events) != per_layer * layers:
+        return None
+    k = layers // 2
+    return events[k * per_layer:(k + 1) * per_layer]
 
 
 def span_additions(spans: list[tuple[float, float]]) -> list[float]:

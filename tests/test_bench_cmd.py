@@ -102,3 +102,14 @@ def test_span_additions_say_what_each_kernel_adds_to_the_layer():
     assert span_additions(spans) == [3.0, 0.0, 2.0, 3.0]
     assert sum(span_additions(spans)) == spans[-1][1] - spans[0][0]
     assert span_additions([]) == []
+
+
+def test_the_timeline_is_the_middle_layers():
+    """Of a replay's layers the middle one is profiled (the chain ramped by those before it);
+    a replay whose kernel count is not the layers' is not sliced at all."""
+    from rewriter.bench_cmd import middle_layer
+
+    events = [f"layer{i}.k{j}" for i in range(8) for j in range(3)]
+    assert middle_layer(events, 3, 8) == ["layer4.k0", "layer4.k1", "layer4.k2"]
+    assert middle_layer(events[:3], 3, 1) == events[:3]
+    assert middle_layer(events[:-1], 3, 8) is None
