@@ -99,17 +99,15 @@ def report(a_runs: list[dict], b_runs: list[dict], min_delta: float = 0.0) -> st
             if run.get(key) != first.get(key):
                 raise CompareError(f"the runs differ in {key}: {first.get(key)!r} against {run.get(key)!r}")
 
-    def rows(run: dict) -> dict[tuple, dict]:
-        return {(r["tp"], r["batch"], r["path"]): r for r in run["rows"]}
-
-    keys = [k for k in rows(first) if all(k in rows(run) for run in a_runs + b_runs)]
+    a_tables, b_tables = ([{(r["tp"], r["batch"], r["path"]): r for r in run["rows"]} for run in runs]
+                          for runs in (a_runs, b_runs))
+    keys = [k for k in a_tables[0] if all(k in t for t in a_tables + b_tables)]
     if not keys:
         raise CompareError("no (TP, batch, path) is in every run")
     lines = [f"layer {first.get('layer')} of {first.get('model')}, {first.get('experts')} experts; "
              f"{len(a_runs)} rounds, A then B in each; {first.get('device', '?')}"]
     for key in keys:
-        a_rows = [rows(run)[key] for run in a_runs]
-        b_rows = [rows(run)[key] for run in b_runs]
+        a_rows, b_rows = [t[key] for t in a_tables], [t[key] for t in b_tables]
         a_us, b_us = [r["us"] for r in a_rows], [r["us"] for r in b_rows]
         lines.append("")
         if None in a_us or None in b_us:

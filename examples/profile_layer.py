@@ -136,17 +136,21 @@ def opcode(source: str) -> str:
     return words[0] if words else ""
 
 
+def by_reason(rows: list[dict[str, str]]) -> list[tuple[str, int]]:
+    """(stall reason, samples) over ``rows``, the most first."""
+    sums = [(k[len(STALL_COLUMN):], sum(_count(r[k]) for r in rows)) for k in rows[0]
+            if k.startswith(STALL_COLUMN) and not k.endswith("(Not Issued)")]
+    return sorted(sums, key=lambda kv: -kv[1])
+
+
 def stall_table(name: str, rows: list[dict[str, str]], top: int) -> list[str]:
     """One kernel's stall samples: by reason, by region, and its ``top`` instructions."""
     samples = [_count(r[SAMPLES]) for r in rows]
     total = sum(samples) or 1
-    reasons = sorted(((k[len(STALL_COLUMN):], sum(_count(r[k]) for r in rows)) for k in rows[0]
-                      if k.startswith(STALL_COLUMN) and not k.endswith("(Not Issued)")), key=lambda kv: -kv[1])
+    reasons = by_reason(rows)
 
     def stalls_of(rs: list[dict[str, str]], n: int = 3) -> str:
-        by = sorted(((k[len(STALL_COLUMN):], sum(_count(r[k]) for r in rs)) for k in rs[0]
-                     if k.startswith(STALL_COLUMN) and not k.endswith("(Not Issued)")), key=lambda kv: -kv[1])
-        return " ".join(f"{k}={v}" for k, v in by[:n] if v)
+        return " ".join(f"{k}={v}" for k, v in by_reason(rs)[:n] if v)
 
     short = name.split("codegenkernels")[-1].split("_object_at_")[0][:60]
     out = [f"{short}: {sum(samples)} samples over {len(rows)} instructions",

@@ -25,7 +25,7 @@ How it is measured, and what it leaves out:
   together exceed it several times over); the copies in turn, repeated, so that a replay runs
   at least ``--layers-per-replay`` layers (default 8), as a model's step graph runs its layers
   back to back: the graph's launch and its first kernel's ramp are shared by those layers
-  (with the 2 copies of a 64-token step alone they added about 6 us to each, H200,
+  (with the 3 copies of a one-token step alone they added 2 to 8 us to each, H200,
   BENCHMARKS.md); time per layer = median replay / layers run;
 - medians over ``reps`` timed replays after warm-up, CUDA events around each replay.
 """
@@ -332,8 +332,8 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     rounds = rounds_for(copies, args.layers_per_replay)
     layers = copies * rounds  # per timed replay
     progress(f"TP {tp} batch {batch}: {copies} layer copies x {rounds} per replay, HBM floor as served "
-             f"{floor / 1e6:.1f} MB = "
-             f"{floor_us:.1f} us (reference layer {ref_floor / 1e6:.1f} MB = {ref_floor_us:.1f} us)")
+             f"{floor / 1e6:.1f} MB = {floor_us:.1f} us (reference layer {ref_floor / 1e6:.1f} MB = "
+             f"{ref_floor_us:.1f} us)")
     case = _Case(cfg, args.layer, meta_shape, copies, args.experts)
     rows = []
     if "rewritten" in args.paths:
