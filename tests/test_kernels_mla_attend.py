@@ -115,6 +115,10 @@ def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
     ptx = k.ptx
     assert ptx.count("atom.global.add") == 2 and ptx.count("fence.acq_rel.gpu") == 4
     assert "ld.relaxed.gpu" in ptx and "ld.acquire" not in ptx
+    # each barrier's wait reads the global timer and traps past its deadline, inside the spin
+    for arrival in (ptx.index("atom.global.add"), ptx.rindex("atom.global.add")):
+        spin = ptx[arrival:ptx.index("fence.acq_rel.gpu", arrival)]
+        assert spin.count("%globaltimer") == 2 and spin.count("trap;") == 1, spin
     assert ptx.index("griddepcontrol.launch_dependents") > ptx.index("atom.global.add")
     # the first tile's entries of earlier steps are in flight before the wait; the queries after it
     # (each thread's 16-byte loads of a tile: cp.async for bf16, streaming loads for fp8 beside
@@ -256,6 +260,35 @@ def test_mla_attend_verify(case, fp8):
     single = (cpu[0][t:t + 1], cpu[1], cpu[2][:1], torch.tensor([seq[0] - 1], dtype=torch.int32), *cpu[4:6],
               cpu[6][t:t + 1], *cpu[7:])
     assert rel_err(out[t:t + 1].cpu(), reference(single)) <= TOL
+
+
+TRAP_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import codegen.kernels.common as common
+common.WAIT_DEADLINE_NS = -1  # every wait is past its deadline at its first look
+from test_kernels_mla_attend import attend_inputs, cuda, run
+run(cuda(attend_inputs(1, 6, [4096])))
+print("no trap")
+"""
+
+
+@on_gpu
+def test_a_grid_barrier_past_its_deadline_fails_the_launch(tmp_path):
+    """A grid barrier that would not end stops the kernel with a CUDA error instead of hanging
+    the step: here every wait is past its deadline (a fresh process, since the error spoils the
+    CUDA context, and a fresh kernel cache, since the deadline is compiled in)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    r = subprocess.run([sys.executable, "-c", TRAP_SCRIPT.format(tests=str(tests))], cwd=tests.parent,
+                       env={**os.environ, "K3_REWRITER_CACHE": str(tmp_path)}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "no trap" not in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert "launch failure" in r.stderr or "illegal instruction" in r.stderr, r.stderr[-2000:]
 
 
 @on_gpu

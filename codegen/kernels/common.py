@@ -1,7 +1,10 @@
-"""Pieces the kernel templates share: 128-bit vector copy atoms, the gated activation."""
+"""Pieces the kernel templates share: 128-bit vector copy atoms, the gated activation, the
+deadline of a wait on other CTAs."""
 from __future__ import annotations
 
-from cutlass import BFloat16, Float32, const_expr, cute
+from cutlass import BFloat16, Float32, Int64, const_expr, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 VEC = 8  # 16-bit elements per 128-bit vector
 BITS = 128
@@ -46,3 +49,32 @@ def gated_act(g_sum, u_sum, beta: float | None, linear_beta: float | None):
     if const_expr(linear_beta is not None):
         u = Float32(linear_beta) * cute.math.tanh(u / Float32(linear_beta))
     return gate * u
+
+
+# ---- a wait on other CTAs fails instead of hanging ---------------------------------------------------
+# A kernel that spins until other CTAs arrive (a grid barrier's word) hangs the step for good if
+# they never do: a protocol bug, or a grid that is not all resident. Past ``WAIT_DEADLINE_NS`` on
+# the global nanosecond timer the waiting thread executes ``trap``: the launch fails with a CUDA
+# error that the step's stream reports (vLLM raises it) instead of a server that never answers.
+# vLLM's hand-written AMD decode gives up on its in-kernel waits after the same 10 s. A correct
+# wait lasts microseconds (milliseconds under compute-sanitizer), so the deadline only ever
+# fires on a wait that would not end.
+WAIT_DEADLINE_NS = 10_000_000_000
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """PTX ``trap``: the kernel stops with an error."""
+    llvm.intr_trap(loc=loc, ip=ip)
+
+
+def wait_started() -> Int64:
+    """The global timer where a wait starts (``%globaltimer``, ns)."""
+    return cute.arch.globaltimer()
+
+
+@cute.jit
+def trap_past_deadline(started: Int64):
+    """``trap`` once the wait begun at ``started`` has lasted ``WAIT_DEADLINE_NS``."""
+    if cute.arch.globaltimer() - started > Int64(WAIT_DEADLINE_NS):
+        trap()

@@ -54,7 +54,7 @@ import cutlass
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2g_atom
+from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2g_atom, trap_past_deadline, wait_started
 from codegen.kernels.warp_mma import ldmatrix_x4, mma_bf16
 
 L, R, V_DIM, HEAD_ROWS = 512, 64, 128, 256  # latent, rope, value dim, kv_b rows per head
@@ -198,7 +198,7 @@ class MlaAttend:
         every other CTA 1, so a barrier adds 2^31 and leaves the low bits at 0 for the next one
         (no reset, no second word). A fence, one relaxed atomic, relaxed loads until the bit
         flips, a fence: the release and acquire patterns of the PTX memory model (two
-        ``MEMBAR.GPU`` a barrier)."""
+        ``MEMBAR.GPU`` a barrier). A wait past ``common.WAIT_DEADLINE_NS`` traps."""
         cute.arch.barrier()
         if tidx == 0:
             word = mBar.iterator
@@ -208,7 +208,9 @@ class MlaAttend:
             cute.arch.fence_acq_rel_gpu()  # this CTA's writes (ordered by the barrier) before the arrival
             old = cute.arch.atomic_add(word, add, sem="relaxed", scope="gpu")
             now = cute.arch.load(word, Int32, sem="relaxed", scope="gpu")
+            started = wait_started()
             while (old ^ now) >= 0:  # top bit unchanged: someone has not arrived
+                trap_past_deadline(started)
                 now = cute.arch.load(word, Int32, sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()  # every CTA's writes before this CTA's reads
         cute.arch.barrier()
