@@ -162,6 +162,10 @@ class TemplateLauncher:
             fns = self._fns[specs] = tuple(compile_kernel(s).load() for s in specs)
         return tpl, specs, fns
 
+    def forget(self) -> None:
+        """Drop the loaded kernels (``forget_loaded``)."""
+        self._fns.clear()
+
     def prepare(self, *args) -> str | None:
         """Compile and load the kernel for this call's shapes now (before graph capture); the refusal if any."""
         r = self.resolve(args)
@@ -180,6 +184,14 @@ class TemplateLauncher:
         if reason:
             return self._decline(reason)
         return tpl.launch(fns, specs, args)
+
+
+def forget_loaded() -> None:
+    """Every launcher's loaded kernels dropped: its next call resolves them again (after this
+    process's kernel sources changed: ``rewriter.variant``)."""
+    for launcher in list(_launchers.values()):
+        if isinstance(launcher, TemplateLauncher):
+            launcher.forget()
 
 
 def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = False,

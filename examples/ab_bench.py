@@ -10,7 +10,9 @@ run just before it, does: the report gives the median of those paired difference
     python examples/ab_bench.py run .ab/main --rounds 3 -- --layer 1 --tp 16 --batch 1 64 --paths rewritten
 
 B is the directory's files at the same paths below the repository (another commit's snapshot, or
-edited copies); the tree's own files are put back however the run ends. Each variant's kernels
+edited copies; ``rewriter.variant``); the tree's own files are put back however the run ends.
+Where B changes only kernel sources (``codegen/kernels/*.py``), ``python -m rewriter bench
+--variant DIR`` is the finer tool: one process, the same weights, replays alternating. Each variant's kernels
 compile once (the kernel cache keys on their source), so later rounds start fast. The report,
 per (TP, batch, path): each variant's figures in run order, their medians and the median paired
 difference; per kernel, the median us it adds to the layer's replay span under each variant.
@@ -18,47 +20,18 @@ difference; per kernel, the median us it adds to the layer's replay span under e
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from compare_bench import SAME, CompareError, keyed_kernels
 
+from rewriter.variant import VariantError, swapped_in, variant_files
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def variant_files(variant: Path) -> list[Path]:
-    """The files of a variant directory, as paths relative to it."""
-    if not variant.is_dir():
-        raise CompareError(f"{variant}: not a directory of replacement files")
-    files = sorted(p.relative_to(variant) for p in variant.rglob("*") if p.is_file())
-    if not files:
-        raise CompareError(f"{variant}: holds no files")
-    return files
-
-
-@contextlib.contextmanager
-def swapped_in(variant: Path, root: Path = ROOT) -> Iterator[list[Path]]:
-    """The variant's files copied over the tree's for the duration; the tree's own back (or, for
-    a file the tree did not have, removed) however the block ends."""
-    files = variant_files(variant)
-    saved = {f: (root / f).read_bytes() if (root / f).exists() else None for f in files}
-    try:
-        for f in files:
-            (root / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(variant / f, root / f)
-        yield files
-    finally:
-        for f, content in saved.items():
-            if content is None:
-                (root / f).unlink(missing_ok=True)
-            else:
-                (root / f).write_bytes(content)
 
 
 def bench_json(bench_args: list[str]) -> dict:
@@ -174,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("leave --json out of the bench arguments: ab_bench asks for it")
         variant_files(args.variant)  # refused before any run
         print(report(*alternate(args.variant, args.rounds, bench_args), args.min_delta))
-    except CompareError as e:
+    except (CompareError, VariantError) as e:
         print(f"ab_bench: {e}", file=sys.stderr)
         return 2
     return 0

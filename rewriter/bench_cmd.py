@@ -39,11 +39,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rewriter.cost import H200_COPY_TBPS, hbm_us
+from rewriter.variant import kernel_sources_swapped, kernel_variant_files
 
 L2_BYTES = 50 * 2**20  # H200: 50 MiB
 PATHS = ("rewritten", "vllm-stock", "eager", "cuda graph", "torch.compile")
@@ -64,6 +66,7 @@ class Row:
     launched: list[tuple[str, float]] | None = None  # (kernel, us) of one profiled call
     # one layer of a graph replay: (kernel, start us, duration us, us it added to the layer's span)
     timeline: list[tuple[str, float, float, float]] | None = None
+    paired_diff_us: float | None = None  # a variant's row: median of (variant - tree) over paired replays
 
     @property
     def floor_pct(self) -> float | None:
@@ -117,6 +120,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--compile-mode", choices=COMPILE_MODES, default="max-autotune",
                    help="the torch.compile path's Inductor mode: max-autotune (default; about 45 to 90 s per "
                         "shape at full size) or default (no autotuning, much faster to compile); CUDA graph either way")
+    b.add_argument("--variant", type=Path, metavar="DIR",
+                   help="kernel sources (codegen/kernels/*.py at their paths below DIR) to time against the tree's "
+                        "in the same process: both captured on the same weights, replays alternating, paired")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return b
 
@@ -138,20 +144,46 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append(f"--reps {args.reps} (at least 3)")
     if bad:
         raise ShapeError(f"bad value: {', '.join(bad)}")
+    if args.variant is not None:
+        if "rewritten" not in args.paths:
+            raise ShapeError("--variant times the rewritten path's kernels: keep 'rewritten' in --paths")
+        kernel_variant_files(args.variant)
     if not torch.cuda.is_available():
         raise ShapeError("bench needs a CUDA GPU (inspect and compile run without one)")
 
 
+def _timed_us(run: Callable[[], Any]) -> float:
+    """One call, timed with CUDA events around it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0
+
+
 def _median_us(run: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
+    return statistics.median(_timed_us(run) for _ in range(reps))
+
+
+def alternated_us(run_a: Callable[[], Any], run_b: Callable[[], Any], reps: int,
+                  timed: Callable[[Callable[[], Any]], float] = _timed_us) -> tuple[list[float], list[float]]:
+    """``reps`` timed calls of each, in pairs, the order turning each pair (A B, B A, A B, ...) so
+    that neither always runs right after the other's warm caches or clocks."""
+    a, b = [], []
+    for i in range(reps):
+        for run, out in ((run_a, a), (run_b, b)) if i % 2 == 0 else ((run_b, b), (run_a, a)):
+            out.append(timed(run))
+    return a, b
+
+
+def paired_difference(a: list[float], b: list[float]) -> tuple[float, float, float, int]:
+    """(median, first and third quartile of b[i] - a[i], how many pairs b is the lower in)."""
+    if not a or len(a) != len(b):
+        raise ValueError(f"{len(a)} and {len(b)} timings: pairs are needed")
+    diffs = sorted(y - x for x, y in zip(a, b))
+    q1, _, q3 = statistics.quantiles(diffs, n=4, method="inclusive") if len(diffs) > 1 else diffs * 3
+    return statistics.median(diffs), q1, q3, sum(y < x for x, y in zip(a, b))
 
 
 def _graph(run: Callable[[], Any]) -> torch.cuda.CUDAGraph:
@@ -314,6 +346,58 @@ def _rewritten(case: _Case) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
     return run, (lambda: runners[0](*case.inputs[0])), first
 
 
+@dataclass
+class _Captured:
+    """The rewritten layer's copies captured in one CUDA graph on the kernels this process loads
+    now (the tree's, or a variant's inside ``kernel_sources_swapped``)."""
+    graph: torch.cuda.CUDAGraph
+    launched: list[tuple[str, float]]  # one copy's kernels in one un-captured call (profiler)
+    fallbacks: list[str]  # fused ops whose reference ran instead of a kernel
+
+    @classmethod
+    def of(cls, run_all: Callable[[], Any], run_one: Callable[[], Any], rounds: int) -> _Captured:
+        from codegen import bind
+
+        before = {op: dict(c) for op, c in bind.stats().items()}
+        run_all()  # compiles or loads every kernel outside the capture
+        torch.cuda.synchronize()
+        fallbacks = sorted({op.split("::")[-1] for op, c in bind.stats().items()
+                            if c.get("reference", 0) > before.get(op, {}).get("reference", 0)})
+        run_all()  # the profiled call reads copy 0's weights after the other copies evicted them
+        launched = profile_kernels(run_one)
+        return cls(_graph(repeated(run_all, rounds)), launched, fallbacks)
+
+    def row(self, path: str, us: float, *, tp: int, batch: int, floor_us: float, ref_floor_us: float, specs: list,
+            layers: int, progress: Callable[[str], None], note: str = "") -> Row:
+        """The row of ``us`` per layer, with the kernels named by their specs and one layer of a
+        profiled replay; printed as progress."""
+        kernels = len(self.launched)
+        labels = label_kernels(self.launched, specs)
+        timeline = replay_timeline(self.graph.replay, kernels, layers)
+        if timeline is not None:
+            names = [label for label, _ in label_kernels([(n, d) for n, _, d, _ in timeline], specs)]
+            timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for label, (_, t, d, a) in zip(names, timeline)]
+        others = [short_name(n) for n, _ in self.launched if "codegenkernels" not in n]
+        notes = [note] if note else []
+        notes += [f"reference ran for: {', '.join(self.fallbacks)}"] if self.fallbacks else []
+        stand_ins = len(others) if tp > 1 and not self.fallbacks else 0  # the router's all-gather, repeated
+        if stand_ins:
+            kernels -= stand_ins
+            notes.append(f"+{stand_ins} torch kernels standing in for the router's all-gather (timed, not counted)")
+        elif others:
+            notes.append(f"{len(others)} torch kernels: {', '.join(others)}")
+        row = Row(tp, batch, path, kernels, us, floor_us, "; ".join(notes), ref_floor_us, stand_ins,
+                  [(label, round(t, 2)) for label, t in labels], timeline)
+        progress(f"  {path}: {kernels} kernels, {us:.1f} us {row.note}")
+        for label, k_us in labels:
+            progress(f"    {k_us:7.1f} us  {label}")
+        progress("  one layer of a graph replay: start us, duration us, us added to the layer's span"
+                 if timeline else "  (the profiler saw no kernels inside the graph replay)")
+        for label, t, d, a in timeline or ():
+            progress(f"    {t:7.1f} {d:7.1f} {a:7.1f}  {label}")
+        return row
+
+
 def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
                 progress: Callable[[str], None]) -> list[Row]:
     from codegen import bind
@@ -338,41 +422,27 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     rows = []
     if "rewritten" in args.paths:
         bind.install_cuda_kernels(arch)
-        before = {op: dict(c) for op, c in bind.stats().items()}
         run_all, run_one, result = _rewritten(case)
-        run_all()  # compiles or loads every kernel outside the capture
-        torch.cuda.synchronize()
-        fallbacks = sorted({op.split("::")[-1] for op, c in bind.stats().items()
-                            if c.get("reference", 0) > before.get(op, {}).get("reference", 0)})
-        run_all()  # the profiled call reads copy 0's weights after the other copies evicted them
-        launched = profile_kernels(run_one)
-        kernels = len(launched)
         specs = [s for row in plan(result, arch) for s in row.get("specs", ())]
-        labels = label_kernels(launched, specs)
-        g = _graph(repeated(run_all, rounds))
-        us = _median_us(g.replay, args.reps) / layers
-        timeline = replay_timeline(g.replay, len(launched), layers)
-        if timeline is not None:
-            names = [label for label, _ in label_kernels([(n, d) for n, _, d, _ in timeline], specs)]
-            timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for label, (_, t, d, a) in zip(names, timeline)]
-        others = [short_name(n) for n, _ in launched if "codegenkernels" not in n]
-        notes = [f"reference ran for: {', '.join(fallbacks)}"] if fallbacks else []
-        stand_ins = len(others) if tp > 1 and not fallbacks else 0  # the router's all-gather, repeated
-        if stand_ins:
-            kernels -= stand_ins
-            notes.append(f"+{stand_ins} torch kernels standing in for the router's all-gather (timed, not counted)")
-        elif others:
-            notes.append(f"{len(others)} torch kernels: {', '.join(others)}")
-        rows.append(Row(tp, batch, "rewritten", kernels, us, floor_us, "; ".join(notes), ref_floor_us, stand_ins,
-                        [(label, round(t, 2)) for label, t in labels], timeline))
-        progress(f"  rewritten: {kernels} kernels, {us:.1f} us {rows[-1].note}")
-        for label, k_us in labels:
-            progress(f"    {k_us:7.1f} us  {label}")
-        progress("  one layer of a graph replay: start us, duration us, us added to the layer's span"
-                 if timeline else "  (the profiler saw no kernels inside the graph replay)")
-        for label, t, d, a in timeline or ():
-            progress(f"    {t:7.1f} {d:7.1f} {a:7.1f}  {label}")
-        del g
+        tree = _Captured.of(run_all, run_one, rounds)
+        shown = dict(tp=tp, batch=batch, floor_us=floor_us, ref_floor_us=ref_floor_us, specs=specs, layers=layers,
+                     progress=progress)
+        if args.variant is None:
+            rows.append(tree.row("rewritten", _median_us(tree.graph.replay, args.reps) / layers, **shown))
+        else:
+            progress(f"  the variant's kernels ({args.variant}), captured on the same weights")
+            with kernel_sources_swapped(args.variant):
+                variant = _Captured.of(run_all, run_one, rounds)
+            a_us, b_us = alternated_us(tree.graph.replay, variant.graph.replay, args.reps)
+            a_us, b_us = [t / layers for t in a_us], [t / layers for t in b_us]
+            diff, q1, q3, lower = paired_difference(a_us, b_us)
+            rows.append(tree.row("rewritten", statistics.median(a_us), **shown))
+            rows.append(variant.row("variant", statistics.median(b_us), **shown,
+                                    note=f"{args.variant}; variant - tree over {len(a_us)} paired replays: median "
+                                         f"{diff:+.2f} us (quartiles {q1:+.2f} to {q3:+.2f}), lower in {lower}"))
+            rows[-1].paired_diff_us = round(diff, 3)
+            del variant
+        del tree
     if "vllm-stock" in args.paths:
         rows.append(_stock_row(case, tp, batch, floor_us, ref_floor_us, args.reps, rounds, progress))
     ref = case.reference()
@@ -503,6 +573,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()  # the shape's layer copies are gone
     if args.json:
         print(json.dumps({"device": device, "model": args.model, "layer": args.layer, "q": args.q, "experts": args.experts,
+                          "variant": None if args.variant is None else str(args.variant),
                           "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
                           "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}, indent=1))
     else:

@@ -28,6 +28,7 @@ from rewriter.cost import H200_COPY_TBPS
 from rewriter.rewrite import RewriteResult
 from rewriter.rules import RuleError, RuleSet, default_rules, load_rules_file
 from rewriter.shape import ARCHES, CONV_LAYOUTS, KV_CACHE_DTYPES, DecodeShape, ShapeError
+from rewriter.variant import VariantError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"compile": run_compile, "bench": run_bench, "inspect": run_inspect,
                 "decode": run_decode, "fuzz": run_fuzz}[args.command](args)
-    except (ConfigError, ShapeError, RuleError, OSError) as e:
+    except (ConfigError, ShapeError, RuleError, VariantError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

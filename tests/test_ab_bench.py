@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import ab_bench  # noqa: E402
 from compare_bench import CompareError  # noqa: E402
 
+from rewriter.variant import VariantError  # noqa: E402
+
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
     root, variant = tmp_path / "repo", tmp_path / "variant"
@@ -84,7 +86,7 @@ def test_runs_that_cannot_be_paired_are_refused(tmp_path):
         ab_bench.report([_run({(16, 1): 60.0})], [])
     with pytest.raises(CompareError, match="differ in layer"):
         ab_bench.report([_run({(16, 1): 60.0})], [_run({(16, 1): 60.0}, layer=3)])
-    with pytest.raises(CompareError, match="no files"):
+    with pytest.raises(VariantError, match="no files"):
         (tmp_path / "empty").mkdir()
         ab_bench.variant_files(tmp_path / "empty")
 
