@@ -6,7 +6,8 @@ prints one line: ``compiled`` (time, cache hit or miss) when a CuTe DSL template
 ``no CuTe DSL template yet`` for a fused op without one, ``refused`` with the template's
 reason, or ``vLLM stock kernel`` for what no rule fused. The compiled kernels land in the
 disk cache (``$K3_REWRITER_CACHE``, default ``~/.cache/k3-rewriter``) that a server
-process reads at start. Exit status 0 when every template kernel compiled, 1 when one
+process reads at start. ``--sass`` adds each kernel's registers, spills and SASS instruction
+counts (``codegen/sass.py``). Exit status 0 when every template kernel compiled, 1 when one
 failed, 2 for bad input or when CuTe DSL is not installed.
 """
 from __future__ import annotations
@@ -31,12 +32,32 @@ def add_compile_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="recompile even what the cache holds")
     c.add_argument("--dry-run", action="store_true", help="list the kernels and their specs, compile nothing")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    c.add_argument("--sass", action="store_true",
+                   help="under each kernel: its registers, spills and SASS instruction counts (ptxas and nvdisasm: "
+                        "pip install nvidia-cuda-nvdisasm)")
+    c.add_argument("--sass-dir", type=Path, metavar="DIR", help="with --sass: write each kernel's SASS into DIR")
     c.add_argument("--all-layers", action="store_true",
                    help="every kernel of every layer at every batch a server builds (rewriter/compile_all.py)")
     c.add_argument("--batches", type=int, nargs="+", metavar="N",
                    help="with --all-layers: the batch sizes (default the server's: 1..8, 16, 32, 64)")
     c.add_argument("--jobs", type=int, help="with --all-layers: worker processes (default: the CPUs, at most 16)")
     return c
+
+
+def _sass(k, sass_dir: Path | None) -> dict:
+    """A compiled kernel's SASS summary for its stage entry (and its SASS written to ``sass_dir``)."""
+    from codegen.sass import SassError, assemble, disassemble, summary
+
+    try:
+        figures, line = summary(k.ptx, k.spec.arch)
+        if sass_dir:
+            sass_dir.mkdir(parents=True, exist_ok=True)
+            path = sass_dir / f"{k.spec.kernel}_{k.key[:12]}.sass"
+            path.write_text(disassemble(assemble(k.ptx, k.spec.arch).cubin))
+            line += f" ({path})"
+    except SassError as e:
+        return {"detail_sass": f"no SASS: {e}"}
+    return {"sass": figures, "detail_sass": line}
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -50,6 +71,19 @@ def run_compile(args: argparse.Namespace) -> int:
         return run_compile_all(args)
     if args.batches or args.jobs:
         raise ShapeError("--batches and --jobs go with --all-layers (one layer compiles at --batch)")
+    if args.sass_dir and not args.sass:
+        raise ShapeError("--sass-dir goes with --sass")
+    if args.sass and args.dry_run:
+        raise ShapeError("--sass reads the compiled kernels: leave out --dry-run")
+    if args.sass:
+        from codegen.sass import find_tool
+
+        missing = [t for t, hint in (("ptxas", "nvidia-cuda-nvcc"), ("nvdisasm", "nvidia-cuda-nvdisasm"))
+                   if not find_tool(t)]
+        if missing:
+            raise ShapeError(f"--sass needs {' and '.join(missing)} (pip install "
+                             f"{' '.join('nvidia-cuda-nvcc' if t == 'ptxas' else 'nvidia-cuda-nvdisasm' for t in missing)}, "
+                             "or CUDA on PATH)")
     result = rewritten_layer(args)
     shape = result.before.shape
     rows = plan(result, args.arch)
@@ -85,10 +119,14 @@ def run_compile(args: argparse.Namespace) -> int:
                 row["stages"].append({"spec": spec, "status": "compiled", "cache": how, "seconds": k.seconds,
                                       "key": k.key, "path": k.path,
                                       "detail": f"compiled {k.seconds:.2f}s (cache {how})  {spec.label()}"})
+                if args.sass:
+                    row["stages"][-1].update(_sass(k, args.sass_dir))
             bad = [st for st in row["stages"] if st["status"] == "failed"]
             failed += len(bad)
             row["status"] = "failed" if bad else "compiled"
-            row["detail"] = "\n".join(f"{'':38}{st['detail']}" for st in row["stages"]).lstrip()
+            row["detail"] = "\n".join(f"{'':38}{st['detail']}" + (f"\n{'':40}{st['detail_sass']}" if "detail_sass" in st
+                                                                   else "")
+                                      for st in row["stages"]).lstrip()
         if not args.json:
             print(f"  {row['index']:>2} {row['kernel']:<32} {row['detail']}", file=out, flush=True)
     done = [st for r in rows for st in r.get("stages", ()) if st["status"] == "compiled"]

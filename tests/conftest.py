@@ -124,26 +124,13 @@ def gpu_kernels(op, args, kernel=None):
 
 
 def ptxas_usage(ptx: str, arch: str) -> tuple[int, int]:
-    """(registers per thread, spill store bytes) ptxas reports for ``ptx`` (the kernel's). The
-    nvidia-cuda-nvcc wheel's ptxas first, then one on PATH; the test is skipped where none
-    reads this PTX (an older ptxas refuses a newer PTX version)."""
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    """(registers per thread, spill store bytes) ptxas reports for ``ptx`` (the kernel's,
+    ``codegen.sass.assemble``); the test is skipped where no ptxas reads this PTX (none
+    installed, or an older one that refuses a newer PTX version)."""
+    from codegen.sass import SassError, assemble
 
-    spec = importlib.util.find_spec("nvidia")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    candidates = [str(p) for root in roots for p in sorted(Path(root).glob("cu*/bin/ptxas"))]
-    candidates += [shutil.which("ptxas")] if shutil.which("ptxas") else []
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "kernel.ptx"
-        src.write_text(ptx)
-        for ptxas in candidates:
-            run = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
-                                 capture_output=True, text=True)
-            if run.returncode == 0:
-                registers = max(int(r) for r in re.findall(r"Used (\d+) registers", run.stderr))
-                spilled = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", run.stderr))
-                return registers, spilled
-    pytest.skip(f"no ptxas that reads this PTX (tried {candidates or 'none'})")
+    try:
+        res = assemble(ptx, arch)
+    except SassError as e:
+        pytest.skip(str(e))
+    return res.registers, res.spill_bytes

@@ -1,0 +1,67 @@
+"""``codegen/sass.py`` and ``compile --sass``: instructions counted from nvdisasm's text (a trimmed
+real listing: the one-token o_proj GEMV on sm_90a), and a real kernel's SASS against its PTX where
+ptxas and nvdisasm are installed (NVIDIA's ``nvidia-cuda-nvcc`` and ``nvidia-cuda-nvdisasm``
+wheels, the ``sass`` extra)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import needs_cutedsl
+
+from codegen.sass import find_tool, instruction_mix
+from rewriter.cli import main
+
+SAMPLE = Path(__file__).parent / "data" / "sass_sample.sass"
+needs_tools = pytest.mark.skipif(not (find_tool("ptxas") and find_tool("nvdisasm")),
+                                 reason="ptxas and nvdisasm not installed (pip install -e '.[sass]')")
+
+
+def test_instructions_are_counted_by_opcode_predicated_ones_too():
+    mix = instruction_mix(SAMPLE.read_text())
+    assert sum(mix.values()) == 54  # /*0000*/ .. /*0350*/; directives, labels and header lines are not instructions
+    assert (mix["LDG"], mix["FFMA"], mix["PRMT"], mix["EXIT"], mix["ACQBULK"]) == (7, 6, 7, 1, 1)
+    full = instruction_mix(SAMPLE.read_text(), modifiers=True)
+    assert (full["LDG.E.NA.LTC256B.128"], full["LDG.E.128.CONSTANT"], full["IMAD.WIDE.U32"]) == (4, 3, 2)
+
+
+@needs_cutedsl
+@needs_tools
+def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
+    """The one-token MXFP4 up stage: one HMMA per ``mma.sync`` of its PTX, and the registers its
+    launch asks ptxas to keep to (four CTAs of 4 warps an SM: at most 128)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_kernels_mxfp4 import OP, mxfp4_args
+
+    from codegen.compiler import compile_kernel
+    from codegen.sass import summary
+    from codegen.templates import spec_for_call
+
+    spec = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1))[1][0]
+    k = compile_kernel(spec)
+    figures, line = summary(k.ptx, "sm_90a", top=3)
+    assert figures["opcodes"]["HMMA"] == k.ptx.count("mma.sync.aligned.m16n8k16") > 0
+    assert 0 < figures["registers"] <= 128 and figures["spill_bytes"] == 0
+    assert figures["instructions"] == sum(figures["opcodes"].values())
+    assert line.startswith(f"{figures['registers']} registers, no spills; {figures['instructions']} SASS instructions: ")
+    assert line.count(",") == 1 + 2  # the top 3 opcodes
+
+
+@needs_cutedsl
+@needs_tools
+def test_compile_prints_each_kernels_sass_summary_and_writes_its_sass(capsys, tmp_path):
+    argv = ["compile", "--model", "tiny", "--layer", "1", "--arch", "sm_90a", "--cache-dir", str(tmp_path / "cache"),
+            "--sass", "--sass-dir", str(tmp_path / "sass")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    written = sorted((tmp_path / "sass").glob("*.sass"))
+    assert written and out.count(" SASS instructions: ") == len(written)
+    assert all(instruction_mix(p.read_text()) for p in written)
+
+
+def test_sass_options_are_refused_where_they_cannot_work(capsys):
+    assert main(["compile", "--sass-dir", "x"]) == 2
+    assert "--sass-dir goes with --sass" in capsys.readouterr().err
+    assert main(["compile", "--sass", "--dry-run"]) == 2
+    assert "leave out --dry-run" in capsys.readouterr().err
