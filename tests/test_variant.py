@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import needs_cutedsl
+from conftest import needs_cutedsl, on_gpu
 
 import patterns.layer  # noqa: F401  (defines k3f::mla_attend)
 from codegen import bind
@@ -114,3 +114,22 @@ def test_bench_refuses_a_variant_it_cannot_time(capsys, tmp_path):
     (bad / "o_proj.py").write_text("x")
     assert main(["bench", "--variant", str(tmp_path / "bad")]) == 2
     assert "codegen/launchers/o_proj.py not kernel sources" in capsys.readouterr().err
+
+
+@on_gpu
+def test_bench_times_a_variant_beside_the_tree_in_one_process(capsys, tmp_path):
+    """Layer 1 at TP 16, one token, with the AttnRes norm's source edited (a comment: another
+    cache key, the same kernel): a ``rewritten`` and a ``variant`` row, the same kernels, the
+    paired difference in the variant's row, and the tree's file as it was."""
+    import json
+
+    own = (ROOT / "codegen/kernels/attn_res_norm.py").read_bytes()
+    variant, _ = _variant(tmp_path, "codegen/kernels/attn_res_norm.py", lambda s: s + "# a variant\n")
+    argv = ["bench", "--layer", "1", "--tp", "16", "--batch", "1", "--paths", "rewritten", "--reps", "4",
+            "--copies", "2", "--layers-per-replay", "2", "--variant", str(variant), "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["path"] for r in rows] == ["rewritten", "variant"]
+    assert rows[0]["kernels"] == rows[1]["kernels"] == 12 and "reference ran" not in rows[1]["note"]
+    assert "4 paired replays" in rows[1]["note"] and isinstance(rows[1]["paired_diff_us"], float)
+    assert (ROOT / "codegen/kernels/attn_res_norm.py").read_bytes() == own
