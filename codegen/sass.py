@@ -94,3 +94,15 @@ def summary(ptx: str, arch: str, top: int = 10) -> tuple[dict, str]:
     line = (f"{res.registers} registers, {spills}; {figures['instructions']} SASS instructions: "
             + ", ".join(f"{op} {n}" for op, n in mix.most_common(top)))
     return figures, line
+
+
+def read_only_loads_before_wait(sass: str) -> list[str]:
+    """The ``ld.global.nc`` loads (SASS ``LDG...CONSTANT``) a kernel issues before its
+    ``griddepcontrol.wait`` (SASS ``ACQBULK``). ptxas moves such loads across the wait (it takes
+    them for data no one writes while the kernel runs), so one of an activation placed after
+    the wait in the source can end up before it: a race with the kernel that writes it. Weights
+    go before the wait as plain loads; this list is empty for every served kernel."""
+    ops = [op + mods for op, mods in _INSTRUCTION.findall(sass)]
+    if "ACQBULK" not in ops:
+        return []
+    return [op for op in ops[:ops.index("ACQBULK")] if op.startswith("LDG") and ".CONSTANT" in op]

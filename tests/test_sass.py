@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import needs_cutedsl
 
-from codegen.sass import find_tool, instruction_mix
+from codegen.sass import find_tool, instruction_mix, read_only_loads_before_wait
 from rewriter.cli import main
 
 SAMPLE = Path(__file__).parent / "data" / "sass_sample.sass"
@@ -65,3 +65,41 @@ def test_sass_options_are_refused_where_they_cannot_work(capsys):
     assert "--sass-dir goes with --sass" in capsys.readouterr().err
     assert main(["compile", "--sass", "--dry-run"]) == 2
     assert "leave out --dry-run" in capsys.readouterr().err
+
+
+def test_a_read_only_load_above_the_wait_is_found():
+    sass = SAMPLE.read_text()
+    assert read_only_loads_before_wait(sass) == []  # the sample's read-only loads follow ACQBULK
+    moved = sass.replace("ACQBULK ;", "NOP ;").replace("LDC.64 R28, c[0x0][0x210] ;", "ACQBULK ;")
+    assert read_only_loads_before_wait(moved) == []  # the wait still before them
+    early = sass.replace("ACQBULK ;", "NOP ;").replace("LDG.E.128.CONSTANT R4, desc[UR4][R28.64+0x400] ;",
+                                                      "ACQBULK ;")
+    assert read_only_loads_before_wait(early) == ["LDG.E.128.CONSTANT"] * 2
+
+
+@needs_cutedsl
+@needs_tools
+@pytest.mark.parametrize("layer, batches", [(1, (1, 8, 64)), (3, (1, 8, 64)), (0, (1, 8))])
+def test_no_served_kernel_reads_an_activation_before_its_wait(layer, batches, kcache):
+    """In SASS, not PTX (where the tests of each kernel look): no ``ld.global.nc`` ahead of
+    ``griddepcontrol.wait`` in any kernel of the layer's schedules at TP 16 (ptxas moves them;
+    the gemv's x loads between wait and trigger went above it as ld.global.nc)."""
+    from types import SimpleNamespace
+
+    from codegen.compiler import compile_kernel
+    from codegen.sass import assemble, disassemble
+    from rewriter.cli import rewritten_layer
+    from rewriter.kernel_plan import plan
+
+    seen = {}
+    for batch in batches:
+        args = SimpleNamespace(model="kimi-k3", layer=layer, tp=16, rank=0, batch=batch, q=1, context=4096,
+                               block_size=64, arch="sm_90a", dtype="bf16", experts="mxfp4", kv_cache_dtype="bf16",
+                               conv_layout="SD", rules=[])
+        for row in plan(rewritten_layer(args), "sm_90a"):
+            for spec in row.get("specs", ()):
+                k = compile_kernel(spec, cache=kcache)
+                if k.key not in seen:
+                    seen[k.key] = (spec.label(), read_only_loads_before_wait(disassemble(assemble(k.ptx, "sm_90a").cubin)))
+    assert len(seen) >= 2 * len(batches)
+    assert [(label, loads) for label, loads in seen.values() if loads] == []
