@@ -18,6 +18,16 @@ needs_tools = pytest.mark.skipif(not (find_tool("ptxas") and find_tool("nvdisasm
                                  reason="ptxas and nvdisasm not installed (pip install -e '.[sass]')")
 
 
+def _or_skip(make):
+    """``make()``, or the test skipped where the installed ptxas is older than the PTX."""
+    from codegen.sass import SassError
+
+    try:
+        return make()
+    except SassError as e:
+        pytest.skip(str(e))
+
+
 def test_instructions_are_counted_by_opcode_predicated_ones_too():
     mix = instruction_mix(SAMPLE.read_text())
     assert sum(mix.values()) == 54  # /*0000*/ .. /*0350*/; directives, labels and header lines are not instructions
@@ -40,7 +50,7 @@ def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
 
     spec = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1))[1][0]
     k = compile_kernel(spec)
-    figures, line = summary(k.ptx, "sm_90a", top=3)
+    figures, line = _or_skip(lambda: summary(k.ptx, "sm_90a", top=3))
     assert figures["opcodes"]["HMMA"] == k.ptx.count("mma.sync.aligned.m16n8k16") > 0
     assert 0 < figures["registers"] <= 128 and figures["spill_bytes"] == 0
     assert figures["instructions"] == sum(figures["opcodes"].values())
@@ -55,6 +65,8 @@ def test_compile_prints_each_kernels_sass_summary_and_writes_its_sass(capsys, tm
             "--sass", "--sass-dir", str(tmp_path / "sass")]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    if "no SASS: no ptxas reads this PTX" in out:
+        pytest.skip("the installed ptxas is older than the PTX")
     written = sorted((tmp_path / "sass").glob("*.sass"))
     assert written and out.count(" SASS instructions: ") == len(written)
     assert all(instruction_mix(p.read_text()) for p in written)
@@ -100,6 +112,7 @@ def test_no_served_kernel_reads_an_activation_before_its_wait(layer, batches, kc
             for spec in row.get("specs", ()):
                 k = compile_kernel(spec, cache=kcache)
                 if k.key not in seen:
-                    seen[k.key] = (spec.label(), read_only_loads_before_wait(disassemble(assemble(k.ptx, "sm_90a").cubin)))
+                    sass = _or_skip(lambda: disassemble(assemble(k.ptx, "sm_90a").cubin))
+                    seen[k.key] = (spec.label(), read_only_loads_before_wait(sass))
     assert len(seen) >= 2 * len(batches)
     assert [(label, loads) for label, loads in seen.values() if loads] == []
