@@ -1,5 +1,5 @@
-"""What ptxas makes of a kernel's PTX, without a GPU: its registers, spills and shared memory
-(``ptxas -v``), and its SASS (``nvdisasm``) counted by instruction.
+"""What ptxas makes of a kernel's PTX, without a GPU: its registers and spills (``ptxas -v``),
+and its SASS (``nvdisasm``) counted by instruction.
 
 Why: a kernel change can be judged on the CPU before any device time is spent on it, e.g. how
 many integer instructions the MXFP4 dequantization costs per ``HMMA``, whether a load moved
@@ -87,7 +87,12 @@ def summary(ptx: str, arch: str, top: int = 10) -> tuple[dict, str]:
     """(the figures, one line): registers, spill bytes, SASS instructions in all and the ``top``
     opcodes by count."""
     res = assemble(ptx, arch)
-    mix = instruction_mix(disassemble(res.cubin))
+    return describe(res, disassemble(res.cubin), top)
+
+
+def describe(res: Resources, sass: str, top: int = 10) -> tuple[dict, str]:
+    """``summary`` of an assembled kernel and its SASS (for a caller that keeps the SASS too)."""
+    mix = instruction_mix(sass)
     figures = {"registers": res.registers, "spill_bytes": res.spill_bytes, "instructions": sum(mix.values()),
                "opcodes": dict(mix.most_common())}
     spills = f"{res.spill_bytes} bytes spilled" if res.spill_bytes else "no spills"

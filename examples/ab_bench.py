@@ -29,6 +29,7 @@ from pathlib import Path
 
 from compare_bench import SAME, CompareError, keyed_kernels
 
+from rewriter.bench_cmd import paired_difference
 from rewriter.variant import VariantError, swapped_in, variant_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,10 +87,10 @@ def report(a_runs: list[dict], b_runs: list[dict], min_delta: float = 0.0) -> st
         if None in a_us or None in b_us:
             lines.append(f"TP {key[0]} batch {key[1]} {key[2]}: not run in every round")
             continue
-        paired = statistics.median(b - a for a, b in zip(a_us, b_us))
+        paired, _, _, lower = paired_difference(a_us, b_us)
         lines.append(f"TP {key[0]} batch {key[1]} {key[2]}: A {_list(a_us)} (median {statistics.median(a_us):.1f}), "
                      f"B {_list(b_us)} (median {statistics.median(b_us):.1f}); B - A, paired: median {paired:+.1f} us, "
-                     f"{sum(b < a for a, b in zip(a_us, b_us))} of {len(a_us)} rounds lower")
+                     f"{lower} of {len(a_us)} rounds lower")
         a_adds, b_adds = [_adds(r) for r in a_rows], [_adds(r) for r in b_rows]
         names = [k for k in a_adds[0] if all(k in d for d in a_adds + b_adds)]
         if not names:

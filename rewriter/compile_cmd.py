@@ -46,14 +46,16 @@ def add_compile_parser(subparsers) -> argparse.ArgumentParser:
 
 def _sass(k, sass_dir: Path | None) -> dict:
     """A compiled kernel's SASS summary for its stage entry (and its SASS written to ``sass_dir``)."""
-    from codegen.sass import SassError, assemble, disassemble, summary
+    from codegen.sass import SassError, assemble, describe, disassemble
 
     try:
-        figures, line = summary(k.ptx, k.spec.arch)
+        res = assemble(k.ptx, k.spec.arch)
+        sass = disassemble(res.cubin)
+        figures, line = describe(res, sass)
         if sass_dir:
             sass_dir.mkdir(parents=True, exist_ok=True)
             path = sass_dir / f"{k.spec.kernel}_{k.key[:12]}.sass"
-            path.write_text(disassemble(assemble(k.ptx, k.spec.arch).cubin))
+            path.write_text(sass)
             line += f" ({path})"
     except SassError as e:
         return {"detail_sass": f"no SASS: {e}"}
@@ -78,11 +80,10 @@ def run_compile(args: argparse.Namespace) -> int:
     if args.sass:
         from codegen.sass import find_tool
 
-        missing = [t for t, hint in (("ptxas", "nvidia-cuda-nvcc"), ("nvdisasm", "nvidia-cuda-nvdisasm"))
-                   if not find_tool(t)]
+        missing = {t: wheel for t, wheel in (("ptxas", "nvidia-cuda-nvcc"), ("nvdisasm", "nvidia-cuda-nvdisasm"))
+                   if not find_tool(t)}
         if missing:
-            raise ShapeError(f"--sass needs {' and '.join(missing)} (pip install "
-                             f"{' '.join('nvidia-cuda-nvcc' if t == 'ptxas' else 'nvidia-cuda-nvdisasm' for t in missing)}, "
+            raise ShapeError(f"--sass needs {' and '.join(missing)} (pip install {' '.join(missing.values())}, "
                              "or CUDA on PATH)")
     result = rewritten_layer(args)
     shape = result.before.shape
