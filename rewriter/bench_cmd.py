@@ -124,6 +124,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="kernel sources (codegen/kernels/*.py at their paths below DIR) to time against the tree's "
                         "in the same process: both captured on the same weights, replays alternating, paired")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    b.add_argument("--svg", type=Path, metavar="PATH",
+                   help="also draw each rewritten row's replay timeline into PATH (rewriter/timeline_svg.py)")
     return b
 
 
@@ -148,6 +150,8 @@ def _check_args(args: argparse.Namespace) -> None:
         if "rewritten" not in args.paths:
             raise ShapeError("--variant times the rewritten path's kernels: keep 'rewritten' in --paths")
         kernel_variant_files(args.variant)
+    if args.svg is not None and not args.svg.parent.is_dir():
+        raise ShapeError(f"--svg {args.svg}: no folder {args.svg.parent} to write it into")
     if not torch.cuda.is_available():
         raise ShapeError("bench needs a CUDA GPU (inspect and compile run without one)")
 
@@ -552,6 +556,19 @@ def render(rows: list[Row], device: str, experts: str, layer: str = "") -> str:
     return "\n".join(lines)
 
 
+def write_svg(run: dict, path: Path, log: Callable[[str], None]) -> None:
+    """The run's replay timelines drawn into ``path``, or why there are none (the run's table and
+    JSON still print: a missing picture does not cost the measurements)."""
+    from rewriter.timeline_svg import TimelineError, panels_of, render, title_of
+
+    try:
+        path.write_text(render(panels_of(run), title_of(run)))
+    except TimelineError as e:
+        log(f"--svg {path}: not written: {e}")
+        return
+    log(f"--svg: wrote {path}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from codegen.bind import device_arch
     from rewriter.config import KimiK3Config
@@ -571,11 +588,14 @@ def run_bench(args: argparse.Namespace) -> int:
             for batch in args.batch:
                 rows.extend(bench_shape(cfg, args, tp, batch, arch, log))
                 torch.cuda.empty_cache()  # the shape's layer copies are gone
+    run = {"device": device, "model": args.model, "layer": args.layer, "q": args.q, "experts": args.experts,
+           "variant": None if args.variant is None else str(args.variant),
+           "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
+           "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}
+    if args.svg is not None:
+        write_svg(run, args.svg, log)
     if args.json:
-        print(json.dumps({"device": device, "model": args.model, "layer": args.layer, "q": args.q, "experts": args.experts,
-                          "variant": None if args.variant is None else str(args.variant),
-                          "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
-                          "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}, indent=1))
+        print(json.dumps(run, indent=1))
     else:
         kind = cfg.layer_kind(args.layer)
         mla = f", context {args.context}, {args.kv_cache_dtype} latent cache" if cfg.attention_kind(args.layer) == "mla" \

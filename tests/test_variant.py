@@ -122,13 +122,19 @@ def test_bench_times_a_variant_beside_the_tree_in_one_process(capsys, tmp_path):
     cache key, the same kernel): a ``rewritten`` and a ``variant`` row, the same kernels, the
     paired difference in the variant's row, and the tree's file as it was."""
     import json
+    import xml.etree.ElementTree as ET
 
     own = (ROOT / "codegen/kernels/attn_res_norm.py").read_bytes()
     variant, _ = _variant(tmp_path, "codegen/kernels/attn_res_norm.py", lambda s: s + "# a variant\n")
     argv = ["bench", "--layer", "1", "--tp", "16", "--batch", "1", "--paths", "rewritten", "--reps", "4",
-            "--copies", "2", "--layers-per-replay", "2", "--variant", str(variant), "--json"]
+            "--copies", "2", "--layers-per-replay", "2", "--variant", str(variant), "--json",
+            "--svg", str(tmp_path / "layer1.svg")]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
+    # both rows' replay timelines drawn: a bar per kernel of each (bench --svg)
+    bars = [r for r in ET.parse(tmp_path / "layer1.svg").getroot().iter("{http://www.w3.org/2000/svg}rect")
+            if r.get("class") == "kernel"]
+    assert len(bars) == sum(len(r["timeline"]) for r in rows) >= 24
     assert [r["path"] for r in rows] == ["rewritten", "variant"]
     assert rows[0]["kernels"] == rows[1]["kernels"] == 12 and "reference ran" not in rows[1]["note"]
     assert "4 paired replays" in rows[1]["note"] and isinstance(rows[1]["paired_diff_us"], float)
