@@ -6,7 +6,8 @@ inside some fused kernel:
 - ``mla_attend``: MLA decode attention over the paged latent cache, W_UV back to heads and
   the sigmoid output gate (one kernel: the split-context partials meet before W_UV);
 - ``dense_mlp.small`` / ``dense_mlp.large``: layer 0's gate_up, SiTU, down and all-reduce,
-  on GEMV kernels for up to ``DENSE_SMALL_MAX`` tokens, on the tensor-core GEMM above.
+  on GEMV kernels for up to ``DENSE_SMALL_MAX`` tokens, on the tensor-core GEMM above (and at
+  one token where a rank's intermediate is too long for the GEMVs: TP 4 and below).
 """
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from torch import Tensor
 from rewriter.layers.attn_res import attn_res
 from rewriter.layers.mla import mla_attend
 from rewriter.layers.moe import mlp_down, mlp_up
-from rewriter.rules import Rule, RuleContext, common_guard, fused_op, token_range_guard
+from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, token_range_guard
 
 DENSE_SMALL_MAX = 1  # the GEMV kernels up to here, the GEMM above (measured: BENCHMARKS.md, layer 0's dense MLP)
+# the GEMV kernels' down projection holds a row of the rank's intermediate in registers, at most 16 lanes x 4
+# warps x 12 vectors of 8 (codegen/launchers/dense_mlp.py): Kimi K3's 33792 channels fit from TP 8 (4224); at
+# TP 4 and below (8448 and more) the GEMM rule takes the one-token step too
+DENSE_GEMV_MAX_INTER = 16 * 4 * 12 * 8
 
 
 @fused_op("attn_res_norm", mutates_args=("blocks",))
@@ -113,17 +118,32 @@ def _dense_variants(ctx: RuleContext):
     return [(pattern, replacement)]
 
 
+def _dense_inter(m: Match) -> int:
+    return m.val("gate_up_weight").shape[0] // 2
+
+
+def _dense_small_guard(m: Match) -> str | None:
+    reason = token_range_guard(1, DENSE_SMALL_MAX, "the GEMV rule takes 1 token")(m)
+    if reason is None and _dense_inter(m) > DENSE_GEMV_MAX_INTER:
+        return (f"intermediate {_dense_inter(m)} per rank: the GEMV kernels hold at most {DENSE_GEMV_MAX_INTER} "
+                "(the GEMM rule takes it)")
+    return reason
+
+
+def _dense_large_guard(m: Match) -> str | None:
+    lo = 1 if _dense_inter(m) > DENSE_GEMV_MAX_INTER else DENSE_SMALL_MAX + 1
+    return token_range_guard(lo, 64, f"the GEMM rule takes {lo}..64 tokens")(m)
+
+
 RULES = [
     Rule("attn_res_norm", "layer", _attn_res_variants, common_guard,
          doc="AttnRes before attention (prefix add, block write, mix) + input_layernorm"),
     Rule("mla_attend", "layer", _mla_attend_variants, common_guard,
          doc="MLA decode over the paged latent cache + W_UV per head + sigmoid output gate"),
-    Rule("dense_mlp.small", "layer", _dense_variants,
-         token_range_guard(1, DENSE_SMALL_MAX, "the GEMV rule takes 1 token"),
+    Rule("dense_mlp.small", "layer", _dense_variants, _dense_small_guard,
          kernel="dense_mlp", communicates=True, launches=2,
          doc="dense MLP for few tokens: gate_up + SiTU, down (GEMV kernels), all-reduce"),
-    Rule("dense_mlp.large", "layer", _dense_variants,
-         token_range_guard(DENSE_SMALL_MAX + 1, 64, f"the GEMM rule takes {DENSE_SMALL_MAX + 1}..64 tokens"),
+    Rule("dense_mlp.large", "layer", _dense_variants, _dense_large_guard,
          kernel="dense_mlp_gemm", communicates=True, launches=2,
          doc="dense MLP for many tokens: gate_up GEMM with SiTU in its epilogue, down GEMM, all-reduce"),
 ]

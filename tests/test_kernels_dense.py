@@ -82,6 +82,35 @@ def test_the_rules_and_templates_split_the_batches_alike():
         assert tpl.kernel == ("dense_mlp" if tokens <= DENSE_SMALL_MAX else "dense_mlp_gemm")
 
 
+@pytest.mark.parametrize("tp,rule", [(16, "dense_mlp.small"), (8, "dense_mlp.small"), (4, "dense_mlp.large"),
+                                     (2, "dense_mlp.large"), (1, "dense_mlp.large")])
+def test_one_token_goes_to_the_gemm_where_a_rank_is_too_long_for_the_gemvs(tp, rule):
+    """Kimi K3's dense intermediate (33792) over TP 4 and below leaves a rank more channels than
+    the GEMVs' down projection holds (``DENSE_GEMV_MAX_INTER``): the rule and the templates both
+    take the one-token step to the GEMM there, the GEMVs from TP 8, so what ``inspect`` plans is
+    what a served step launches."""
+    from patterns.layer import DENSE_GEMV_MAX_INTER
+    from rewriter.config import KimiK3Config
+    from rewriter.kernel_plan import plan
+    from rewriter.rewrite import rewrite
+    from rewriter.shape import DecodeShape
+    from rewriter.layers import build_layer
+    from rewriter.trace import trace
+
+    cfg = KimiK3Config.preset("kimi-k3")
+    inter = cfg.shard(tp).dense_intermediate
+    assert (inter > DENSE_GEMV_MAX_INTER) == (tp <= 4)
+    result = rewrite(trace(build_layer(cfg, 0, tp=tp, rank=0), DecodeShape(batch=1, tp=tp)))
+    assert [m.rule for m in result.matches if m.rule.startswith("dense_mlp")] == [rule]
+    row = next(r for r in plan(result, "sm_90a") if r["kernel"].startswith("dense_mlp"))
+    assert row["status"] == "pending", row
+    x = torch.empty(1, H, dtype=torch.bfloat16, device="meta")
+    args = (x, torch.empty(2 * inter, H, dtype=torch.bfloat16, device="meta"),
+            torch.empty(H, inter, dtype=torch.bfloat16, device="meta"), 4.0, 25.0, "tp", tp)
+    tpl, specs = spec_for_call(OP, "sm_90a", args)
+    assert tpl.kernel == row["kernel"] and tuple(row["specs"]) == tuple(specs)
+
+
 @pytest.mark.parametrize("args,reason", [
     (dense_args(tokens=65), "65 tokens outside 2..64 (the GEMM template)"),
     (dense_args(tokens=65), "65 tokens: above 8 the GEMV kernels re-read x per channel"),

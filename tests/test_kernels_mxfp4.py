@@ -39,6 +39,7 @@ K3 = KimiK3Config.preset("kimi-k3")
 E, K, L = K3.num_experts, K3.num_experts_per_token, K3.moe_hidden_size  # 896, 16, 3584
 BETA, LINEAR_BETA = K3.activation_situ_beta, K3.activation_situ_linear_beta
 SHAPES = {"tp16": (256, 192), "tp8": (384, 384)}  # (I held per rank, I live)
+SMALL_TP_SHAPES = {"tp4": (768, 768), "tp2": (1536, 1536), "tp1": (3072, 3072)}  # a slot's down stage: 4, 8, 16 warps
 HUMMING, NATIVE, CHECKPOINT = (ExpertFormat("mxfp4", x) for x in ("humming", "humming_native", "checkpoint"))
 TOL = 1e-2
 
@@ -524,6 +525,34 @@ def test_stages_keep_their_weights_in_shared_memory_from_a_token_count(kcache):
         assert registers <= 65536 // (ctas * 4 * 32) and spilled == 0, (registers, spilled)  # CTAs of 4 warps
 
 
+@needs_cutedsl
+@pytest.mark.parametrize("shape", list(SMALL_TP_SHAPES))
+def test_down_stage_at_tp_4_and_below_takes_a_cluster_of_wider_ctas(kcache, shape):
+    """At TP 4, 2 and 1 a slot's live K (768 to 3072 channels, 12 blocks a warp) takes 4 to 16
+    warps, so the k slots' 64 to 256 warps exceed a cluster of 8 CTAs of 4: the cluster stays at
+    8 and its CTAs grow to 8, 16 and 32 warps (at 32, the weights in shared memory at every
+    batch: 1024 threads leave 64 registers). The up stage does not change. Both compile without
+    a spill, holding room for at least one CTA an SM."""
+    from codegen.compiler import compile_kernel
+    from conftest import ptxas_usage
+
+    inter, live = SMALL_TP_SHAPES[shape]
+    wps = live // 16 // 12
+    for tokens in (1, 8, 16):
+        up, down = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=tokens, inter=inter, live=live))[1]
+        assert (up.param_dict["cluster"], up.param_dict["warps_per_tile"]) == (8, 2)
+        assert (down.param_dict["cluster"], down.param_dict["warps_per_slot"]) == (8, wps)
+        assert bool(down.param_dict.get("smem_weights")) == (tokens >= experts_launcher.MXFP4_SMEM_WEIGHTS_FROM
+                                                               or K * wps // 8 > 16)
+    tpl, (_, up_e, down_e) = spec_for_call(MOE, "sm_90a", moe_args(tokens=16, inter=inter, live=live))
+    assert tpl.kernel == "routed_moe_mxfp4" and down_e.param_dict["warps_per_slot"] == wps  # the per-pair down stage
+    for spec in spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1, inter=inter, live=live))[1]:
+        k = compile_kernel(spec, cache=kcache)
+        registers, spilled = ptxas_usage(k.ptx, "sm_90a")
+        threads = 32 * (4 if spec.kernel == "expert_up_mxfp4" else K * wps // 8)
+        assert spilled == 0 and registers * threads <= 65536, (spec.kernel, registers, spilled)
+
+
 # ---------------------------------------------------------------- 4. on the GPU
 
 class Experts:
@@ -622,6 +651,35 @@ def humming_experts(request):
 def test_kernels_read_the_layout_humming_leaves(humming_experts, tokens):
     """The served grids: one CTA cluster per (token, slot) pair."""
     check(humming_experts, tokens, torch.Generator().manual_seed(tokens))
+
+
+@on_gpu
+@pytest.mark.parametrize("shape", list(SMALL_TP_SHAPES))
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_kernels_at_tp_4_and_below(shape, tokens):
+    """TP 4, 2 and 1 (a down-stage CTA of 8, 16 or 32 warps) on 64 experts, in Humming's layout:
+    the per-pair grids, and at 16 tokens the router's plan with the per-pair down stage."""
+    inter, live = SMALL_TP_SHAPES[shape]
+    gen = torch.Generator().manual_seed(tokens)
+    experts = Experts(inter, live, HUMMING, torch.Generator(device="cuda").manual_seed(inter), experts=64)
+    if tokens < 16:
+        x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
+        weights, ids = routing(tokens, gen, experts=64)
+        args = experts.args(x, weights, ids)
+        tpl, specs, fns = gpu_kernels(OP, args)
+        y = torch.full((tokens, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+        act = torch.full((tokens, K, live), float("nan"), dtype=torch.bfloat16, device="cuda")
+        tpl.launch(fns, specs, args, out=(y, act))
+        torch.cuda.synchronize()
+        ref_act, ref = experts.reference(x, weights, ids)
+        assert torch.isfinite(act).all() and torch.isfinite(y).all()
+        assert rel_err(act, ref_act) <= TOL and rel_err(y, ref) <= TOL
+    else:
+        x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
+        y, act, weights, ids = moe_step(experts, x, *routing_logits(routing(tokens, gen, experts=64)[1], gen, 64))
+        ref_act, ref = experts.reference(x, weights, ids)
+        assert torch.isfinite(act).all() and torch.isfinite(y).all()
+        assert rel_err(act, ref_act) <= TOL and rel_err(y, ref) <= TOL
 
 
 def routing_logits(ids, gen, experts=E):

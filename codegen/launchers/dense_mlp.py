@@ -6,7 +6,8 @@
   4224 at TP 8) is not a multiple of the shared experts' 16 lanes x 8 per row, so the down
   projection shares a row among as many lanes as divide it (8 at TP 16, 16 at TP 8) and
   splits the row's I over 3 warps (11 128-bit vectors per lane).
-- ``dense_mlp_gemm`` (2..64 tokens, rule ``dense_mlp.large``): the tensor-core skinny GEMM
+- ``dense_mlp_gemm`` (2..64 tokens, rule ``dense_mlp.large``; one token too where the GEMVs cannot
+  hold a rank's intermediate, TP 4 and below): the tensor-core skinny GEMM
   twice (``codegen/kernels/gemm.py``; the shared experts' GEMM path,
   ``experts.one_expert_gemm_*``): gate/up with the activation in its epilogue (a CTA holds 64
   gate rows and their 64 up rows), writing the [T, I] activation, then down. The GEMV kernels
@@ -79,7 +80,14 @@ def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
 
 
 def _gemm_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
-    return one_expert_gemm_specs(op, arch, args, DENSE_GEMM_TOKENS)
+    """From 2 tokens, and at one where the GEMVs cannot take the rank's intermediate (TP 4 and
+    below; the rule ``dense_mlp.large`` takes those steps, ``patterns.layer.DENSE_GEMV_MAX_INTER``)."""
+    lo, hi = DENSE_GEMM_TOKENS
+    x, gate_up = args[:2]
+    if x.dim() == 2 and gate_up.dim() == 2 and x.shape[0] == 1 and isinstance(
+            dense_tiling(1, x.shape[1], gate_up.shape[0] // 2), str):
+        lo = 1
+    return one_expert_gemm_specs(op, arch, args, (lo, hi))
 
 
 def _gemm_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):

@@ -257,7 +257,9 @@ TEMPLATES = (
 # ---- routed experts on MXFP4 weights (Humming's layout) ---------------------------------------
 MXFP4_LAYOUTS = {"humming": "interleaved", "humming_native": "natural"}  # layout -> nibble order
 MXFP4_MAX_KB_PER_WARP = 14  # 16-byte weight loads a lane holds (codegen/kernels/expert_up_mxfp4.py)
-MXFP4_DOWN_CTA_WARPS = 4  # warps of an expert_down_mxfp4 CTA
+MXFP4_DOWN_CTA_WARPS = (4, 8, 16, 32)  # warps of an expert_down_mxfp4 CTA: the fewest that keep its cluster <= 8
+# the down stage's weights held in registers take 96 a thread: CTAs of more warps stage them in shared memory
+MXFP4_DOWN_REGISTER_FORM_MAX_WARPS = 16
 # from this many tokens both stages' weights are staged in shared memory by cp.async rather than
 # held in registers (``codegen.kernels.mxfp4.weight_staging``: 7 and 8 CTAs per SM instead of 4
 # and 5); None: never. On the H200 (2026-12-02, ``examples/bench_mxfp4_experts.py``) it took the
@@ -299,19 +301,21 @@ def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
 
 def mxfp4_down_tiling(top_k: int, inter_live: int) -> dict[str, int] | str:
     """(cluster, warps per slot) of ``expert_down_mxfp4``: a slot's live K blocks in even runs of
-    up to 14 per warp; CTAs of 4 warps (five of which fit an SM: ``mxfp4.DOWN_WARPS_PER_SM``),
-    the k slots over a cluster of them (TP 16, I_live = 192: 4 CTAs x 4 slots x 1 warp of 12
-    blocks; TP 8: 8 CTAs x 2 slots x 2 warps of 12)."""
+    up to 14 per warp, the k slots over a cluster of at most 8 CTAs of the fewest warps that allow
+    it (``MXFP4_DOWN_CTA_WARPS``; four warps, five CTAs of which fit an SM, wherever they do:
+    ``mxfp4.DOWN_WARPS_PER_SM``). TP 16, I_live = 192: 4 CTAs x 4 slots x 1 warp of 12 blocks; TP 8:
+    8 CTAs x 2 slots x 2 warps; TP 4, 2, 1 (a slot of 4, 8, 16 warps): 8 CTAs of 8, 16, 32 warps."""
     kb = inter_live // 16
     per_warp = next((n for n in range(MXFP4_MAX_KB_PER_WARP, 1, -2) if kb % n == 0), None)
     if per_warp is None:
         return f"I_live {inter_live}: {kb} K blocks do not split into even runs of at most 14"
     warps = kb // per_warp
-    cluster, rest = divmod(top_k * warps, MXFP4_DOWN_CTA_WARPS)
-    if rest or MXFP4_DOWN_CTA_WARPS % warps or cluster not in (1, 2, 4, 8):
-        return (f"top_k {top_k} x {warps} warps per slot do not split into a cluster of 1, 2, 4 or 8 CTAs of "
-                f"{MXFP4_DOWN_CTA_WARPS} warps")
-    return {"cluster": cluster, "warps_per_slot": warps}
+    for cta_warps in MXFP4_DOWN_CTA_WARPS:
+        cluster, rest = divmod(top_k * warps, cta_warps)
+        if not rest and cta_warps % warps == 0 and cluster in (1, 2, 4, 8):
+            return {"cluster": cluster, "warps_per_slot": warps}
+    return (f"top_k {top_k} x {warps} warps per slot do not split into a cluster of 1, 2, 4 or 8 CTAs of "
+            f"{', '.join(map(str, MXFP4_DOWN_CTA_WARPS))} warps")
 
 
 def mxfp4_down_stream_tiling(rows: int, inter_live: int) -> dict[str, int]:
@@ -369,6 +373,8 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
     order = MXFP4_LAYOUTS[layout]
     if MXFP4_SMEM_WEIGHTS_FROM is not None and t >= MXFP4_SMEM_WEIGHTS_FROM:
         up, down = {**up, "smem_weights": True}, {**down, "smem_weights": True}
+    if k * down["warps_per_slot"] // down["cluster"] > MXFP4_DOWN_REGISTER_FORM_MAX_WARPS:
+        down = {**down, "smem_weights": True}  # TP 1: 1024 threads leave 64 registers a thread
     if by_expert:
         # 4 warps where L's quarters are whole scale groups (L = 3584: 28 each), else 2 (L % 64 == 0)
         warps = 4 if latent % 128 == 0 else 2
