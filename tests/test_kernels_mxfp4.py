@@ -560,7 +560,7 @@ class Experts:
     and in the layout under test; ``humming`` lays them out with the humming package."""
 
     def __init__(self, inter, live, fmt, gen, experts=E, latent=L, humming=True):
-        self.inter, self.live, self.fmt = inter, live, fmt
+        self.inter, self.live, self.fmt, self.count = inter, live, fmt, experts
         rows = (torch.arange(inter) < live).repeat(2)
         self.ckpt = {"w13": random_mxfp4(experts, 2 * inter, latent, live_rows=rows.cuda(), generator=gen,
                                          device="cuda", scale_exponent=-7),
@@ -626,7 +626,7 @@ def routing(tokens, gen, experts=E, top_k=K, crowded=None):
 def check(experts, tokens, gen, crowded=None):
     """The per-pair grids on a random routing, against the reference."""
     x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
-    weights, ids = routing(tokens, gen, crowded=crowded)
+    weights, ids = routing(tokens, gen, experts=experts.count, crowded=crowded)
     args = experts.args(x, weights, ids)
     tpl, specs, fns = gpu_kernels(OP, args)
     y = torch.full((tokens, L), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -660,26 +660,12 @@ def test_kernels_at_tp_4_and_below(shape, tokens):
     """TP 4, 2 and 1 (a down-stage CTA of 8, 16 or 32 warps) on 64 experts, in Humming's layout:
     the per-pair grids, and at 16 tokens the router's plan with the per-pair down stage."""
     inter, live = SMALL_TP_SHAPES[shape]
-    gen = torch.Generator().manual_seed(tokens)
     experts = Experts(inter, live, HUMMING, torch.Generator(device="cuda").manual_seed(inter), experts=64)
+    gen = torch.Generator().manual_seed(tokens)
     if tokens < 16:
-        x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
-        weights, ids = routing(tokens, gen, experts=64)
-        args = experts.args(x, weights, ids)
-        tpl, specs, fns = gpu_kernels(OP, args)
-        y = torch.full((tokens, L), float("nan"), dtype=torch.bfloat16, device="cuda")
-        act = torch.full((tokens, K, live), float("nan"), dtype=torch.bfloat16, device="cuda")
-        tpl.launch(fns, specs, args, out=(y, act))
-        torch.cuda.synchronize()
-        ref_act, ref = experts.reference(x, weights, ids)
-        assert torch.isfinite(act).all() and torch.isfinite(y).all()
-        assert rel_err(act, ref_act) <= TOL and rel_err(y, ref) <= TOL
+        check(experts, tokens, gen)
     else:
-        x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
-        y, act, weights, ids = moe_step(experts, x, *routing_logits(routing(tokens, gen, experts=64)[1], gen, 64))
-        ref_act, ref = experts.reference(x, weights, ids)
-        assert torch.isfinite(act).all() and torch.isfinite(y).all()
-        assert rel_err(act, ref_act) <= TOL and rel_err(y, ref) <= TOL
+        check_moe(experts, tokens, gen, steps=1)
 
 
 def routing_logits(ids, gen, experts=E):
@@ -719,7 +705,8 @@ def check_moe(experts, tokens, gen, crowded=None, steps=2):
     after each), every one against the reference."""
     for _ in range(steps):
         x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
-        y, act, weights, ids = moe_step(experts, x, *routing_logits(routing(tokens, gen, crowded=crowded)[1], gen))
+        ids = routing(tokens, gen, experts=experts.count, crowded=crowded)[1]
+        y, act, weights, ids = moe_step(experts, x, *routing_logits(ids, gen, experts=experts.count))
         ref_act, ref = experts.reference(x, weights, ids)
         assert torch.isfinite(act).all() and torch.isfinite(y).all()
         assert rel_err(act, ref_act) <= TOL and rel_err(y, ref) <= TOL
