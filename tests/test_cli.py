@@ -165,3 +165,13 @@ def test_inspect_all_layers_reports_every_layer(capsys, k3):
     assert "    4  kda   no             20       12  refused by the attn_in_proj_gemv template: K 64" in table
     assert main(["inspect", "--all-layers", "--dot", "x.dot"]) == 2
     assert "--all-layers prints one row per layer; --dot take one --layer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp,batch", [(4, 1), (1, 64)])
+def test_every_layer_is_rewritten_at_tp_4_and_below(capsys, tp, batch):
+    """What the README says of TP 1, 2 and 4: every layer of Kimi K3 on its own kernels (the
+    down stage's wider CTAs, the dense MLP's GEMM at one token), 13 kernels at most."""
+    report = json.loads(_inspect(capsys, "--model", "kimi-k3", "--all-layers", "--tp", str(tp), "--batch", str(batch),
+                                 "--json"))
+    assert report["rewritten_layers"] == 93, [r["reason"] for r in report["layers"] if not r["rewritten"]][:3]
+    assert max(r["rewritten_kernels"] for r in report["layers"]) <= 13
