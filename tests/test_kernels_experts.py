@@ -149,7 +149,7 @@ def test_tiling_at_a_small_shape():
     (ROUTED, routed_args()[:3] + (meta(E, L, 512).transpose(1, 2),) + routed_args()[4:], "w13 is not contiguous"),
     (ROUTED, (meta(1, L), meta(2, K, dtype=torch.float32)) + routed_args()[2:], "weights must be [1, 16]"),
     (SHARED, shared_args(tokens=65), "65 tokens outside 1..64"),
-    (SHARED, shared_args(inter=320), "I 320 is not a multiple of 128"),
+    (SHARED, shared_args(inter=288), "I 288 is not a multiple of 64 (8 lanes x 8 per row, at least)"),
     (SHARED, shared_args(hidden=7000), "H 7000 is not a multiple of 256"),
     (SHARED, (meta(1, H), meta(768, H), meta(384, H)) + shared_args()[3:], "down_weight must be [7168, 384]"),
     (SHARED, (meta(1, H, dtype=torch.float16),) + shared_args()[1:], "x is fp16"),
@@ -444,6 +444,25 @@ def test_shared_experts(tokens, kernel, shape):
     """As served (GEMVs at 1 token, the GEMM from 2), and the GEMVs over their whole range."""
     _, inter = SHAPES[shape]
     check_shared(shared_inputs(tokens, inter, torch.Generator().manual_seed(20 * tokens + inter)), kernel)
+
+
+def test_shared_gemv_at_tp_32_shares_a_row_among_8_lanes():
+    """TP 32 leaves the shared experts 192 channels a rank, not a multiple of 16 lanes x 8: the
+    down GEMV shares a row among 8 lanes (3 vectors each); 16 where they divide (TP 16 and 8)."""
+    inter = K3.shard(32).shared_intermediate
+    assert inter == 192
+    up, down = gemv_specs_of("sm_90a", shared_args(tokens=1, inter=inter))
+    assert down.param_dict["lanes_per_row"] == 8 and down.shape_dict["inter"] == 192
+    for _, wide in SHAPES.values():
+        assert gemv_specs_of("sm_90a", shared_args(tokens=1, inter=wide))[1].param_dict["lanes_per_row"] == 16
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_shared_experts_at_tp_32(tokens):
+    """The GEMVs on 8 lanes a row (TP 32's 192 channels), against the reference."""
+    inter = K3.shard(32).shared_intermediate
+    check_shared(shared_inputs(tokens, inter, torch.Generator().manual_seed(32 + tokens)), "shared_experts")
 
 
 @on_gpu

@@ -38,7 +38,7 @@ from rewriter.layers.common import rms_norm
 
 D, E, L = 7168, 896, 3584  # Kimi K3: hidden, routed experts, MoE latent
 EPS = 1e-5
-O_IN = {16: 768, 8: 1536}  # o_proj input width per rank
+O_IN = {32: 384, 16: 768, 8: 1536}  # o_proj input width per rank
 TOKENS = (1, 2, 5, 8, 13, 64)
 TOL, LOGIT_TOL = 1e-2, 1e-4  # bf16 results; the router's fp32 logits
 ARCHS = ("sm_90a", "sm_100a")
@@ -165,6 +165,14 @@ def test_o_proj_specs(tp, prefix):
     # a given prefix gets attn as its delta; without one attn is the new block's prefix (no delta)
     assert res.param_dict == {"num_blocks": 3, "write_idx": -1, "has_delta": prefix, "eps": EPS,
                               "cluster": 8, "vectors": 1}
+
+
+def test_o_proj_at_tp_32_takes_the_gemm_at_one_token():
+    """TP 32's 384-wide rows are not whole 256-wide steps of the GEMV's warps: the GEMM takes the
+    one-token step there; TP 16 and 8 keep the GEMV."""
+    _, (proj, _) = specs_of("k3f::o_proj_attn_res", o_proj_args(1, 32))
+    assert proj.kernel == "o_proj_gemm" and proj.shape_dict == {"token_tile": 16, "k": 384, "rows": D}
+    assert [specs_of("k3f::o_proj_attn_res", o_proj_args(1, tp))[1][0].kernel for tp in (16, 8)] == ["gemv", "gemv"]
 
 
 @pytest.mark.parametrize("op,args,reason", [
@@ -601,10 +609,10 @@ def test_latent_tail_gpu(monkeypatch, tokens, tp, rank):
 
 
 @on_gpu
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("tp", [16, 8])
+@pytest.mark.parametrize("tokens,tp", [(t, tp) for tp in (16, 8) for t in TOKENS] + [(1, 32)])
 def test_o_proj_attn_res_gpu(tokens, tp):
-    """TP 16 / 8 shapes on one GPU (tp = 1: no all-reduce); prefix given or not by token count."""
+    """TP 16 / 8 shapes on one GPU (tp = 1: no all-reduce), and TP 32's at one token (the GEMM);
+    prefix given or not by token count."""
     prefix = tokens % 2 == 1
     gen = torch.Generator().manual_seed(100 * tokens + tp)
     o, w, p, blocks, nw, qw, ow = o_proj_inputs(tokens, tp, prefix, gen)
@@ -613,7 +621,7 @@ def test_o_proj_attn_res_gpu(tokens, tp):
     gpu = cuda(args)
     tpl, specs, fns = compiled_fns("k3f::o_proj_attn_res", gpu)
     assert tpl.runtime_check(gpu) is None
-    assert specs[0].kernel == ("o_proj_gemm" if tokens >= O_PROJ_GEMM_MIN_TOKENS else "gemv")
+    assert specs[0].kernel == ("o_proj_gemm" if tokens >= O_PROJ_GEMM_MIN_TOKENS or tp == 32 else "gemv")
     # the projection stage alone (its output is the launcher's intermediate)
     attn = nan(tokens, D)
     project(fns[0], specs[0], gpu[0], gpu[1], attn)

@@ -76,7 +76,8 @@ def _reference(layer, inputs):
     (0, 16, 64, None, "bf16"), (0, 8, 24, None, "bf16"),  # ... on its GEMMs
     (3, 16, 1, "mxfp4", "bf16"), (3, 16, 8, "mxfp4", "fp8"), (3, 8, 1, "mxfp4", "fp8"), (3, 8, 8, "bf16", "bf16"),
     (3, 16, 64, "mxfp4", "bf16"),  # layer 3: MLA + MoE
-    (1, 4, 1, "mxfp4", "bf16"), (1, 2, 8, "mxfp4", "bf16"), (0, 4, 1, None, "bf16")])  # TP 4 and 2: wider CTAs, GEMM
+    (1, 4, 1, "mxfp4", "bf16"), (1, 2, 8, "mxfp4", "bf16"), (0, 4, 1, None, "bf16"),  # TP 4 and 2: wider CTAs, GEMM
+    (1, 32, 1, "mxfp4", "bf16"), (3, 32, 8, "mxfp4", "bf16")])  # TP 32: o_proj's GEMM, 96 live expert channels
 def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts, cache):
     """``experts``: bf16, or the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90);
     ``cache``: the MLA latent cache, bf16 or fp8 E4M3 with its per-tensor scale."""

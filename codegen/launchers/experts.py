@@ -78,13 +78,14 @@ def shared_tiling(tokens: int, hidden: int, inter: int) -> tuple[dict[str, Any],
     weights loaded once (before the PDL wait) and held in registers across the chunks. Up:
     one channel per CTA, H split over ``_slices`` warps (4 warps of 7 vectors per lane and
     row at H = 7168: 384 CTAs with their whole 28 KB in flight at Is = 384); with one slice,
-    as many channels (warps) per CTA as keep >= 264 CTAs. Down: 16 lanes per row, 2 rows
-    per lane, 4 warps per CTA (16 rows)."""
+    as many channels (warps) per CTA as keep >= 264 CTAs. Down: 16 lanes per row (8 where
+    they do not divide I: TP 32's 192), 2 rows per lane, 4 warps per CTA."""
     chunk = min(tokens, MAX_CHUNK)
+    lanes = SHARED_ROW_LANES if inter % (8 * SHARED_ROW_LANES) == 0 else SHARED_ROW_LANES // 2
     slices = _slices(hidden)
     warps = slices if slices > 1 else next(w for w in (4, 2, 1) if inter % w == 0 and inter // w >= 264 or w == 1)
     up = {"routed": False, "channels_per_warp": 1, "warps_per_cta": warps, "k_slices": slices, "chunk": chunk}
-    down = {"routed": False, "lanes_per_row": SHARED_ROW_LANES, "rows_per_lane": 2, "slot_warps": 1, "row_warps": 4,
+    down = {"routed": False, "lanes_per_row": lanes, "rows_per_lane": 2, "slot_warps": 1, "row_warps": 4,
             "slots_per_step": 1, "chunk": chunk}
     return up, down
 
@@ -166,8 +167,9 @@ def _routed_runtime(args: Sequence[Any]) -> str | None:
 
 def _shared_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     def tiling(t, hidden, inter):
-        if inter % (8 * SHARED_ROW_LANES):
-            return f"I {inter} is not a multiple of {8 * SHARED_ROW_LANES} ({SHARED_ROW_LANES} lanes x 8 per row)"
+        lanes = SHARED_ROW_LANES // 2
+        if inter % (8 * lanes):
+            return f"I {inter} is not a multiple of {8 * lanes} ({lanes} lanes x 8 per row, at least)"
         return shared_tiling(t, hidden, inter)
 
     return one_expert_specs(op, arch, args, tiling)
@@ -299,6 +301,14 @@ def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
     return f"L {latent}: its {kb} K blocks do not split into even runs of at most 14 over <= 8 CTAs x 4 warps"
 
 
+def kernel_live(inter_live: int) -> int:
+    """The channels of each half the MXFP4 kernels compute: the live ones in whole 64-row tiles of
+    Humming's layout. Past the live ones lie vLLM's zero padding (code 0, scale byte 0: the
+    activation there is 0, and so is its share of the down projection), so a tile that is partly
+    padding costs reads, not accuracy (TP 32: 96 live of 256, two tiles)."""
+    return -(-inter_live // 64) * 64
+
+
 def mxfp4_down_tiling(top_k: int, inter_live: int) -> dict[str, int] | str:
     """(cluster, warps per slot) of ``expert_down_mxfp4``: a slot's live K blocks in even runs of
     up to 14 per warp, the k slots over a cluster of at most 8 CTAs of the fewest warps that allow
@@ -359,8 +369,9 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
         return f"{t} tokens outside 1..{EXPERTS_MAX_TOKENS} (the experts GEMV; larger batches need a grouped GEMM)"
     if not 1 <= k <= e:
         return f"top_k {k} outside 1..{e} experts"
-    if latent % 64 or inter % 64 or inter_live % 64 or not 0 < inter_live <= inter:
+    if latent % 64 or inter % 64 or not 0 < inter_live <= inter:
         return f"L {latent}, I {inter}, I_live {inter_live}: multiples of 64 (Humming's row tiles), I_live <= I"
+    inter_live = kernel_live(inter_live)  # TP 32: 96 live channels, the kernels take 128 (the rest zero)
     act = act_params(beta, linear_beta)
     if isinstance(act, str):
         return act
@@ -400,7 +411,7 @@ def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
     """Per pair: up, then down."""
     (up, down), x = fns, args[0]
     weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
-    live = args[10]
+    live = kernel_live(args[10])
     y, act = expert_outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
     up(x.view(torch.int32), ids, w13, w13_scale.view(torch.int32), act)
     down(act.view(torch.int32), ids, weights, w2, w2_scale.view(torch.int32), y, None, None)
@@ -485,7 +496,7 @@ def _moe_mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], o
     (from ``MXFP4_DOWN_BY_EXPERT_FROM`` tokens) per chosen expert, which zeroes the plan's counts.
     ``out``: as ``expert_outputs``."""
     (router, up, down), (x, logits, bias, w13, w13_scale, w2, w2_scale) = fns, args[:7]
-    top_k, live = int(args[7]), args[13]
+    top_k, live = int(args[7]), kernel_live(args[13])
     t, latent = x.shape
     weights, ids = _routing(t, top_k, x.device)
     counts, chosen, lists, records = routing_plan(x.device, w13.shape[0], specs[0].param_dict["plan_cap"])

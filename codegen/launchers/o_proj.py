@@ -51,12 +51,20 @@ def _o_proj_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
 
 
 def _projection_spec(op: str, arch: str, t: int, k: int, hidden: int) -> KernelSpec | str:
-    """The GEMM from ``O_PROJ_GEMM_MIN_TOKENS`` tokens (where K allows its pipeline), else the GEMV."""
+    """The GEMM from ``O_PROJ_GEMM_MIN_TOKENS`` tokens (where K allows its pipeline), else the GEMV;
+    below that too where the GEMV cannot take K (TP 32: 384, not whole 256-wide warp steps)."""
+    def gemm():
+        return gemm_spec("o_proj_gemm", op, arch, tokens=t, k=k, rows=hidden, segments=[hidden])
+
     if O_PROJ_GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
-        spec = gemm_spec("o_proj_gemm", op, arch, tokens=t, k=k, rows=hidden, segments=[hidden])
+        spec = gemm()
         if not isinstance(spec, str):
             return spec
-    return gemv_spec(op, arch, tokens=t, k=k, rows0=hidden, out0="bf16", x_stride=k)
+    spec = gemv_spec(op, arch, tokens=t, k=k, rows0=hidden, out0="bf16", x_stride=k)
+    if isinstance(spec, str) and t < O_PROJ_GEMM_MIN_TOKENS:
+        fallback = gemm()
+        return spec if isinstance(fallback, str) else fallback
+    return spec
 
 
 def project(fn, spec: KernelSpec, o: torch.Tensor, weight: torch.Tensor, attn: torch.Tensor) -> None:
