@@ -124,8 +124,9 @@ def _dense_inter(m: Match) -> int:
 
 def _dense_small_guard(m: Match) -> str | None:
     reason = token_range_guard(1, DENSE_SMALL_MAX, "the GEMV rule takes 1 token")(m)
-    if reason is None and _dense_inter(m) > DENSE_GEMV_MAX_INTER:
-        return (f"intermediate {_dense_inter(m)} per rank: the GEMV kernels hold at most {DENSE_GEMV_MAX_INTER} "
+    inter = _dense_inter(m)
+    if reason is None and inter > DENSE_GEMV_MAX_INTER:
+        return (f"intermediate {inter} per rank: the GEMV kernels hold at most {DENSE_GEMV_MAX_INTER} "
                 "(the GEMM rule takes it)")
     return reason
 

@@ -10,8 +10,8 @@ import pytest
 
 import patterns.layer
 import patterns.moe
-from rewriter.config import KimiK3Config
 from rewriter.cli import main
+from rewriter.config import KimiK3Config
 from rewriter.stock_kernels import layer_kernels
 
 CONTRACT = {"model", "layer", "layer_kind", "tp", "batch", "default_kernels", "rewritten_kernels", "matches",

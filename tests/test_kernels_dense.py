@@ -92,9 +92,9 @@ def test_one_token_goes_to_the_gemm_where_a_rank_is_too_long_for_the_gemvs(tp, r
     from patterns.layer import DENSE_GEMV_MAX_INTER
     from rewriter.config import KimiK3Config
     from rewriter.kernel_plan import plan
+    from rewriter.layers import build_layer
     from rewriter.rewrite import rewrite
     from rewriter.shape import DecodeShape
-    from rewriter.layers import build_layer
     from rewriter.trace import trace
 
     cfg = KimiK3Config.preset("kimi-k3")

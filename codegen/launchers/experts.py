@@ -73,6 +73,12 @@ def routed_tiling(top_k: int, latent: int, inter: int) -> tuple[dict[str, Any], 
     return up, down
 
 
+def shared_row_lanes(inter: int) -> int | None:
+    """Lanes sharing a row of the shared experts' down projection: 16 where 16 x 8 values divide
+    I, else 8 (TP 32's 192); None where neither does."""
+    return next((lanes for lanes in (SHARED_ROW_LANES, SHARED_ROW_LANES // 2) if inter % (8 * lanes) == 0), None)
+
+
 def shared_tiling(tokens: int, hidden: int, inter: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(up, down) tiling of the shared experts: tokens in chunks of up to 8, each lane's
     weights loaded once (before the PDL wait) and held in registers across the chunks. Up:
@@ -81,7 +87,7 @@ def shared_tiling(tokens: int, hidden: int, inter: int) -> tuple[dict[str, Any],
     as many channels (warps) per CTA as keep >= 264 CTAs. Down: 16 lanes per row (8 where
     they do not divide I: TP 32's 192), 2 rows per lane, 4 warps per CTA."""
     chunk = min(tokens, MAX_CHUNK)
-    lanes = SHARED_ROW_LANES if inter % (8 * SHARED_ROW_LANES) == 0 else SHARED_ROW_LANES // 2
+    lanes = shared_row_lanes(inter)
     slices = _slices(hidden)
     warps = slices if slices > 1 else next(w for w in (4, 2, 1) if inter % w == 0 and inter // w >= 264 or w == 1)
     up = {"routed": False, "channels_per_warp": 1, "warps_per_cta": warps, "k_slices": slices, "chunk": chunk}
@@ -167,8 +173,8 @@ def _routed_runtime(args: Sequence[Any]) -> str | None:
 
 def _shared_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     def tiling(t, hidden, inter):
-        lanes = SHARED_ROW_LANES // 2
-        if inter % (8 * lanes):
+        if shared_row_lanes(inter) is None:
+            lanes = SHARED_ROW_LANES // 2
             return f"I {inter} is not a multiple of {8 * lanes} ({lanes} lanes x 8 per row, at least)"
         return shared_tiling(t, hidden, inter)
 
