@@ -436,8 +436,13 @@ def test_latent_tail_ptx(compiled, arch):
     s = L // 256 // p["ksplit"]
     per_thread = -(-(L // 8) // (32 * p["warps_per_cta"]))  # x vectors per thread in the norm prologue
     assert (tc, r, p["ksplit"]) == (7, 2, 2)
-    assert _count(ptx, STREAM) == r * s  # loaded once, before the chunk loop
-    assert _count(ptx, "ld.global.nc.v4.b32") == tc * per_thread + per_thread  # x once, norm weight once
+    # W and the norm weight (its own vectors of each thread) streamed once, before the wait
+    assert _count(ptx, STREAM) == r * s + per_thread
+    assert _count(ptx.split("griddepcontrol.wait", 1)[0], STREAM) == r * s + per_thread
+    assert _count(ptx, "ld.global.nc.v4.b32") == tc * per_thread  # x once
+    # the residuals a lane adds are read with x, before the norm's first barrier, not after the sums
+    first_bar = ptx.index("bar.sync")
+    assert _count(ptx[:first_bar], "ld.global.b16") == r * tc and _count(ptx[:first_bar], "ld.global.nc.v4.b32") == tc * per_thread
     assert _count(ptx, "st.shared.v4.b32") == 2 * tc * per_thread  # x staged, then normalized in place
     assert _count(ptx, "ld.shared.v4.b32") >= tc * per_thread + tc * s  # normalize + the GEMV's x
     assert _count(ptx, "rsqrt.approx") == tc
@@ -469,6 +474,12 @@ def test_latent_tail_gemm_ptx(compiled, arch):
     assert "mma.sync.aligned.m16n8k16" in k.ptx and "cp.async.cg.shared.global" in k.ptx
     assert "rsqrt.approx" in k.ptx and "mapa.shared::cluster" in k.ptx
     assert "ld.local" not in k.ptx and "st.local" not in k.ptx
+    # the residuals a thread adds (4 rows of each of its 4-row groups) are read right after the
+    # wait, before the K loop's first MMA, not after the cluster's sums
+    after = k.ptx.split("griddepcontrol.wait;")[1]
+    first_mma = after.index("mma.sync")
+    assert _count(after, "ld.global.b16") == _count(after[:first_mma], "ld.global.b16") > 0
+    assert _count(after, "ld.global.b16") % 4 == 0
 
 
 @needs_cutedsl
