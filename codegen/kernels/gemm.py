@@ -17,7 +17,8 @@ threads, is behind one barrier before the first tile) while its
 squares are summed per token, the cluster's partial sums of squares meet with the partial
 tiles and the epilogue scales each token's row by ``rsqrt(mean(x^2) + eps)`` (the reference
 scales before rounding, this kernel after the projection: the same math, bf16 rounding apart);
-with ``residual`` the epilogue adds ``r`` in bf16, ``y = bf16(bf16(acc) + r)``. x and r may be
+with ``residual`` the epilogue adds ``r`` in bf16, ``y = bf16(bf16(acc) + r)`` (each thread's
+``r`` read right after the wait, so no load stands between the cluster's sums and the stores). x and r may be
 row-strided views. With ``second_weight`` (the router: its gate rows and the latent down
 projection's rows are two tensors of one rank, both multiplied by the same x) output 0 is
 ``x @ W0^T`` and output 1 ``x @ W1^T``: the first row tiles read W0, the rest W1, each tile's
