@@ -21,7 +21,11 @@ Work split (decode is bound by reading W once from HBM):
   kernel: W is read from HBM once, however many tokens there are;
 - tokens are processed in chunks of at most 8 (the fp32 accumulators, ``rows x chunk``
   per lane, stay in registers); x is read with ``ld.global.nc.v4`` (a chunk, at most 8 x
-  14 KB, stays in L1) or, with the norm prologue, from shared memory (``ld.shared.v4``);
+  14 KB, stays in L1) or, with the norm prologue, from shared memory (``ld.shared.v4``); a
+  single chunk of at most ``X_AHEAD`` vectors a lane (the router and o_proj at one token)
+  loads them all between the wait and the trigger, plain ``ld.global.v4`` (ptxas hoists
+  ``ld.global.nc`` above the wait), so that they go out together: in the K loop ptxas issued
+  them a few at a time, each batch once the last had landed;
 - per (row, token) a 5-step ``shfl.sync.bfly`` butterfly sums the lanes; with ``ksplit > 1``
   the warps' partial sums meet in shared memory (one barrier); one lane per (row, token)
   applies the epilogue and stores;
@@ -50,6 +54,7 @@ from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
 MAX_TOKENS = 64
 MAX_CHUNK = 8
 MAX_SLICE = 16  # weight vectors per lane and row held in registers
+X_AHEAD = 16  # x vectors per lane a chunk loads before its first use, at most (4 registers each)
 DTYPES = {"fp32": Float32, "bf16": BFloat16}
 
 
@@ -160,6 +165,19 @@ class Gemv:
         # PDL: the weight loads above are in flight while the previous kernel finishes; x, the
         # residual and every output are touched only after its writes are visible
         cute.arch.griddepcontrol_wait()
+        # one chunk, no norm: every x vector this lane multiplies, loaded now and before the
+        # trigger (ptxas moves no load across it, so they all go out together; in the K loop it
+        # issued them a few at a time, each batch once the last had landed: a round trip each).
+        # Plain loads: ptxas hoists ld.global.nc above griddepcontrol.wait, a race with the
+        # kernel that writes x
+        ahead = const_expr(not self.norm and self.num_chunks == 1 and S * TC <= X_AHEAD)
+        rXa = None
+        if const_expr(ahead):
+            rXa = cute.make_rmem_tensor((VEC, S, TC), BFloat16)
+            for s in cutlass.range_constexpr(S):
+                for t in cutlass.range_constexpr(TC):
+                    cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(mX[self.x_row(0, t), None], (VEC,), ((ks * S + s) * 32 + lane,)),
+                              rXa[None, s, t])
         cute.arch.griddepcontrol_launch_dependents()
 
         rX = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -224,6 +242,8 @@ class Gemv:
                 for t in cutlass.range_constexpr(TC):
                     if const_expr(self.norm):
                         cute.autovec_copy(cute.local_tile(sX[t, None], (VEC,), (v,)), rX)
+                    elif const_expr(ahead):
+                        rX.store(rXa[None, s, t].load())
                     else:
                         cute.copy(ld_x, cute.local_tile(mX[self.x_row(base, t), None], (VEC,), (v,)), rX)
                     xf = rX.load().to(Float32)
