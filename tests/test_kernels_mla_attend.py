@@ -141,6 +141,28 @@ def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
         assert pdl_flags(spec) == [1]
 
 
+@needs_cutedsl
+@pytest.mark.parametrize("batch, heads, cache", [(8, 6, torch.bfloat16), (64, 12, torch.bfloat16), (64, 12, torch.uint8),
+                                                  (3, 6, torch.bfloat16)])
+def test_the_w_uv_stage_loads_its_latents_in_chunks_and_stores_last(batch, heads, cache, kcache):
+    """After the second grid barrier, per W_UV row of a warp: its requests' gates (one a lane, 32
+    requests a load), then the latents of ``WUV_CHUNK`` requests at a time (2 vectors each, one
+    loop body per 32 requests), then one store a lane per 32 requests: no load behind a store,
+    no gate read behind a sum."""
+    import re
+
+    from codegen.compiler import compile_kernel
+    from codegen.kernels.mla_attend import WUV_CHUNK, MlaAttend
+
+    spec = attend_spec("sm_90a", attend_args(batch, heads, cache_dtype=cache))
+    ptx = compile_kernel(spec, cache=kcache).ptx
+    k = MlaAttend(batch, heads, "bf16" if cache == torch.bfloat16 else "fp8_e4m3", SCALE, GATE_WIDTH)
+    halves, chunk = -(-batch // 32), min(WUV_CHUNK, batch)
+    row = ["ld.global.b16"] * halves + ["ld.global.v4.b32"] * (2 * chunk * halves) + ["st.global.b16"] * halves
+    tail = ptx[ptx.rindex("fence.acq_rel.gpu"):]
+    assert re.findall(r"\b(ld\.global[\w.]*|st\.global[\w.]*)", tail) == row * k.rows_per_warp
+
+
 # ---------------------------------------------------------------- on the GPU (marked gpu)
 
 def attend_inputs(batch, heads, seq_lens, *, fp8=False, block_size=64, seed=0, kv_scale=0.37, q_len=1):

@@ -17,7 +17,8 @@ threads, is behind one barrier before the first tile) while its
 squares are summed per token, the cluster's partial sums of squares meet with the partial
 tiles and the epilogue scales each token's row by ``rsqrt(mean(x^2) + eps)`` (the reference
 scales before rounding, this kernel after the projection: the same math, bf16 rounding apart);
-with ``residual`` the epilogue adds ``r`` in bf16, ``y = bf16(bf16(acc) + r)``. x and r may be
+with ``residual`` the epilogue adds ``r`` in bf16, ``y = bf16(bf16(acc) + r)`` (each thread's
+``r`` read right after the wait, so no load stands between the cluster's sums and the stores). x and r may be
 row-strided views. With ``second_weight`` (the router: its gate rows and the latent down
 projection's rows are two tensors of one rank, both multiplied by the same x) output 0 is
 ``x @ W0^T`` and output 1 ``x @ W1^T``: the first row tiles read W0, the rest W1, each tile's
@@ -142,6 +143,8 @@ class SkinnyGemm:
         self.row_tiles = sum(self.tiles)
         self.grid = self.row_tiles * split_k
         self.slice_m = self.tile_out // split_k  # output rows each CTA of a cluster sums and stores
+        # a thread's rounds of 4-row groups in the epilogue (per token, slice_m / 4 groups)
+        self.store_rounds = -(-(self.slice_m // ACC_VEC * self.tile_n) // self.threads)
         self.w_stage_bytes = rows_per_cta * TILE_K * 2
         self.x_stage_bytes = token_tile * TILE_K * 2
         self.partial_bytes = token_tile * (rows_per_cta + PAD) * 4
@@ -268,6 +271,11 @@ class SkinnyGemm:
                     cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
         for s in cutlass.range_constexpr(S - 1):
             cute.arch.cp_async_commit_group()
+        # the residuals this thread adds in the epilogue, read now: after the sums their load would
+        # be one more round trip before the stores
+        rRes = cute.make_rmem_tensor((ACC_VEC, self.store_rounds), BFloat16)
+        if const_expr(self.residual):
+            self.load_residual(mR, rRes, tidx, rank, row0, tokens)
 
         # the MMA's threads: one token group's warps, over the group's tokens of x and of the partials
         mtid = tidx
@@ -347,7 +355,7 @@ class SkinnyGemm:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens, second, bound)
+        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens, second, bound)
         if const_expr(C > 1):
             # peers may still be reading this CTA's partials
             cute.arch.cluster_arrive()
@@ -391,20 +399,34 @@ class SkinnyGemm:
                 xs.store((xf * w.to(Float32)).to(BFloat16))
 
     @cute.jit
-    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, mR, tidx, rank, row0, first, tokens, second, bound):
+    def load_residual(self, mR, rRes, tidx, rank, row0, tokens):
+        """``rRes[e, j]`` = r at the (token, row) of element e of this thread's ``j``-th 4-row group
+        in ``reduce_store`` (the same mapping)."""
+        per_token = self.slice_m // ACC_VEC
+        nvec = per_token * self.tile_n
+        for j in cutlass.range_constexpr(self.store_rounds):
+            v = tidx + j * self.threads
+            t = v // per_token
+            mv = rank * per_token + v % per_token
+            if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
+                for e in cutlass.range_constexpr(ACC_VEC):
+                    rRes[e, j] = mR[t, row0 + mv * ACC_VEC + e]
+
+    @cute.jit
+    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens, second, bound):
         """Sum output rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4
         rows per 128-bit load; gated: each with its up row ``tile_out`` further, then the
         activation) and store them, rounded to bf16 (or fp32 where ``out_fp32``), into their
         output segments; rows below ``first`` (the last tile's overlap) are its neighbour's to
         store. With a second weight the rows are the weight's own (output 1 on W1's tiles),
-        those from ``bound`` on not stored."""
+        those from ``bound`` on not stored. ``rRes``: the residuals (``load_residual``)."""
         per_token = self.slice_m // ACC_VEC
         nvec = per_token * self.tile_n
         outs = (mY0, mY1, mY2, mY3)
         up_groups = self.tile_out // ACC_VEC  # 4-row groups from a gate row to its up row
         gate = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
         up = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
-        for j in cutlass.range_constexpr(-(-nvec // self.threads)):
+        for j in cutlass.range_constexpr(self.store_rounds):
             v = tidx + j * self.threads
             t = v // per_token
             mv = rank * per_token + v % per_token  # 4-row group inside the CTA's output rows
@@ -431,7 +453,7 @@ class SkinnyGemm:
                     val = val * rstd
                     rounded = val.to(BFloat16)
                     if const_expr(self.residual):
-                        rounded = (rounded.to(Float32) + mR[t, n].to(Float32)).to(BFloat16)
+                        rounded = (rounded.to(Float32) + rRes[e, j].to(Float32)).to(BFloat16)
                     if const_expr(self.two):
                         if n < bound:
                             if second:

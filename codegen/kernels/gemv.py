@@ -21,7 +21,11 @@ Work split (decode is bound by reading W once from HBM):
   kernel: W is read from HBM once, however many tokens there are;
 - tokens are processed in chunks of at most 8 (the fp32 accumulators, ``rows x chunk``
   per lane, stay in registers); x is read with ``ld.global.nc.v4`` (a chunk, at most 8 x
-  14 KB, stays in L1) or, with the norm prologue, from shared memory (``ld.shared.v4``);
+  14 KB, stays in L1) or, with the norm prologue, from shared memory (``ld.shared.v4``); a
+  single chunk of at most ``X_AHEAD`` vectors a lane (the router and o_proj at one token)
+  loads them all between the wait and the trigger, plain ``ld.global.v4`` (ptxas hoists
+  ``ld.global.nc`` above the wait), so that they go out together: in the K loop ptxas issued
+  them a few at a time, each batch once the last had landed;
 - per (row, token) a 5-step ``shfl.sync.bfly`` butterfly sums the lanes; with ``ksplit > 1``
   the warps' partial sums meet in shared memory (one barrier); one lane per (row, token)
   applies the epilogue and stores;
@@ -29,10 +33,12 @@ Work split (decode is bound by reading W once from HBM):
   their squares (butterfly, then one barrier across warps), then normalizes them in place
   (one more barrier before the GEMV reads them).
 
-Programmatic dependent launch: the kernel is launched with PDL and issues its weight loads
-(weights are never written by the layer) before ``griddepcontrol.wait``, so their DRAM latency
-overlaps the previous kernel's tail; x, the norm weight, the residual and the outputs come
-after the wait, which is followed at once by ``griddepcontrol.launch_dependents``.
+Programmatic dependent launch: the kernel is launched with PDL and issues its weight loads and
+the norm weight's (weights are never written by the layer) before ``griddepcontrol.wait``, so
+their DRAM latency overlaps the previous kernel's tail; x, the residual and the outputs come
+after the wait, which is followed at once by ``griddepcontrol.launch_dependents``. The
+residual a lane adds is read with the chunk's x, so no load stands between the sums and the
+store.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
 MAX_TOKENS = 64
 MAX_CHUNK = 8
 MAX_SLICE = 16  # weight vectors per lane and row held in registers
+X_AHEAD = 16  # x vectors per lane a chunk loads before its first use, at most (4 registers each)
 DTYPES = {"fp32": Float32, "bf16": BFloat16}
 
 
@@ -146,9 +153,31 @@ class Gemv:
                 v = (ks * S + s) * 32 + lane
                 cute.copy(ld_w, cute.local_tile(gRow, (VEC,), (v,)), rW[None, s, r])
 
+        # the norm weight, a weight too: loaded here rather than where x is normalized, one
+        # round trip after the first barrier (plain loads: ptxas sinks ld.global.nc below the wait)
+        if const_expr(self.norm):
+            rNw = cute.make_rmem_tensor((VEC, self.x_per_thread), BFloat16)
+            for j in cutlass.range_constexpr(self.x_per_thread):
+                v = tidx + j * self.threads
+                if const_expr(self.x_even) or v < self.x_vectors:
+                    cute.copy(ld_w, cute.local_tile(mNormW, (VEC,), (v,)), rNw[None, j])
+
         # PDL: the weight loads above are in flight while the previous kernel finishes; x, the
         # residual and every output are touched only after its writes are visible
         cute.arch.griddepcontrol_wait()
+        # one chunk, no norm: every x vector this lane multiplies, loaded now and before the
+        # trigger (ptxas moves no load across it, so they all go out together; in the K loop it
+        # issued them a few at a time, each batch once the last had landed: a round trip each).
+        # Plain loads: ptxas hoists ld.global.nc above griddepcontrol.wait, a race with the
+        # kernel that writes x
+        ahead = const_expr(not self.norm and self.num_chunks == 1 and S * TC <= X_AHEAD)
+        rXa = None
+        if const_expr(ahead):
+            rXa = cute.make_rmem_tensor((VEC, S, TC), BFloat16)
+            for s in cutlass.range_constexpr(S):
+                for t in cutlass.range_constexpr(TC):
+                    cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(mX[self.x_row(0, t), None], (VEC,), ((ks * S + s) * 32 + lane,)),
+                              rXa[None, s, t])
         cute.arch.griddepcontrol_launch_dependents()
 
         rX = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -156,19 +185,31 @@ class Gemv:
         rOut = cute.make_rmem_tensor((R, TC), Float32)
         for ch in cutlass.range(self.num_chunks, unroll=1):
             base = ch * TC
+            # the residual of the (row, token) this lane stores, read with the chunk's x, not
+            # after the sums (the load would then be one more round trip before the store)
+            res = Float32(0.0)
+            if const_expr(self.residual):
+                for r in cutlass.range_constexpr(R):
+                    for t in cutlass.range_constexpr(TC):
+                        if lane == r * TC + t and ks == 0 and first + r < N and base + t < T:
+                            res = mR[base + t, first + r].to(Float32)
             if const_expr(self.norm):
                 # RMSNorm prologue: x staged in shared memory (each thread its own vectors) with
                 # per-token sums of squares over the whole row, reduced over the CTA ...
                 rSq = cute.make_rmem_tensor((TC,), Float32)
                 rSq.fill(0.0)
+                rXs = cute.make_rmem_tensor((VEC, self.x_per_thread), BFloat16)
                 for t in cutlass.range_constexpr(TC):
                     gX = mX[self.x_row(base, t), None]
+                    for j in cutlass.range_constexpr(self.x_per_thread):  # the token's loads, all in flight
+                        v = tidx + j * self.threads
+                        if const_expr(self.x_even) or v < self.x_vectors:
+                            cute.copy(ld_x, cute.local_tile(gX, (VEC,), (v,)), rXs[None, j])
                     for j in cutlass.range_constexpr(self.x_per_thread):
                         v = tidx + j * self.threads
                         if const_expr(self.x_even) or v < self.x_vectors:
-                            cute.copy(ld_x, cute.local_tile(gX, (VEC,), (v,)), rX)
-                            cute.copy(st_s, rX, cute.local_tile(sX[t, None], (VEC,), (v,)))
-                            xf = rX.load().to(Float32)
+                            cute.copy(st_s, rXs[None, j], cute.local_tile(sX[t, None], (VEC,), (v,)))
+                            xf = rXs[None, j].load().to(Float32)
                             rSq[t] = rSq[t] + (xf * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 for t in cutlass.range_constexpr(TC):
                     sq = cute.arch.warp_reduction(rSq[t], operator.add)
@@ -182,12 +223,10 @@ class Gemv:
                         sq = sq + sSq[t, w]
                     rInv[t] = cute.math.rsqrt(sq / Float32(self.k) + Float32(self.eps))
                 # ... then x_n = bf16((x * inv_rms) * norm_weight), in place (no register holds x across)
-                rNw = cute.make_rmem_tensor((VEC,), BFloat16)
                 for j in cutlass.range_constexpr(self.x_per_thread):
                     v = tidx + j * self.threads
                     if const_expr(self.x_even) or v < self.x_vectors:
-                        cute.copy(ld_x, cute.local_tile(mNormW, (VEC,), (v,)), rNw)
-                        nw = rNw.load().to(Float32)
+                        nw = rNw[None, j].load().to(Float32)
                         for t in cutlass.range_constexpr(TC):
                             sXv = cute.local_tile(sX[t, None], (VEC,), (v,))
                             cute.autovec_copy(sXv, rX)
@@ -203,6 +242,8 @@ class Gemv:
                 for t in cutlass.range_constexpr(TC):
                     if const_expr(self.norm):
                         cute.autovec_copy(cute.local_tile(sX[t, None], (VEC,), (v,)), rX)
+                    elif const_expr(ahead):
+                        rX.store(rXa[None, s, t].load())
                     else:
                         cute.copy(ld_x, cute.local_tile(mX[self.x_row(base, t), None], (VEC,), (v,)), rX)
                     xf = rX.load().to(Float32)
@@ -234,7 +275,7 @@ class Gemv:
                     if lane == r * TC + t and ks == 0 and n < N and tg < T:
                         val = rOut[r, t]
                         if const_expr(self.residual):
-                            val = val.to(BFloat16).to(Float32) + mR[tg, n].to(Float32)
+                            val = val.to(BFloat16).to(Float32) + res
                         if const_expr(self.rows1 > 0):
                             if n < N0:
                                 mY0[tg, n] = val.to(self.out0)

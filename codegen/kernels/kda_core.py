@@ -44,9 +44,14 @@ of each f_b_proj row (at q > 1 only after the wait: held across the state loads 
 registers), the conv threads' fp32 taps and (persistent) the norm weight; into registers, or
 persistent by ``cp.async`` into shared memory (held in registers across the items they would
 crowd out the state); e^A_log of the head and the thread's dt_bias into registers.
-state_indices, the activations and the states are read, and anything written, only after it
-(``launch_dependents`` follows at once). A persistent CTA reads each item's slot two items
-ahead, so no item's work waits on a state index.
+The activations are read, and anything written, only after it (``launch_dependents`` follows
+at once). One CTA per item at one token also reads its slot (vLLM's metadata, copied in before
+the step's first kernel) and its state rows (written only by this layer's kda_core, a step ago)
+before the wait, and the norm weight; after it f_a, g_out and beta go out with the conv
+threads' loads, so the prologue waits for one round trip (it waited for the slot, then the
+state, and the conv threads for f_a after the conv, the output threads for g_out at the end).
+The persistent form reads state_indices and the states after the wait, each item's slot two
+items ahead, so no item's work waits on a state index.
 Thread ``i`` owns state row ``v = i // 4`` and, of its 32 128-bit vectors (4 fp32), the 8
 with ``vector % 4 == i % 4``: a warp reads 8 rows x 64 contiguous bytes per load, and the
 64 KB of the head's state are all in flight (8 per thread; ``ld.global.L1::no_allocate``
@@ -217,8 +222,22 @@ class KdaCore:
                 for c in cutlass.range_constexpr(CONV_CH):
                     cute.copy(g2r_stream_atom(Float32), cute.local_tile(mConvW[ch0 + c, None], (F32_VEC,), (0,)),
                               rConvW[None, c])
-        # the activations, the states and state_indices are written by earlier kernels (the outputs
-        # may reuse their memory): every read of them and every global write comes after the wait
+        # one CTA per item, one token: its slot (vLLM's metadata, copied in before the step's
+        # first kernel) and its state rows (written only by this layer's kda_core, a step ago)
+        # are no earlier kernel's output either: read before the wait too, so that after it only
+        # the activations' round trip is left (the slot's and then the state's were two more)
+        early = const_expr(not self.persistent and not self.verify and self.q_len == 1)
+        slot0, rS0, rNorm = Int32(0), None, None
+        if const_expr(early):
+            slot0 = mIdx[cta // H]
+            rS0 = cute.make_rmem_tensor((F32_VEC, ROW_VECS), Float32)
+            if slot0 > 0:
+                self.load_state(rS0, mState[slot0, head, tidx // 4, None], tidx % 4)
+            rNorm = cute.make_rmem_tensor((VEC,), BFloat16)  # the gated norm's weight (its 16 threads)
+            if tidx < OUT_THREADS:
+                cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(mNormW, (VEC,), (tidx,)), rNorm)
+        # the activations are the previous kernels' outputs (the outputs may reuse their memory):
+        # every read of them and every global write comes after the wait
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -242,13 +261,13 @@ class KdaCore:
                     cute.arch.cp_async_commit_group()  # two empty groups: four per item either way
                     cute.arch.cp_async_commit_group()
                 self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh,
-                          item // H, head, buf, tidx, rFb, rConvW, slot, beta)
+                          item // H, head, buf, tidx, rFb, rConvW, slot, beta, None, None)
                 slot = upcoming
                 upcoming = after
                 beta = beta_next
         else:  # one CTA per item, its inputs read where it uses them
             self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H,
-                      head, 0, tidx, rFb, rConvW, Int32(0), Float32(0.0))
+                      head, 0, tidx, rFb, rConvW, slot0, Float32(0.0), rS0, rNorm)
 
     def shared(self) -> Shared:
         """The kernel's shared memory. Per-thread copies are laid out [vector, thread, ...] so
@@ -286,33 +305,48 @@ class KdaCore:
 
     @cute.jit
     def item(self, mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, req, head,
-             buf, tidx, rFb, rConvW, known_slot, known_beta):
+             buf, tidx, rFb, rConvW, known_slot, known_beta, rS_read, rNorm):
         """One (request ``req``, ``head``) from buffer ``buf``: conv, gate, the delta-rule steps,
         the state stored back and the gated norm. Of the four most recent cp.async groups, the
         first two are this item's (activations, state), the last two the next item's; the staged
         form reads them from shared memory, the other one reads its activations and its state
         from global memory (the state straight into registers). The staged form takes its slot
         and thread 0's beta from the loop (``known_slot``, ``known_beta``: read ahead); the other
-        reads its own and ignores them."""
+        form's one-token step takes its slot, its state rows (``rS_read``) and the norm weight
+        (``rNorm``) read before the wait, and reads f_a and g_out with beta, before the conv and
+        the gate need them (each had been a round trip of its own, f_a after the conv threads'
+        conv); a verify step reads its slots and state here."""
         Q, D = self.q_len, HEAD_DIM
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         row = tidx // 4
         part = tidx % 4
         n = head * D + row
-        if const_expr(self.persistent):  # one slot, read ahead by the loop
+        if const_expr(self.persistent or rS_read is not None):  # one slot, read ahead
             a, slot, conv_slot = Int32(1), known_slot, known_slot
         else:
             a, slot, conv_slot = self.slots(mIdx, mAcc, req)
         if slot > 0:
-            rS = cute.make_rmem_tensor((F32_VEC, ROW_VECS), Float32)
-            if const_expr(not self.persistent):  # staged: prefetched, read after the prologue
+            rS = rS_read
+            if const_expr(rS_read is None):
+                rS = cute.make_rmem_tensor((F32_VEC, ROW_VECS), Float32)
+            if const_expr(not self.persistent and rS_read is None):  # staged: prefetched, read after the prologue
                 self.load_state(rS, mState[slot, head, row, None], part)
             b = Float32(0.0)
             if const_expr(self.persistent):  # read an item ahead by the loop
                 b = known_beta
             elif tidx < Q:
                 b = mBeta[req * Q + tidx, head].to(Float32)
+            rFa, rGo = None, None
+            if const_expr(rS_read is not None):  # the activations the gate and the norm read, now
+                # (plain loads: ptxas sinks ld.global.nc to their first use, past the conv's stores)
+                ld = g2r_atom(BFloat16, invariant=False)
+                rFa = cute.make_rmem_tensor((VEC, 4), BFloat16)
+                for u in cutlass.range_constexpr(4):
+                    cute.copy(ld, cute.local_tile(mFa[req, None], (VEC,), (u * 4 + part,)), rFa[None, u])
+                rGo = cute.make_rmem_tensor((VEC,), BFloat16)
+                if tidx < OUT_THREADS:
+                    cute.copy(ld, cute.local_tile(mGOut[req, None], (VEC,), (head * OUT_THREADS + tidx,)), rGo)
             if const_expr(self.persistent):
                 cute.arch.cp_async_wait_group(3)  # the weights and this item's activations landed
                 cute.arch.barrier()  # f_a was copied by 16 threads for all
@@ -322,7 +356,7 @@ class KdaCore:
                 self.conv(mQKV, sh, rConvW, mConvS, conv_slot, a, req, head, tidx, warp, buf)
             if const_expr(not self.persistent and Q > 1):
                 self.load_fb(mFbW, rFb, n, part)
-            self.gate(mFa, sh, rFb, decay_a, dt, req, n, row, part, buf)
+            self.gate(mFa, sh, rFb, decay_a, dt, req, n, row, part, buf, rFa)
             if tidx < Q:
                 sh.beta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
             if const_expr(self.persistent):
@@ -372,7 +406,7 @@ class KdaCore:
 
             # 4. sigmoid-gated RMSNorm: 16 threads per token, 8 channels each
             if tidx < OUT_THREADS * Q:
-                self.gated_norm(mGOut, mNormW, sh, mOut, req, head, tidx, buf)
+                self.gated_norm(mGOut, mNormW, sh, mOut, req, head, tidx, buf, rGo, rNorm)
         else:
             if tidx < OUT_THREADS * Q:
                 rZ = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -574,11 +608,12 @@ class KdaCore:
             r[(3 * c + i) % CONV_CH, (3 * c + i) // CONV_CH] = value
 
     @cute.jit
-    def gate(self, mFa, sh, rFb, decay_a, dt, req, n, row, part, buf):
+    def gate(self, mFa, sh, rFb, decay_a, dt, req, n, row, part, buf, rFa):
         """g1 = f_a @ f_b_weight^T for channel ``row`` of the head (global channel ``n``; 4
         threads per row, 4 vectors each of the row in shared memory when persistent, else in
         ``rFb``; f_a from buffer ``buf``
-        (``persistent``) or global memory), rounded to bf16 as the reference's linear is, then
+        (``persistent``), ``rFa`` (read ahead) or global memory), rounded to bf16 as the
+        reference's linear is, then
         exp(decay) into ``sh.g`` (the row's 4 threads store the same value); ``decay_a`` is
         e^A_log of the head and ``dt`` the row's dt_bias, both read before the wait."""
         Q = self.q_len
@@ -590,6 +625,8 @@ class KdaCore:
             for u in cutlass.range_constexpr(4):
                 if const_expr(self.persistent):
                     cute.autovec_copy(sh.fa[None, u * 4 + part, buf], rX)
+                elif const_expr(rFa is not None):
+                    rX.store(rFa[None, u].load())
                 else:
                     cute.copy(g2r_atom(BFloat16), cute.local_tile(mFa[req * Q + j, None], (VEC,), (u * 4 + part,)),
                               rX)
@@ -609,9 +646,10 @@ class KdaCore:
             sh.g[row, j] = cute.math.exp(decay)
 
     @cute.jit
-    def gated_norm(self, mGOut, mNormW, sh, mOut, req, head, tidx, buf):
+    def gated_norm(self, mGOut, mNormW, sh, mOut, req, head, tidx, buf, rGo, rNorm):
         """Thread ``tidx`` < 16 q: token ``tidx // 16``, channels [8c, 8c + 8):
-        o * rsqrt(mean(o^2) + eps) * norm_weight * sigmoid(g_out), one 128-bit store."""
+        o * rsqrt(mean(o^2) + eps) * norm_weight * sigmoid(g_out), one 128-bit store (g_out and
+        the norm weight from ``rGo`` and ``rNorm`` where they were read ahead)."""
         D = HEAD_DIM
         j = tidx // OUT_THREADS
         c8 = tidx % OUT_THREADS
@@ -621,6 +659,9 @@ class KdaCore:
         if const_expr(self.persistent):
             cute.autovec_copy(sh.g_out[None, c8, buf], rG)
             cute.autovec_copy(sh.norm_w[None, c8], rN)
+        elif const_expr(rGo is not None):
+            rG.store(rGo.load())
+            rN.store(rNorm.load())
         else:
             cute.copy(g2r_atom(BFloat16), cute.local_tile(mGOut[t, None], (VEC,), (head * OUT_THREADS + c8,)), rG)
             cute.copy(g2r_atom(BFloat16), cute.local_tile(mNormW, (VEC,), (c8,)), rN)

@@ -32,7 +32,11 @@ count), 256 threads, three phases separated by two grid-wide barriers:
    splits of one (request, head, 8 values) unit, each lane a share of the splits (all its
    loads at once), a butterfly over the group, and writes the bf16 latent to a second scratch;
 3. after the second barrier, warps take rows of W_UV for every request, a 32-lane butterfly
-   per (row, request), one lane gates and stores.
+   per (row, request): each lane reads the gates of its requests (b % 32 = lane) first, the
+   latents of ``WUV_CHUNK`` requests are loaded at once, lane b % 32 keeps request b's sum,
+   and the gated outputs are stored after the last sum. (One request at a time, each
+   request's loads waited behind the previous store, and each store behind a gate load: two
+   dependent round trips a request, 128 at 64 requests.)
 
 Programmatic dependent launch: before ``griddepcontrol.wait`` go the loads no kernel of the
 step writes: the W_UV rows, the sequence lengths and block table, and the first tile's entries
@@ -75,6 +79,7 @@ N_TILES = TILE // N_WARPS // 8  # 4 n8 tiles per score warp
 O_TILES = L // WARPS // 8  # P x V: 8 n8 tiles of latent values per warp
 ELEMS = 8  # latent values per combine unit
 LAT_VECS = L // ELEMS  # 64 combine units per (request, head)
+WUV_CHUNK = 8  # requests whose latents a warp loads at once in the W_UV stage (16 x 16 bytes a lane)
 LOG2E = 1.0 / math.log(2.0)
 NEG_INF = float("-inf")
 
@@ -165,22 +170,48 @@ class MlaAttend:
         self.grid_sync(mBar, cta, tidx)
 
         # 3. W_UV rows and the gate, every request
-        rL = cute.make_rmem_tensor((VEC,), BFloat16)
         for r in cutlass.range_constexpr(RPW):
             n = self.warp_row(cta, warp, r)
             if self.owns(warp, r, n):
-                h = n // V_DIM
-                for b in cutlass.range(self.batch, unroll=4):
-                    acc = Float32(0.0)
-                    for u in cutlass.range_constexpr(2):
-                        cute.autovec_copy(cute.local_tile(mLat[b, h, None], (VEC,), (u * 32 + lane,)), rL)
-                        acc = acc + (rL.load().to(Float32) * rW[None, u, r].load().to(Float32)).reduce(
-                            cute.ReductionOp.ADD, Float32(0.0), 0)
-                    acc = cute.arch.warp_reduction(acc, operator.add)
-                    if lane == 0:
-                        g = mGate[b, n].to(Float32)
-                        sig = (Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))).to(BFloat16).to(Float32)
-                        mOut[b, n] = (acc.to(BFloat16).to(Float32) * sig).to(BFloat16)
+                self.project_row(mLat, mGate, mOut, rW, n, r, lane)
+
+    @cute.jit
+    def project_row(self, mLat, mGate, mOut, rW, n, r: cutlass.Constexpr, lane):
+        """W_UV row ``n`` (the warp's ``r``-th, in ``rW``) against every request's latent, gated.
+        Lane ``b % 32`` keeps request b's sum and reads its gate, both stored at the end: no
+        load waits for a store (ptxas cannot move a load of ``mLat`` above a store to ``mOut``)
+        or for a gate read after the sum, and the latents of ``WUV_CHUNK`` requests are in flight
+        at once. Each sum is added in the same order as before (one request at a time)."""
+        B = const_expr(self.batch)
+        NB = const_expr(-(-B // 32))  # requests per lane
+        CH = const_expr(min(WUV_CHUNK, B))
+        h = n // V_DIM
+        rSig = cute.make_rmem_tensor((NB,), Float32)
+        for j in cutlass.range_constexpr(NB):
+            if const_expr(B >= 32 * (j + 1)) or lane + 32 * j < B:
+                g = mGate[lane + 32 * j, n].to(Float32)
+                rSig[j] = (Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))).to(BFloat16).to(Float32)
+        rSum = cute.make_rmem_tensor((NB,), Float32)
+        rSum.fill(0.0)
+        rL = cute.make_rmem_tensor((VEC, 2, CH), BFloat16)
+        for j in cutlass.range_constexpr(NB):  # requests 32 j .. 32 j + 31: lane b - 32 j keeps b's
+            for c in cutlass.range(32 * j, min(B, 32 * (j + 1)), CH, unroll=1):
+                for i in cutlass.range_constexpr(CH):  # the chunk's loads, all in flight
+                    if const_expr(B % CH == 0) or c + i < B:
+                        for u in cutlass.range_constexpr(2):
+                            cute.autovec_copy(cute.local_tile(mLat[c + i, h, None], (VEC,), (u * 32 + lane,)),
+                                              rL[None, u, i])
+                for i in cutlass.range_constexpr(CH):
+                    if const_expr(B % CH == 0) or c + i < B:
+                        acc = Float32(0.0)
+                        for u in cutlass.range_constexpr(2):
+                            acc = acc + (rL[None, u, i].load().to(Float32) * rW[None, u, r].load().to(Float32)).reduce(
+                                cute.ReductionOp.ADD, Float32(0.0), 0)
+                        acc = cute.arch.warp_reduction(acc, operator.add)
+                        rSum[j] = cutlass.select_(lane == c + i - 32 * j, acc, rSum[j])
+        for j in cutlass.range_constexpr(NB):
+            if const_expr(B >= 32 * (j + 1)) or lane + 32 * j < B:
+                mOut[lane + 32 * j, n] = (rSum[j].to(BFloat16).to(Float32) * rSig[j]).to(BFloat16)
 
     def warp_row(self, cta, warp, r):
         """W_UV row (head x 128 + v) that warp ``warp`` of CTA ``cta`` takes ``r``-th (past the

@@ -41,7 +41,9 @@ of one head; CTA rank ``r``:
 
 The latent cache insert: token ``t`` belongs to warp ``t // (8 H)`` of CTA ``t % (8 H)``: its
 lanes hold 16 consecutive kv_c values each (two 128-bit loads), a butterfly gives the sum of
-squares, lanes 0..3 carry k_pe; each lane stores its 16 values with 128-bit stores.
+squares, lanes 0..3 carry k_pe; each lane stores its 16 values with 128-bit stores. Up to 16
+tokens (one chunk) the slot and the kv norm weight are read before the wait and kv_c and k_pe
+right after it, so the insert between the cluster's arrive and wait is compute and stores.
 
 Programmatic dependent launch: before ``griddepcontrol.wait`` only weights (the q_b rows, the
 W_UK slice, q_a_norm), which no kernel writes; ``launch_dependents`` follows the wait at once.
@@ -172,8 +174,28 @@ class MlaQFront:
                           rW[None, b, j])
         rWw = words(rW)  # word 4 (b + 6 j) + i
 
+        # the cache insert's token (one a warp). With one chunk of tokens (up to 16) its slot
+        # (vLLM's metadata: no kernel of the step writes it) and the kv norm weight are read
+        # before the wait, its kv_c and k_pe right after it, all held across phase A: read where
+        # the insert runs, between the cluster's arrive and wait, they were a round trip (two:
+        # the slot first) on the way to phase B. (Held across several chunks they spill.)
+        early = const_expr(self.mtiles == 1)
+        t_ins = bidx + self.ctas * warp
+        ins = t_ins < self.tokens
+        if const_expr(self.insert_warps < WARPS):
+            ins = ins & (warp < self.insert_warps)
+        slot = Int64(-1)
+        rKvNw = cute.make_rmem_tensor((2 * VEC,), BFloat16)
+        rKv = cute.make_rmem_tensor((2 * VEC,), BFloat16)
+        rPe = cute.make_rmem_tensor((2 * VEC,), BFloat16)
+        if const_expr(early):
+            if ins:
+                slot = self.insert_weights(t_ins, lane, mSlot, mKvNorm, rKvNw)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(early):
+            if ins:
+                self.insert_inputs(t_ins, lane, mKv, mPe, rKv, rPe)
 
         # ---- phase A: RMSNorm(q_c) + this CTA's 24 q_b rows, in chunks of 16 tokens ---------------------
         rX = cute.make_rmem_tensor((VEC, LANE_VECS, RW), BFloat16)
@@ -239,12 +261,11 @@ class MlaQFront:
 
         # ---- the cluster barrier; the latent cache insert while the peers arrive ------------------------
         cute.arch.cluster_arrive()
-        t_ins = bidx + self.ctas * warp
-        if const_expr(self.insert_warps < WARPS):
-            if warp < self.insert_warps:
-                self.cache_insert(t_ins, lane, mKv, mPe, mKvNorm, mCache, mSlot, mScale)
-        else:
-            self.cache_insert(t_ins, lane, mKv, mPe, mKvNorm, mCache, mSlot, mScale)
+        if ins:
+            if const_expr(not early):
+                slot = self.insert_weights(t_ins, lane, mSlot, mKvNorm, rKvNw)
+                self.insert_inputs(t_ins, lane, mKv, mPe, rKv, rPe)
+            self.cache_insert(slot, lane, rKv, rPe, rKvNw, mCache, mScale)
         cute.arch.cluster_wait()
 
         # ---- phase B: gather the head's q_nope, then ql_nope columns [64 r, 64 r + 64) ---------------
@@ -298,39 +319,45 @@ class MlaQFront:
                 cute.copy(ld_x, cute.local_tile(mQc[t, None], (VEC,), (s * 32 + lane,)), rX[None, s, rr])
 
     @cute.jit
-    def cache_insert(self, t: Int32, lane: Int32, mKv: cute.Tensor, mPe: cute.Tensor, mKvNorm: cute.Tensor,
-                     mCache: cute.Tensor, mSlot: cute.Tensor, mScale: cute.Tensor):
-        """One warp writes token ``t``'s cache entry (if ``t`` < T and its slot is not negative):
-        lane ``l`` the 16 values ``[16 l, 16 l + 16)`` of the normed kv_c, lanes 0..3 also k_pe's."""
-        if t < self.tokens:
-            slot = Int64(mSlot[t])
-            rKv = cute.make_rmem_tensor((2 * VEC,), BFloat16)
-            rNw = cute.make_rmem_tensor((2 * VEC,), BFloat16)
-            rPe = cute.make_rmem_tensor((2 * VEC,), BFloat16)
-            cute.autovec_copy(cute.local_tile(mKv[t, None], (2 * VEC,), (lane,)), rKv)
-            cute.autovec_copy(cute.local_tile(mKvNorm, (2 * VEC,), (lane,)), rNw)
-            pl = cutlass.min(lane, ROPE // (2 * VEC) - 1)
-            cute.autovec_copy(cute.local_tile(mPe[t, None], (2 * VEC,), (pl,)), rPe)
-            xf = rKv.load().to(Float32)
-            sq = cute.arch.warp_reduction((xf * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), operator.add)
-            inv = cute.math.rsqrt(sq / Float32(KV_LORA) + Float32(self.eps))
-            normed = ((xf * inv) * rNw.load().to(Float32)).to(BFloat16)
-            if slot >= 0:
-                s32 = Int32(slot)
-                bs = Int32(mCache.shape[1])
-                blk = s32 // bs
-                entry = mCache[blk, s32 - blk * bs, None]
-                if const_expr(self.fp8):
-                    scale = Float32(mScale[0])
-                    self.store_fp8(normed.to(Float32) / scale, entry, lane)
-                    if lane < ROPE // (2 * VEC):
-                        self.store_fp8(rPe.load().to(Float32) / scale, entry, KV_LORA // (2 * VEC) + lane)
-                else:
-                    rN = cute.make_rmem_tensor((2 * VEC,), BFloat16)
-                    rN.store(normed)
-                    cute.autovec_copy(rN, cute.local_tile(entry, (2 * VEC,), (lane,)))
-                    if lane < ROPE // (2 * VEC):
-                        cute.autovec_copy(rPe, cute.local_tile(entry, (2 * VEC,), (KV_LORA // (2 * VEC) + lane,)))
+    def insert_weights(self, t: Int32, lane: Int32, mSlot: cute.Tensor, mKvNorm: cute.Tensor, rNw: cute.Tensor):
+        """Token ``t``'s slot (returned) and lane ``l``'s 16 values of the kv norm weight into ``rNw``:
+        what the insert reads that no kernel of the step writes."""
+        cute.autovec_copy(cute.local_tile(mKvNorm, (2 * VEC,), (lane,)), rNw)
+        return Int64(mSlot[t])
+
+    @cute.jit
+    def insert_inputs(self, t: Int32, lane: Int32, mKv: cute.Tensor, mPe: cute.Tensor, rKv: cute.Tensor,
+                      rPe: cute.Tensor):
+        """Lane ``l``'s 16 kv_c values of token ``t`` into ``rKv``, and k_pe's (lanes 0..3) into ``rPe``."""
+        cute.autovec_copy(cute.local_tile(mKv[t, None], (2 * VEC,), (lane,)), rKv)
+        cute.autovec_copy(cute.local_tile(mPe[t, None], (2 * VEC,), (cutlass.min(lane, ROPE // (2 * VEC) - 1),)), rPe)
+
+    @cute.jit
+    def cache_insert(self, slot: Int64, lane: Int32, rKv: cute.Tensor, rPe: cute.Tensor, rNw: cute.Tensor,
+                     mCache: cute.Tensor, mScale: cute.Tensor):
+        """One warp writes its token's cache entry (read ahead: its ``slot``, lane ``l``'s 16 kv_c
+        values ``[16 l, 16 l + 16)`` in ``rKv`` with the norm weight's in ``rNw``, lanes 0..3 k_pe's
+        in ``rPe``) unless the slot is negative: the normed kv_c, then k_pe."""
+        xf = rKv.load().to(Float32)
+        sq = cute.arch.warp_reduction((xf * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), operator.add)
+        inv = cute.math.rsqrt(sq / Float32(KV_LORA) + Float32(self.eps))
+        normed = ((xf * inv) * rNw.load().to(Float32)).to(BFloat16)
+        if slot >= 0:
+            s32 = Int32(slot)
+            bs = Int32(mCache.shape[1])
+            blk = s32 // bs
+            entry = mCache[blk, s32 - blk * bs, None]
+            if const_expr(self.fp8):
+                scale = Float32(mScale[0])
+                self.store_fp8(normed.to(Float32) / scale, entry, lane)
+                if lane < ROPE // (2 * VEC):
+                    self.store_fp8(rPe.load().to(Float32) / scale, entry, KV_LORA // (2 * VEC) + lane)
+            else:
+                rN = cute.make_rmem_tensor((2 * VEC,), BFloat16)
+                rN.store(normed)
+                cute.autovec_copy(rN, cute.local_tile(entry, (2 * VEC,), (lane,)))
+                if lane < ROPE // (2 * VEC):
+                    cute.autovec_copy(rPe, cute.local_tile(entry, (2 * VEC,), (KV_LORA // (2 * VEC) + lane,)))
 
     @cute.jit
     def store_fp8(self, values, entry: cute.Tensor, idx: Int32):
