@@ -17,7 +17,7 @@ Work split:
 - the MMA is m16n8k16 with the weight rows as M and the slot's activation as every N column;
   each warp scales its C by its slot's routing weight; the warps' sums meet in shared memory,
   and each CTA pushes its sum of a row to the CTA of the cluster that stores it
-  (``mxfp4.push_send``): CTA ``rank`` stores rows ``[rank, rank + 1) * 64 / cluster`` of the
+  (``common.push_send``): CTA ``rank`` stores rows ``[rank, rank + 1) * 64 / cluster`` of the
   tile.
 
 Programmatic dependent launch: the kernel runs right after ``expert_up_mxfp4``, whose CTAs let it
@@ -38,10 +38,10 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS,
-                                   copy_from, issue_weights, load_b, load_scales, mma_mxfp4, push_buffers,
-                                   push_ready, push_received, push_send, push_start, push_total, scale_pairs,
-                                   staged_words, tile_mma, warp_registers, weight_staging)
+from codegen.kernels.common import push_buffers, push_init, push_ready, push_received, push_send, push_total
+from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS, copy_from,
+                                   issue_weights, load_b, load_scales, mma_mxfp4, scale_pairs, staged_words, tile_mma,
+                                   warp_registers, weight_staging)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -120,7 +120,8 @@ class ExpertDownMxfp4:
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps)), byte_alignment=16)
         if const_expr(C > 1):  # each CTA's sums of the tile pushed to the CTA that stores them
             recv, mbar = push_buffers(smem, C, (self.share,))
-            push_start(recv, mbar, tidx)
+            push_init(recv, mbar, tidx)
+            cute.arch.cluster_arrive_relaxed()
         else:
             sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), byte_alignment=16)
 
@@ -151,7 +152,7 @@ class ExpertDownMxfp4:
             for w in cutlass.range_constexpr(1, self.warps):
                 total = total + sPart[tidx, w]
             if const_expr(C > 1):  # to the CTA that stores the row
-                push_send(recv, mbar, total, rank, tidx // self.share, (tidx % self.share,))
+                push_send(recv, mbar, total, (rank, tidx % self.share), tidx // self.share)
             else:
                 sTot[tidx] = total
         if const_expr(C == 1):

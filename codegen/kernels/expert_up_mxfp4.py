@@ -21,7 +21,7 @@ registers and multiplied on the tensor cores, ``codegen/kernels/mxfp4.py``):
   columns (all lanes read the same x pairs, staged once per CTA in shared memory), so each
   lane's C holds its rows' sums directly;
 - the warps' sums meet in shared memory; each CTA then pushes its sums of a channel to the
-  CTA of the cluster that finishes it (``mxfp4.push_send``: ``st.async`` counted on that
+  CTA of the cluster that finishes it (``common.push_send``: ``st.async`` counted on that
   CTA's mbarrier, no cluster barrier after the work): CTA ``rank`` finishes channels
   ``[rank, rank + 1) * 64 / cluster``.
 
@@ -36,11 +36,11 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.common import gated_act
-from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM,
-                                   copy_from, issue_weights, load_scales, mma_mxfp4, push_buffers, push_ready,
-                                   push_received, push_send, push_start, push_total, scale_pairs, staged_words,
-                                   tile_mma, warp_registers, weight_staging)
+from codegen.kernels.common import (gated_act, push_buffers, push_init, push_ready, push_received, push_send,
+                                    push_total)
+from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM, copy_from,
+                                   issue_weights, load_scales, mma_mxfp4, scale_pairs, staged_words, tile_mma,
+                                   warp_registers, weight_staging)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -120,7 +120,8 @@ class ExpertUpMxfp4:
         sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words,)), byte_alignment=16)
         if const_expr(C > 1):  # each CTA's sums of the tile pushed to the CTA that finishes them
             recv, mbar = push_buffers(smem, C, (self.share, 2))
-            push_start(recv, mbar, tidx)
+            push_init(recv, mbar, tidx)
+            cute.arch.cluster_arrive_relaxed()
         else:
             sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, 2)), byte_alignment=16)
 
@@ -161,7 +162,7 @@ class ExpertUpMxfp4:
                 for w in cutlass.range_constexpr(1, self.warps_per_tile):
                     total = total + sPart[row, w, h]
                 if const_expr(C > 1):
-                    push_send(recv, mbar, total, rank, row // self.share, (row % self.share, h))
+                    push_send(recv, mbar, total, (rank, row % self.share, h), row // self.share)
                 else:
                     sTot[row, h] = total
         if const_expr(C == 1):
