@@ -324,7 +324,11 @@ def test_attn_res_norm_ptx(compiled, arch):
     assert _count(before, "barrier.cluster.arrive.relaxed") == 1
     assert _count(ptx, "barrier.cluster.arrive") == 1 and _count(ptx, "barrier.cluster.wait") == 1
     assert _count(ptx, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 2 * 2 + 1
-    assert _count(ptx, "mbarrier.init") == 2 and _count(ptx, "mbarrier.try_wait") == 2
+    assert _count(ptx, "mbarrier.init") == 2
+    # each exchange's wait: a first look, then looks that trap past the deadline (a wrong byte
+    # count fails the launch instead of hanging it)
+    assert _count(ptx, "mbarrier.try_wait") == 2 * 2 and ptx.count("%globaltimer") == 2 * 2
+    assert _count(ptx, "trap;") == 2
     assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx and _count(ptx, "bar.sync") == 0
     # warp sums: 2 per source + the mix, each pushed and then gathered
     assert _count(ptx, "shfl.sync.bfly.b32") == 2 * 5 * (2 * 2 + 1)

@@ -458,6 +458,8 @@ def test_ptx(compiled, arch, name):
         assert body.count("vote.sync.ballot.b32") == 0 and "atom.global" not in body
         assert _count(body, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 1
         assert _count(body, "mbarrier.init.shared") == 1 and _count(body, "mbarrier.arrive.expect_tx") == 1
+        # its wait traps past the deadline instead of hanging on a wrong byte count
+        assert _count(body, "mbarrier.try_wait") == 2 and _count(body, "trap;") == 1
         assert [_count(body, f"barrier.cluster.{op}") for op in ("arrive.relaxed;", "arrive;", "wait")] == [1, 0, 1]
         assert "ld.shared::cluster" not in body
         assert re.search(r"\.minnctapersm\s+[2-8]\b", body)  # ptxas keeps room for several CTAs per SM
