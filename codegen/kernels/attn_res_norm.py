@@ -121,12 +121,14 @@ class AttnResNorm:
         # the cluster's partial sums, pushed by every (CTA, warp): entry e = rank * W + warp
         sPart = smem.allocate_tensor(Float32, cute.make_layout((2 * S, E)), byte_alignment=16)
         sMixSq = smem.allocate_tensor(Float32, cute.make_layout((1, E)), byte_alignment=16)
-        mbarSum, mbarMix = (smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8) for _ in range(2))
-        push_init(sPart, mbarSum, tidx)
-        push_init(sMixSq, mbarMix, tidx)
-        # this CTA's shared memory and mbarriers are in place: peers may push into it once their
-        # wait sees every arrival
-        cute.arch.cluster_arrive_relaxed()
+        mbarSum = mbarMix = None
+        if const_expr(self.cluster > 1):
+            mbarSum, mbarMix = (smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8) for _ in range(2))
+            push_init(sPart, mbarSum, tidx)
+            push_init(sMixSq, mbarMix, tidx)
+            # this CTA's shared memory and mbarriers are in place: peers may push into it once
+            # their wait sees every arrival
+            cute.arch.cluster_arrive_relaxed()
 
         ld = g2r_atom(BFloat16)
         st = r2g_atom(BFloat16)
@@ -212,7 +214,8 @@ class AttnResNorm:
         for s in cutlass.range_constexpr(S):
             rSum[2 * s] = cute.arch.warp_reduction(rSq[s], operator.add)
             rSum[2 * s + 1] = cute.arch.warp_reduction(rDot[s], operator.add)
-        cute.arch.cluster_wait()  # every CTA of the cluster has started
+        if const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()  # every CTA of the cluster has started
         self.exchange(rSum, sPart, mbarSum, lane, rank * W + warp)
 
         # 4. logits and softmax weights (every thread computes all S of them)
@@ -263,12 +266,19 @@ class AttnResNorm:
         cluster's: lane r sends them to ``entry`` of CTA r's ``sBuf`` (``[values, entries]``),
         counted on CTA r's ``mbar``; once this CTA's ``mbar`` has every entry, every lane sums
         every entry: lane e adds entries e, e + 32, ..., then the warp's shuffles; the same
-        order in every warp and CTA."""
+        order in every warp and CTA. A CTA alone (one a token, no cluster launched: 100 tokens)
+        stores its warps' entries itself and waits on a CTA barrier."""
         n = const_expr(cute.size(rSum))
-        if lane < self.cluster:
-            for k in cutlass.range_constexpr(n):
-                push_send(sBuf, mbar, rSum[k], (k, entry), lane)
-        push_received(mbar)
+        if const_expr(self.cluster > 1):
+            if lane < self.cluster:
+                for k in cutlass.range_constexpr(n):
+                    push_send(sBuf, mbar, rSum[k], (k, entry), lane)
+            push_received(mbar)
+        else:  # a CTA alone (no cluster launched): its warps' entries through its shared memory
+            if lane == 0:
+                for k in cutlass.range_constexpr(n):
+                    sBuf[k, entry] = rSum[k]
+            cute.arch.barrier()
         E = const_expr(self.entries)
         rSum.fill(0.0)
         for e0 in cutlass.range_constexpr(-(-E // 32)):
