@@ -317,18 +317,26 @@ def test_attn_res_norm_ptx(compiled, arch):
     assert "griddepcontrol.launch_dependents" in after
     assert _count(ptx, "st.global.v4.b32") == 2  # new prefix and output, 128-bit stores
     assert _count(ptx, "st.shared.v4.b32") == 1  # the new prefix staged (the block came by cp.async)
-    # the cluster: one relaxed arrive at the top; the sums pushed into the peers (never read
-    # from them), each exchange behind an arrive + wait; no CTA-wide barrier
+    # the cluster: one relaxed arrive at the top (after both exchanges' mbarriers are made) and
+    # its wait before the first push; each warp's sums sent by st.async into every CTA (2 per
+    # source, then the mix's), counted in bytes on that CTA's mbarrier; no other cluster barrier,
+    # nothing read from a peer, no CTA-wide barrier
     assert _count(before, "barrier.cluster.arrive.relaxed") == 1
-    assert _count(ptx, "barrier.cluster.arrive") == 3 and _count(ptx, "barrier.cluster.wait") == 3
-    assert _count(ptx, "mapa") == 2 and "ld.shared::cluster" not in ptx
-    assert _count(ptx, "st.shared::cluster") >= 2 and _count(ptx, "bar.sync") == 0
+    assert _count(ptx, "barrier.cluster.arrive") == 1 and _count(ptx, "barrier.cluster.wait") == 1
+    assert _count(ptx, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 2 * 2 + 1
+    assert _count(ptx, "mbarrier.init") == 2
+    # each exchange's wait: a first look, then looks that trap past the deadline (a wrong byte
+    # count fails the launch instead of hanging it)
+    assert _count(ptx, "mbarrier.try_wait") == 2 * 2 and ptx.count("%globaltimer") == 2 * 2
+    assert _count(ptx, "trap;") == 2
+    assert "ld.shared::cluster" not in ptx and "st.shared::cluster" not in ptx and _count(ptx, "bar.sync") == 0
     # warp sums: 2 per source + the mix, each pushed and then gathered
     assert _count(ptx, "shfl.sync.bfly.b32") == 2 * 5 * (2 * 2 + 1)
     assert _count(ptx, "ex2.approx") == 2  # softmax over 2 sources
     assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx and ".local" not in ptx  # nothing scalar, no spills
     nine = compiled["attn_res_norm_9", arch].ptx  # 8 blocks + the prefix: 9 sources
     assert _count(nine, "ld.global.nc.v4.b32") == 2 and _count(nine, "ex2.approx") == 9
+    assert _count(nine, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 2 * 9 + 1
     assert _count(nine, "cp.async.cg.shared.global") == 8  # every block's copy issued before any wait
     before_wait = nine.split("cp.async.wait_group")[0]
     assert _count(before_wait, "cp.async.cg.shared.global") == 8 and _count(before_wait, "ld.shared") == 0

@@ -210,6 +210,7 @@ def test_gemm_ptx(compiled, case):
     # split-K over the cluster: partials summed from every CTA's shared memory, 128-bit at a time
     vecs = -(-(128 // split // 4) * tile // threads)  # 4-row vectors each thread sums
     assert _count(ptx, "barrier.cluster.arrive") == 2 and _count(ptx, "barrier.cluster.wait") == 2
+    assert _count(ptx, "barrier.cluster.arrive.relaxed") == 1  # the exit's: execution only
     assert len(re.findall(r"ld\.shared::cluster\.v(?:4\.b32|2\.b64)", ptx)) == vecs * split
     assert _count(ptx, "mapa.shared::cluster") == vecs * split
     assert _count(ptx, "st.global.b16") == vecs * 4 * 4  # 4 rows, each tested against 4 segments

@@ -404,7 +404,7 @@ WAIT, LAUNCH = "griddepcontrol.wait;", "griddepcontrol.launch_dependents;"
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_ptx(compiled, arch, name):
     """Each warp's loads all issued before its first MMA (128-bit weights, 64-bit scales, no L1
-    allocation), 4 MMAs per K block, the cluster's sums over distributed shared memory, PDL; on
+    allocation), 4 MMAs per K block, the cluster's sums pushed to their owners, PDL; on
     the per-expert up stage, the pairs read from the router's plan (two atomic adds per pair filed
     there, no scan of the ids) and the tokens' sums by arrival counts."""
     *router, up, down = compiled[name, arch]
@@ -426,7 +426,10 @@ def test_ptx(compiled, arch, name):
         # count where that form is served (64 tokens here)
         smem = bool(k.spec.param_dict.get("smem_weights"))
         wload = "cp.async.cg.shared.global" if smem else "ld.global.L1::no_allocate.v4.b32"
-        assert _count(body, wload) == per_warp and _count(body, "ld.shared.v4") == (per_warp if smem else 0)
+        # the owner reads its received sums, the cluster's values of one (channel, half) 4 a load
+        cluster, halves = k.spec.param_dict["cluster"], 2 if k is up else 1
+        received = cluster * halves // 4
+        assert _count(body, wload) == per_warp and _count(body, "ld.shared.v4") == (per_warp if smem else 0) + received
         # 8 scale bytes per group (as two words or, where the compiler likes, one 64-bit load)
         assert (_count(body, "ld.global.L1::no_allocate.v2.b32") + _count(body, "ld.global.L1::no_allocate.b64")
                 == per_warp // 2)
@@ -448,9 +451,17 @@ def test_ptx(compiled, arch, name):
         # per-pair down stage also reads the plan's chosen count and experts, to zero it
         expected = 2 if k is up else 2 * per_warp + 2 * by_expert
         assert _count(after, "ld.global.b32") == expected
-        # no scan of the ids, no atomics: each pair's sums meet in its cluster's shared memory
+        # no scan of the ids, no atomics: each pair's sums meet in its cluster (of 8 and 4 / 8 CTAs):
+        # pushed by st.async to the CTA that finishes them, counted on its mbarrier; one cluster
+        # barrier, relaxed, only so that every mbarrier exists before the first push; no CTA reads
+        # a peer's shared memory, so none waits for its peers before it leaves
         assert body.count("vote.sync.ballot.b32") == 0 and "atom.global" not in body
-        assert "barrier.cluster.arrive" in body and "mapa.shared::cluster" in body  # clusters of 8 and 4 / 8
+        assert _count(body, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 1
+        assert _count(body, "mbarrier.init.shared") == 1 and _count(body, "mbarrier.arrive.expect_tx") == 1
+        # its wait traps past the deadline instead of hanging on a wrong byte count
+        assert _count(body, "mbarrier.try_wait") == 2 and _count(body, "trap;") == 1
+        assert [_count(body, f"barrier.cluster.{op}") for op in ("arrive.relaxed;", "arrive;", "wait")] == [1, 0, 1]
+        assert "ld.shared::cluster" not in body
         assert re.search(r"\.minnctapersm\s+[2-8]\b", body)  # ptxas keeps room for several CTAs per SM
         assert pdl_flags(k.spec) == [1]
 
@@ -519,7 +530,9 @@ def test_stages_keep_their_weights_in_shared_memory_from_a_token_count(kcache):
         assert spec.param_dict["smem_weights"] is True
         k = compile_kernel(spec, cache=kcache)
         body = k.ptx[k.ptx.index(".entry"):]
-        assert _count(body, "cp.async.cg.shared.global") == blocks and _count(body, "ld.shared.v4") == blocks
+        received = spec.param_dict["cluster"] * (2 if spec.kernel == "expert_up_mxfp4" else 1) // 4  # owners' sums
+        assert _count(body, "cp.async.cg.shared.global") == blocks
+        assert _count(body, "ld.shared.v4") == blocks + received
         assert _count(body, "ld.global.L1::no_allocate.v4.b32") == 0 and _count(body, "cp.async.wait_group") == 1
         assert re.search(rf"\.minnctapersm\s+{ctas}\b", body), spec.kernel
         registers, spilled = ptxas_usage(k.ptx, "sm_90a")

@@ -22,13 +22,15 @@ shared memory (all of a thread's copies in flight at once, beside the prefix and
 one HBM round trip), each thread reading back only its own vectors.
 
 The two reductions cross the cluster through distributed shared memory, pushed: each warp
-sums its 2 (n + 1) partials (squares, dot with q) with shuffles, and its lane r stores them
-into CTA r's shared memory, at this (CTA, warp)'s entry; after one cluster barrier every warp
-of every CTA sums the same entries in the same order (lane e takes entry e, then shuffles), so
-all CTAs compute bit-identical softmax weights without another exchange. The mix's squared
-norm goes the same way. Nothing reads a peer's shared memory, so a CTA may leave after the
-last barrier; the first store into a peer waits for the cluster's start (an arrive at the top,
-the wait before the push).
+sums its 2 (n + 1) partials (squares, dot with q) with shuffles, and its lane r sends them by
+``st.async`` into CTA r's shared memory, at this (CTA, warp)'s entry, counted in bytes on CTA
+r's mbarrier (``common.push_send``); once its own mbarrier has every entry, every warp of every
+CTA sums the same entries in the same order (lane e takes entry e, then shuffles), so all CTAs
+compute bit-identical softmax weights without another exchange. The mix's squared norm goes
+the same way, on a second mbarrier. No cluster barrier waits for the slowest CTA after the
+work, and nothing reads a peer's shared memory, so a CTA may leave once it has its own; the
+first push into a peer waits for the cluster's start (an arrive at the top, after the
+mbarriers are made; the wait before the push).
 
 Programmatic dependent launch: the kernel launches with PDL; the three weight vectors are
 loaded before ``griddepcontrol.wait`` (no kernel writes them; plain loads, which ptxas keeps
@@ -41,10 +43,11 @@ import operator
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float32, const_expr, cute
+from cutlass import BFloat16, Float32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from codegen.kernels.common import BITS, VEC, g2r_atom, g2r_stream_atom, r2g_atom, r2s_atom
+from codegen.kernels.common import (BITS, VEC, g2r_atom, g2r_stream_atom, push_init, push_received, push_send, r2g_atom,
+                                    r2s_atom)
 
 MAX_SOURCES = 9
 
@@ -118,8 +121,14 @@ class AttnResNorm:
         # the cluster's partial sums, pushed by every (CTA, warp): entry e = rank * W + warp
         sPart = smem.allocate_tensor(Float32, cute.make_layout((2 * S, E)), byte_alignment=16)
         sMixSq = smem.allocate_tensor(Float32, cute.make_layout((1, E)), byte_alignment=16)
-        # this CTA's shared memory is in place: peers may store into it once their wait sees every arrival
-        cute.arch.cluster_arrive_relaxed()
+        mbarSum = mbarMix = None
+        if const_expr(self.cluster > 1):
+            mbarSum, mbarMix = (smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8) for _ in range(2))
+            push_init(sPart, mbarSum, tidx)
+            push_init(sMixSq, mbarMix, tidx)
+            # this CTA's shared memory and mbarriers are in place: peers may push into it once
+            # their wait sees every arrival
+            cute.arch.cluster_arrive_relaxed()
 
         ld = g2r_atom(BFloat16)
         st = r2g_atom(BFloat16)
@@ -205,8 +214,9 @@ class AttnResNorm:
         for s in cutlass.range_constexpr(S):
             rSum[2 * s] = cute.arch.warp_reduction(rSq[s], operator.add)
             rSum[2 * s + 1] = cute.arch.warp_reduction(rDot[s], operator.add)
-        cute.arch.cluster_wait()  # every CTA of the cluster has started
-        self.exchange(rSum, sPart, lane, rank * W + warp)
+        if const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()  # every CTA of the cluster has started
+        self.exchange(rSum, sPart, mbarSum, lane, rank * W + warp)
 
         # 4. logits and softmax weights (every thread computes all S of them)
         rLogit = cute.make_rmem_tensor((S,), Float32)
@@ -242,7 +252,7 @@ class AttnResNorm:
                 rMix[None, j].store(acc)
                 rMixSq[0] = rMixSq[0] + (acc * acc).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         rMixSq[0] = cute.arch.warp_reduction(rMixSq[0], operator.add)
-        self.exchange(rMixSq, sMixSq, lane, rank * W + warp)
+        self.exchange(rMixSq, sMixSq, mbarMix, lane, rank * W + warp)
         r = cute.math.rsqrt(rMixSq[0] * inv_d + self.eps)
         for j in cutlass.range_constexpr(V):
             lv = tidx + j * self.threads
@@ -251,17 +261,24 @@ class AttnResNorm:
                 cute.copy(st, rV, cute.local_tile(gOut, (VEC,), (first + lv,)))
 
     @cute.jit
-    def exchange(self, rSum: cute.Tensor, sBuf: cute.Tensor, lane, entry):
+    def exchange(self, rSum: cute.Tensor, sBuf: cute.Tensor, mbar: cute.Tensor, lane, entry):
         """The warp's sums ``rSum`` (the same in every lane after its shuffles) become the
-        cluster's: lane r stores them at ``entry`` of CTA r's ``sBuf`` (``[values, entries]``),
-        then, after the cluster barrier, every lane sums every entry: lane e adds entries e,
-        e + 32, ..., then the warp's shuffles; the same order in every warp and CTA."""
-        if lane < self.cluster:
-            peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sBuf.iterator, lane), sBuf.layout)
-            cute.autovec_copy(rSum, peer[None, entry])
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+        cluster's: lane r sends them to ``entry`` of CTA r's ``sBuf`` (``[values, entries]``),
+        counted on CTA r's ``mbar``; once this CTA's ``mbar`` has every entry, every lane sums
+        every entry: lane e adds entries e, e + 32, ..., then the warp's shuffles; the same
+        order in every warp and CTA. A CTA alone (one a token, no cluster launched: 100 tokens)
+        stores its warps' entries itself and waits on a CTA barrier."""
         n = const_expr(cute.size(rSum))
+        if const_expr(self.cluster > 1):
+            if lane < self.cluster:
+                for k in cutlass.range_constexpr(n):
+                    push_send(sBuf, mbar, rSum[k], (k, entry), lane)
+            push_received(mbar)
+        else:  # a CTA alone (no cluster launched): its warps' entries through its shared memory
+            if lane == 0:
+                for k in cutlass.range_constexpr(n):
+                    sBuf[k, entry] = rSum[k]
+            cute.arch.barrier()
         E = const_expr(self.entries)
         rSum.fill(0.0)
         for e0 in cutlass.range_constexpr(-(-E // 32)):

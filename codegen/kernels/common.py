@@ -1,10 +1,10 @@
 """Pieces the kernel templates share: 128-bit vector copy atoms, the gated activation, the
-deadline of a wait on other CTAs."""
+deadline of a wait on other CTAs, partial sums pushed across a cluster."""
 from __future__ import annotations
 
-from cutlass import BFloat16, Float32, Int64, const_expr, cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 VEC = 8  # 16-bit elements per 128-bit vector
 BITS = 128
@@ -78,3 +78,67 @@ def trap_past_deadline(started: Int64):
     """``trap`` once the wait begun at ``started`` has lasted ``WAIT_DEADLINE_NS``."""
     if cute.arch.globaltimer() - started > Int64(WAIT_DEADLINE_NS):
         trap()
+
+
+@dsl_user_op
+def float_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of an fp32 value as an int32 (what ``st.async`` stores)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+# ---- a cluster's partial sums pushed to the CTA that finishes them ---------------------------------
+# ``st.async`` into the owner's shared memory, its completion counted in bytes on the owner's
+# mbarrier. Against pulling them through distributed shared memory after a cluster barrier,
+# nothing waits for the slowest peer but the owner's own sums, no arrive waits for this CTA's
+# stores (a released cluster arrive is a ``MEMBAR.GPU`` in the SASS), and no CTA reads a peer's
+# shared memory, so none waits for its peers before it exits. Each CTA receives
+# ``[cluster, *entry]`` fp32 values, an ``entry`` block from every CTA of the cluster (itself
+# included), and sums them in rank order: deterministic. In a kernel: ``push_buffers``, then
+# ``push_init`` and ``cluster_arrive_relaxed`` (all threads), ``push_ready`` (all threads) before
+# the first ``push_send``, and ``push_received`` before ``push_total``. (Free functions of the two
+# tensors: a dynamic branch of a kernel takes tensors and numbers, not objects.)
+def push_buffers(allocator, cluster: int, entry: tuple):
+    """(the received values [cluster, *entry] fp32, the mbarrier) in shared memory."""
+    return (allocator.allocate_tensor(Float32, cute.make_layout((cluster, *entry)), byte_alignment=16),
+            allocator.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8))
+
+
+@cute.jit
+def push_init(recv: cute.Tensor, mbar: cute.Tensor, tidx):
+    """The mbarrier made and told to expect all of ``recv``'s bytes (thread 0). The kernel's
+    threads then arrive on the cluster barrier (relaxed: the fence orders the init) that
+    ``push_ready`` waits for, so that no peer pushes before every mbarrier exists."""
+    if tidx == 0:
+        cute.arch.mbarrier_init(mbar.iterator, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator, 4 * cute.size(recv))
+
+
+def push_ready():
+    """Every CTA of the cluster has made its mbarriers (before the first ``push_send``)."""
+    cute.arch.cluster_wait()
+
+
+def push_send(recv: cute.Tensor, mbar: cute.Tensor, value, coord: tuple, dst_rank):
+    """``value`` into CTA ``dst_rank``'s ``recv`` at ``coord`` (a place only this thread fills)."""
+    offset = cute.crd2idx(coord, recv.layout)
+    cute.arch.store_async_dsmem(recv.iterator + offset, float_bits(value), mbar.iterator, dst_rank)
+
+
+@cute.jit
+def push_received(mbar: cute.Tensor):
+    """Every CTA's block has landed here (the mbarrier's first phase). A wrong byte count would
+    never complete the phase: past ``WAIT_DEADLINE_NS`` the wait traps."""
+    started = wait_started()
+    landed = cute.arch.mbarrier_try_wait(mbar.iterator, 0)
+    while not landed:
+        trap_past_deadline(started)
+        landed = cute.arch.mbarrier_try_wait(mbar.iterator, 0)
+
+
+def push_total(recv: cute.Tensor, index: tuple) -> Float32:
+    """The sum over the cluster of the values at ``index``, in rank order."""
+    t = Float32(0.0)
+    for peer in range(cute.size(recv, mode=[0])):
+        t = t + recv[(peer, *index)]
+    return t

@@ -16,8 +16,9 @@ Work split:
   once (at TP 16, I_live = 192: 4 CTAs of 4 warps per token and tile, 12 blocks per warp);
 - the MMA is m16n8k16 with the weight rows as M and the slot's activation as every N column;
   each warp scales its C by its slot's routing weight; the warps' sums meet in shared memory,
-  the cluster's in distributed shared memory, and CTA ``rank`` stores rows ``[rank, rank + 1)
-  * 64 / cluster`` of the tile.
+  and each CTA pushes its sum of a row to the CTA of the cluster that stores it
+  (``common.push_send``): CTA ``rank`` stores rows ``[rank, rank + 1) * 64 / cluster`` of the
+  tile.
 
 Programmatic dependent launch: the kernel runs right after ``expert_up_mxfp4``, whose CTAs let it
 launch only once their own wait has seen the router finish; so a CTA reads its ids and routing
@@ -37,9 +38,10 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS,
-                                   cluster_barrier, cluster_sum, copy_from, issue_weights, load_b, load_scales, mma_mxfp4,
-                                   scale_pairs, staged_words, tile_mma, warp_registers, weight_staging)
+from codegen.kernels.common import push_buffers, push_init, push_ready, push_received, push_send, push_total
+from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS, copy_from,
+                                   issue_weights, load_b, load_scales, mma_mxfp4, scale_pairs, staged_words, tile_mma,
+                                   warp_registers, weight_staging)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -116,7 +118,12 @@ class ExpertDownMxfp4:
         smem = SmemAllocator()
         rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps)), byte_alignment=16)
-        sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), byte_alignment=16)
+        if const_expr(C > 1):  # each CTA's sums of the tile pushed to the CTA that stores them
+            recv, mbar = push_buffers(smem, C, (self.share,))
+            push_init(recv, mbar, tidx)
+            cute.arch.cluster_arrive_relaxed()
+        else:
+            sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE,)), byte_alignment=16)
 
         # the ids and routing weights come from the router, which completed before the up stage
         # (its primary) passed its own wait, so they are read, and the rows they pick issued,
@@ -138,17 +145,26 @@ class ExpertDownMxfp4:
                 sPart[i3 * 16 + r, warp] = weight * acc[0, i3]
                 sPart[i3 * 16 + 8 + r, warp] = weight * acc[2, i3]
         cute.arch.barrier()
+        if const_expr(C > 1):
+            push_ready()
         if tidx < TILE:
             total = sPart[tidx, 0]
             for w in cutlass.range_constexpr(1, self.warps):
                 total = total + sPart[tidx, w]
-            sTot[tidx] = total
-        cluster_barrier(C)
+            if const_expr(C > 1):  # to the CTA that stores the row
+                push_send(recv, mbar, total, (rank, tidx % self.share), tidx // self.share)
+            else:
+                sTot[tidx] = total
+        if const_expr(C == 1):
+            cute.arch.barrier()
         if tidx < self.share:
             row = rank * self.share + tidx
-            mOut[token, nt * TILE + row] = cluster_sum(sTot, (1,), (row,), C)[0].to(BFloat16)
-        if const_expr(C > 1):
-            cluster_barrier(C)  # peers may still be reading this CTA's sums
+            if const_expr(C > 1):
+                push_received(mbar)
+                total = push_total(recv, (tidx,))
+            else:
+                total = sTot[row]
+            mOut[token, nt * TILE + row] = total.to(BFloat16)
 
     @cute.jit
     def zero_plan(self, mCount: cute.Tensor, mChosen: cute.Tensor, tidx):

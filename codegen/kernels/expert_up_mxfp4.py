@@ -20,8 +20,10 @@ registers and multiplied on the tensor cores, ``codegen/kernels/mxfp4.py``):
 - the MMA is m16n8k16 with the weight rows as M and the token's x as every one of the 8 N
   columns (all lanes read the same x pairs, staged once per CTA in shared memory), so each
   lane's C holds its rows' sums directly;
-- the warps' sums meet in shared memory, the cluster's CTAs' in distributed shared memory:
-  CTA ``rank`` of the cluster finishes channels ``[rank, rank + 1) * 64 / cluster``.
+- the warps' sums meet in shared memory; each CTA then pushes its sums of a channel to the
+  CTA of the cluster that finishes it (``common.push_send``: ``st.async`` counted on that
+  CTA's mbarrier, no cluster barrier after the work): CTA ``rank`` finishes channels
+  ``[rank, rank + 1) * 64 / cluster``.
 
 Programmatic dependent launch: the rows depend on the router's ids, so a CTA waits first,
 reads its id, issues its loads and then lets the next kernel launch.
@@ -34,10 +36,11 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.common import gated_act
-from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM,
-                                   cluster_barrier, cluster_sum, copy_from, issue_weights, load_scales, mma_mxfp4,
-                                   scale_pairs, staged_words, tile_mma, warp_registers, weight_staging)
+from codegen.kernels.common import (gated_act, push_buffers, push_init, push_ready, push_received, push_send,
+                                    push_total)
+from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM, copy_from,
+                                   issue_weights, load_scales, mma_mxfp4, scale_pairs, staged_words, tile_mma,
+                                   warp_registers, weight_staging)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -114,8 +117,13 @@ class ExpertUpMxfp4:
         smem = SmemAllocator()
         rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, self.warps_per_tile, 2)), byte_alignment=16)
-        sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, 2)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words,)), byte_alignment=16)
+        if const_expr(C > 1):  # each CTA's sums of the tile pushed to the CTA that finishes them
+            recv, mbar = push_buffers(smem, C, (self.share, 2))
+            push_init(recv, mbar, tidx)
+            cute.arch.cluster_arrive_relaxed()
+        else:
+            sTot = smem.allocate_tensor(Float32, cute.make_layout((TILE, 2)), byte_alignment=16)
 
         cute.arch.griddepcontrol_wait()
         # the router's id; one out of range would read past the weights: clamp it
@@ -141,7 +149,10 @@ class ExpertUpMxfp4:
                 sPart[i3 * 16 + r, wslice, half] = acc[0, i3]
                 sPart[i3 * 16 + 8 + r, wslice, half] = acc[2, i3]
         cute.arch.barrier()
-        # the (row, half) sums: 2 x 64 of them, more than the threads when warps_per_tile is 1
+        if const_expr(C > 1):
+            push_ready()
+        # the (row, half) sums: 2 x 64 of them, more than the threads when warps_per_tile is 1;
+        # in a cluster, each to the CTA that finishes its channel
         for j in cutlass.range_constexpr(-(-2 * TILE // (32 * self.warps))):
             i = tidx + j * 32 * self.warps
             if i < 2 * TILE:
@@ -150,15 +161,21 @@ class ExpertUpMxfp4:
                 total = sPart[row, 0, h]
                 for w in cutlass.range_constexpr(1, self.warps_per_tile):
                     total = total + sPart[row, w, h]
-                sTot[row, h] = total
-        cluster_barrier(C)
+                if const_expr(C > 1):
+                    push_send(recv, mbar, total, (rank, row % self.share, h), row // self.share)
+                else:
+                    sTot[row, h] = total
+        if const_expr(C == 1):
+            cute.arch.barrier()
         if tidx < self.share:
             ch = rank * self.share + tidx
-            total = cluster_sum(sTot, (1, 2), (ch, 0), C)  # (gate, up)
-            a = gated_act(total[0, 0], total[0, 1], self.beta, self.linear_beta)
+            if const_expr(C > 1):
+                push_received(mbar)
+                gate, up = push_total(recv, (tidx, 0)), push_total(recv, (tidx, 1))
+            else:
+                gate, up = sTot[ch, 0], sTot[ch, 1]
+            a = gated_act(gate, up, self.beta, self.linear_beta)
             mA[token, slot, ctile * TILE + ch] = a.to(BFloat16)
-        if const_expr(C > 1):
-            cluster_barrier(C)  # peers may still be reading this CTA's sums
 
 
 class ExpertUpMxfp4ByExpert:

@@ -357,8 +357,9 @@ class SkinnyGemm:
             cute.arch.sync_threads()
         self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens, second, bound)
         if const_expr(C > 1):
-            # peers may still be reading this CTA's partials
-            cute.arch.cluster_arrive()
+            # peers may still be reading this CTA's partials: an execution barrier only (relaxed:
+            # a released arrive would first wait for this CTA's output stores to be acknowledged)
+            cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
 
     # helpers inlined into the kernel

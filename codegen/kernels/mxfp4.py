@@ -220,26 +220,3 @@ def warp_registers(nkb: int):
     acc = cute.make_rmem_tensor((4, 4), Float32)
     acc.fill(0.0)
     return cute.make_rmem_tensor((2, nkb // 2), Int32), acc
-
-
-def cluster_barrier(cluster: int):
-    """Every CTA of the cluster (or the CTA alone) has reached this point, its shared memory
-    writes visible to the others."""
-    if cluster > 1:
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-    else:
-        cute.arch.barrier()
-
-
-def cluster_sum(sTot: cute.Tensor, tile: tuple, coord: tuple, cluster: int) -> cute.Tensor:
-    """The ``tile`` of ``sTot`` at ``coord`` summed over the cluster's CTAs, in rank order (so
-    deterministically), through distributed shared memory; after ``cluster_barrier``."""
-    total = cute.make_rmem_tensor(tile, Float32)
-    total.fill(0.0)
-    part = cute.make_rmem_tensor(tile, Float32)
-    for peer in range(cluster):
-        src = sTot if cluster == 1 else cute.make_tensor(cute.arch.map_dsmem_ptr(sTot.iterator, peer), sTot.layout)
-        cute.autovec_copy(cute.local_tile(src, tile, coord), part)
-        total.store(total.load() + part.load())
-    return total
