@@ -186,7 +186,7 @@ def bench_latent_tail() -> None:
 
     def make_args(t, w):
         return (torch.randn(t, lat, device="cuda").bfloat16(), torch.randn(t, D, device="cuda").bfloat16(),
-                torch.randn(lat, device="cuda").bfloat16(), w, lat, D, "tp", 1, 1e-5, 0)
+                torch.randn(lat, device="cuda").bfloat16(), w, lat, D, "tp", 1, 1e-5, 0, 1)
 
     def call(fn, spec, args, w):
         latent_tail.TEMPLATE.launch((fn,), (spec,), (*args[:3], w, *args[4:]))

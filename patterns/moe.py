@@ -14,9 +14,12 @@ an auxiliary stream, and the latent tail.
 - ``latent_tail``: one cross-GPU reduction of [latent | shared] partials, then
   ``routed_expert_norm``, ``routed_expert_up_proj`` and the shared add. vLLM replicates the up
   projection (51 MB read on every rank); here each rank computes its 1/TP of the hidden rows
-  (and adds its columns of the shared sum) and the shares are gathered, as the router does.
+  (and adds its columns of the shared sum) and the shares are gathered, as the router does;
+  ``latent_tail.replicated`` reads every row where TP does not divide them (TP 3, 6, 12, 24, 48).
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -75,20 +78,23 @@ def shared_experts_op(x: Tensor, gate_up_weight: Tensor, down_weight: Tensor, be
 
 
 def _latent_tail_fake(routed: Tensor, shared: Tensor, norm_weight: Tensor, up_weight: Tensor, latent: int,
-                      hidden: int, group: str, tp: int, eps: float, rank: int) -> Tensor:
+                      hidden: int, group: str, tp: int, eps: float, piece: int, pieces: int) -> Tensor:
     return shared.new_empty(shared.shape[0], hidden)
 
 
 @fused_op("latent_tail", fake=_latent_tail_fake)
 def latent_tail_op(routed: Tensor, shared: Tensor, norm_weight: Tensor, up_weight: Tensor, latent: int, hidden: int,
-                   group: str, tp: int, eps: float, rank: int) -> Tensor:
-    """The all-reduce of [routed | shared] partials, then rank ``rank``'s rows [rank/tp, (rank+1)/tp)
-    of the up projection plus its columns of the shared sum; the ranks' shares gathered."""
+                   group: str, tp: int, eps: float, piece: int, pieces: int) -> Tensor:
+    """The all-reduce of [routed | shared] partials over the ``tp`` ranks, then piece ``piece`` of
+    ``pieces`` of the up projection's rows plus its columns of the shared sum, the pieces gathered:
+    ``pieces`` is the TP size where it divides the rows (each rank its own piece) and 1 where it
+    does not (every rank all rows, nothing to gather)."""
     reduced = torch.ops.k3.all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
     routed, shared = reduced.split([latent, hidden], dim=-1)
-    rows = up_weight.chunk(tp)[rank]
-    part = shared[:, rank * rows.shape[0]:(rank + 1) * rows.shape[0]]
-    return ops.gather_last_dim(torch.nn.functional.linear(rms_norm(routed, norm_weight, eps), rows) + part, group, tp)
+    rows = up_weight.chunk(pieces)[piece]
+    part = shared[:, piece * rows.shape[0]:(piece + 1) * rows.shape[0]]
+    return ops.gather_last_dim(torch.nn.functional.linear(rms_norm(routed, norm_weight, eps), rows) + part, group,
+                               pieces)
 
 
 def _routed_variants(ctx: RuleContext):
@@ -162,19 +168,20 @@ def _shared_variants(ctx: RuleContext):
     return [(pattern, replacement)]
 
 
-def _tail_variants(ctx: RuleContext):
+def _tail_variants(ctx: RuleContext, *, split: bool):
+    """``split``: this rank's 1/TP of the up projection's rows, gathered; else all of them."""
     moe = getattr(ctx.layer, "block_sparse_moe", None)
     if moe is None:
         return []
     c = dict(latent=moe.latent, hidden=moe.hidden, group=moe.tp_group, tp=moe.tp, eps=moe.eps)
-    rank = ctx.layer.rank
+    piece, pieces = (ctx.layer.rank, moe.tp) if split else (0, 1)
 
     def pattern(routed, shared, norm_weight, up_weight):
         return latent_tail(routed, shared, norm_weight, up_weight, **c)
 
     def replacement(routed, shared, norm_weight, up_weight):
         return torch.ops.k3f.latent_tail(routed, shared, norm_weight, up_weight, c["latent"], c["hidden"],
-                                         c["group"], c["tp"], c["eps"], rank)
+                                         c["group"], c["tp"], c["eps"], piece, pieces)
 
     return [(pattern, replacement)]
 
@@ -184,6 +191,14 @@ def _tail_guard(m: Match) -> str | None:
     rows, tp = m.val("up_weight").shape[0], m.shape.tp
     if reason is None and rows % tp:
         reason = f"TP {tp} does not divide the {rows} rows of {m.inputs['up_weight'].target or 'up_weight'}"
+    return reason
+
+
+def _tail_replicated_guard(m: Match) -> str | None:
+    reason = common_guard(m)
+    rows, tp = m.val("up_weight").shape[0], m.shape.tp
+    if reason is None and rows % tp == 0:
+        reason = f"TP {tp} divides the {rows} up-projection rows: latent_tail splits them"
     return reason
 
 
@@ -203,8 +218,12 @@ RULES = [
          token_range_guard(SHARED_SMALL_MAX + 1, 64, f"the GEMM rule takes {SHARED_SMALL_MAX + 1}..64 tokens"),
          kernel="shared_experts_gemm", stream="aux", launches=2,
          doc="the same from 2 tokens: gate_up GEMM with SiTU in its epilogue, then the down GEMM"),
-    Rule("latent_tail", "moe", _tail_variants, _tail_guard, communicates=True,
+    Rule("latent_tail", "moe", partial(_tail_variants, split=True), _tail_guard, communicates=True,
          weight_fraction=lambda ctx: 1 / ctx.shape.tp, split_inputs=("up_weight",),
          doc="[latent | shared] cross-GPU reduction, routed_expert_norm, this rank's rows of the up projection, "
              "shared add, gathered"),
+    Rule("latent_tail.replicated", "moe", partial(_tail_variants, split=False), _tail_replicated_guard,
+         kernel="latent_tail", communicates=True,
+         doc="the same where TP does not divide the up projection's rows: every rank all of them (as vLLM "
+             "reads it), nothing gathered"),
 ]

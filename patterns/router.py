@@ -5,10 +5,15 @@
   (51 MB of down projection per rank); here each rank computes its 1/TP share of the
   experts' logits and of the latent columns and the shares are gathered, so per-rank
   weight traffic falls by the TP size.
+  Where TP does not divide the rows (896 gate rows and 3584 latent rows: TP 3, 6, 12, 24,
+  48), ``router_gemm.replicated`` reads all of them on every rank, as vLLM does, and gathers
+  nothing.
 - ``router_topk``: sigmoid scores, the correction bias added for selection only, top-k,
   renormalized and scaled weights.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -34,11 +39,12 @@ def router_down_op(x: Tensor, gate_weight: Tensor, down_weight: Tensor, group: s
     return gather_last_dim(logits, group, tp), gather_last_dim(latent, group, tp)
 
 
-def _router_gemm_variants(ctx: RuleContext):
+def _router_gemm_variants(ctx: RuleContext, *, split: bool):
+    """``split``: this rank's 1/TP of both weights' rows, gathered; else all of them (a TP of one)."""
     moe = getattr(ctx.layer, "block_sparse_moe", None)
     if moe is None:
         return []
-    group, tp, rank = moe.tp_group, moe.tp, ctx.layer.rank
+    group, tp, rank = (moe.tp_group, moe.tp, ctx.layer.rank) if split else (moe.tp_group, 1, 0)
 
     def pattern(x, gate_weight, down_weight):
         return router_and_down_proj(x, gate_weight, down_weight)
@@ -50,16 +56,25 @@ def _router_gemm_variants(ctx: RuleContext):
     return [(pattern, replacement)]
 
 
-def _router_gemm_guard(m: Match) -> str | None:
-    reason = common_guard(m)
-    if reason:
-        return reason
+def _undivided_rows(m: Match) -> str | None:
+    """Which weight's rows the TP size does not divide, if any."""
     tp = m.shape.tp
     for name in ("gate_weight", "down_weight"):
         rows = m.val(name).shape[0]
         if rows % tp:
             return f"TP {tp} does not divide the {rows} rows of {m.inputs[name].target or name}"
     return None
+
+
+def _router_gemm_guard(m: Match) -> str | None:
+    return common_guard(m) or _undivided_rows(m)
+
+
+def _router_replicated_guard(m: Match) -> str | None:
+    reason = common_guard(m)
+    if reason is None and _undivided_rows(m) is None:
+        reason = f"TP {m.shape.tp} divides both weights' rows: router_gemm splits them"
+    return reason
 
 
 @fused_op("router_topk")
@@ -85,9 +100,12 @@ def _topk_variants(ctx: RuleContext):
 
 
 RULES = [
-    Rule("router_gemm", "router", _router_gemm_variants, _router_gemm_guard, kernel="router_down",
-         communicates=True, weight_fraction=lambda ctx: 1 / ctx.shape.tp,
+    Rule("router_gemm", "router", partial(_router_gemm_variants, split=True), _router_gemm_guard,
+         kernel="router_down", communicates=True, weight_fraction=lambda ctx: 1 / ctx.shape.tp,
          doc="fp32 gate GEMM + routed_expert_down_proj, split across TP ranks and gathered"),
+    Rule("router_gemm.replicated", "router", partial(_router_gemm_variants, split=False),
+         _router_replicated_guard, kernel="router_down",
+         doc="the same where TP does not divide the rows: every rank all of them (as vLLM reads them)"),
     Rule("router_topk", "router", _topk_variants, common_guard,
          doc="sigmoid + bias top-k selection with renormalized weights"),
 ]

@@ -167,16 +167,23 @@ def test_inspect_all_layers_reports_every_layer(capsys, k3):
     assert "--all-layers prints one row per layer; --dot take one --layer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("tp,batch,rewritten", [(4, 1, 93), (1, 64, 93), (32, 1, 93), (32, 8, 92)])
+@pytest.mark.parametrize("tp,batch,rewritten", [(4, 1, 69), (1, 64, 69), (3, 8, 69), (12, 64, 93),
+                                                 (48, 1, 93), (32, 1, 93), (32, 8, 92)])
 def test_every_layer_is_rewritten_at_other_tp_sizes(capsys, tp, batch, rewritten):
-    """What the README says of TP 1, 2, 4 and 32: every layer of Kimi K3 on its own kernels (at
-    TP 4 and below the down stage's wider CTAs and the dense MLP's GEMM at one token; at 32 o_proj's
-    GEMM at one token, 96 live expert channels in two tiles, the shared experts' rows on 8 lanes),
-    13 kernels at most; at TP 32 from 2 tokens layer 0 keeps the stock forward, named."""
+    """What the README says of TP sizes other than 8 and 16: every layer of Kimi K3 on its own
+    kernels, 13 at most (at TP 4 and below the down stage's wider CTAs and the dense MLP's GEMM at
+    one token; at 32 o_proj's GEMM at one token, 96 live expert channels in two tiles, the shared
+    experts' rows on 8 lanes; at 3, 6, 12, 24 and 48 the router and the latent tail read every
+    row), but for what keeps the stock forward, named: the 24 MLA layers where a rank has more
+    than 16 heads (TP 4 and below), layer 0 at TP 32 from 2 tokens."""
     report = json.loads(_inspect(capsys, "--model", "kimi-k3", "--all-layers", "--tp", str(tp), "--batch", str(batch),
                                  "--json"))
     stock = [r for r in report["layers"] if not r["rewritten"]]
     assert report["rewritten_layers"] == rewritten, [r["reason"] for r in stock][:3]
     assert max(r["rewritten_kernels"] for r in report["layers"]) <= 13
-    assert [r["layer"] for r in stock] == ([0] if rewritten < 93 else [])
-    assert all("dense_mlp_gemm template: I 1056" in r["reason"] for r in stock)
+    if tp <= 4:
+        assert {r["layer_kind"] for r in stock} == {"mla"} and len(stock) == 24
+        assert all(f"heads {96 // tp} outside 1..16" in r["reason"] for r in stock)
+    else:
+        assert [r["layer"] for r in stock] == ([0] if rewritten < 93 else [])
+        assert all("dense_mlp_gemm template: I 1056" in r["reason"] for r in stock)

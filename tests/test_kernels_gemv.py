@@ -53,8 +53,10 @@ def router_args(tokens=1, tp=16, rank=0, make=meta):
     return (make(tokens, D), make(E, D), make(L, D), GROUP, tp, rank)
 
 
-def tail_args(tokens=1, tp=16, make=meta, rank=0):
-    return (make(tokens, L), make(tokens, D), make(L), make(D, L), L, D, GROUP, tp, EPS, rank)
+def tail_args(tokens=1, tp=16, make=meta, rank=0, pieces=None):
+    """``pieces``: how many the up projection's rows are split in (the TP size unless given)."""
+    return (make(tokens, L), make(tokens, D), make(L), make(D, L), L, D, GROUP, tp, EPS, rank,
+            tp if pieces is None else pieces)
 
 
 def o_proj_args(tokens=1, tp=16, prefix=True, num_blocks=2, make=meta):
@@ -148,6 +150,10 @@ def test_latent_tail_spec(tokens):
     assert (tp8.shape_dict.get("rows") or tp8.shape_dict["rows0"]) == D // 8
     (tp1,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=1))[1]
     assert tp1.param_dict["x_stride"] == L and tp1.param_dict["r_stride"] == D
+    # TP 12 does not divide the rows: all of them on every rank, read from the all-reduced views
+    (whole,) = specs_of("k3f::latent_tail", tail_args(tokens, tp=12, rank=0, pieces=1))[1]
+    assert (whole.shape_dict.get("rows") or whole.shape_dict["rows0"]) == D
+    assert whole.param_dict["x_stride"] == whole.param_dict["r_stride"] == L + D
 
 
 @pytest.mark.parametrize("tp", [16, 8])
@@ -189,8 +195,10 @@ def test_o_proj_at_tp_32_takes_the_gemm_at_one_token():
      "up_weight is fp16"),
     ("k3f::latent_tail", (meta(2, 2 * L)[:, :L], *tail_args(2, tp=1)[1:]), "routed is not contiguous"),
     ("k3f::latent_tail", (meta(1, L, dtype=torch.float32), *tail_args()[1:]), "routed is fp32"),
-    ("k3f::latent_tail", tail_args(rank=16), "rank 16 of TP 16"),
-    ("k3f::latent_tail", (*tail_args(tp=6)[:9], 0), f"rank 0 of TP 6 over {D} up-projection rows"),
+    ("k3f::latent_tail", tail_args(rank=16), "piece 16 of 16 (TP 16)"),
+    ("k3f::latent_tail", tail_args(tp=6), f"piece 0 of 6 (TP 6) over {D} up-projection rows"),
+    ("k3f::latent_tail", tail_args(tp=6, pieces=2), "piece 0 of 2 (TP 6)"),
+    ("k3f::latent_tail", tail_args(tp=6, rank=1, pieces=1), "piece 1 of 1 (TP 6)"),
     ("k3f::o_proj_attn_res", o_proj_args(tokens=65), "65 tokens outside 1..64"),
     ("k3f::o_proj_attn_res", (meta(1, 700), meta(D, 700), *o_proj_args()[2:]), "not a multiple of 256"),
     ("k3f::o_proj_attn_res", o_proj_args(num_blocks=9), "attn_res_norm stage: num_blocks 9"),
@@ -315,11 +323,11 @@ def test_router_down_launch_plumbing(fake_collectives, tp, rank, tokens):
     assert rel_err(logits, ref_logits) <= LOGIT_TOL and rel_err(latent, ref_latent) <= TOL
 
 
-@pytest.mark.parametrize("tp,rank", [(1, 0), (16, 5)])
+@pytest.mark.parametrize("tp,rank,pieces", [(1, 0, 1), (16, 5, 16), (12, 0, 1)])
 @pytest.mark.parametrize("tokens", [1, 13])
-def test_latent_tail_launch_plumbing(fake_collectives, tp, rank, tokens):
+def test_latent_tail_launch_plumbing(fake_collectives, tp, rank, pieces, tokens):
     gen = torch.Generator().manual_seed(tp)
-    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS, rank)
+    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS, rank, pieces)
     tpl, specs = specs_of("k3f::latent_tail", args)
     assert tpl.runtime_check(args) is None
     y = tpl.launch(stand_ins(specs), specs, args)
@@ -337,9 +345,11 @@ def test_latent_tail_rank_shares_gather_to_the_unsharded_tail(monkeypatch, tp):
     gen = torch.Generator().manual_seed(tp)
     inputs = tail_inputs(3, gen)
     whole = latent_tail(*inputs, latent=L, hidden=D, group=GROUP, tp=tp, eps=EPS)
-    shares = [torch.ops.k3f.latent_tail(*inputs, L, D, GROUP, tp, EPS, r) for r in range(tp)]
+    shares = [torch.ops.k3f.latent_tail(*inputs, L, D, GROUP, tp, EPS, r, tp) for r in range(tp)]
     assert all(s.shape == (3, D // tp) for s in shares)
     assert rel_err(torch.cat(shares, dim=-1), whole) <= 1e-6
+    # one piece (a TP size that does not divide the rows): every rank the whole tail
+    assert rel_err(torch.ops.k3f.latent_tail(*inputs, L, D, GROUP, tp, EPS, 0, 1), whole) <= 1e-6
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -605,21 +615,22 @@ def test_router_down_gemm_gpu(identity_gather, monkeypatch, tokens, tp, ranks):
 
 @on_gpu
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("tp,rank", [(1, 0), (16, 11)])
-def test_latent_tail_gpu(monkeypatch, tokens, tp, rank):
-    """tp 1: routed and shared read in place; tp 16 (the all-reduce and the gather mocked as the
-    identity, on both sides): the kernel reads row-strided views of the reduced [routed | shared]
-    and writes rank 11's share of the hidden rows."""
+@pytest.mark.parametrize("tp,rank,pieces", [(1, 0, 1), (16, 11, 16), (12, 0, 1)])
+def test_latent_tail_gpu(monkeypatch, tokens, tp, rank, pieces):
+    """tp 1: routed and shared read in place; tp 16 and 12 (the all-reduce and the gather mocked
+    as the identity, on both sides): the kernel reads row-strided views of the reduced [routed |
+    shared] and writes rank 11's share of the hidden rows (TP 16) or all of them (TP 12, whose
+    size does not divide them)."""
     if tp > 1:
         monkeypatch.setattr(torch.ops.k3, "all_reduce", lambda x, group, world_size: x.clone())
         monkeypatch.setattr(rewriter.ops, "gather_last_dim", lambda x, group, world_size: x)
     gen = torch.Generator().manual_seed(10 * tokens + tp)
-    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS, rank)
+    args = (*tail_inputs(tokens, gen), L, D, GROUP, tp, EPS, rank, pieces)
     ref = torch.ops.k3f.latent_tail(*args)
     gpu = cuda(args)
     tpl, specs, fns = compiled_fns("k3f::latent_tail", gpu)
     assert tpl.runtime_check(gpu) is None
-    y = tpl.launch(fns, specs, gpu, out=nan(tokens, D // tp))
+    y = tpl.launch(fns, specs, gpu, out=nan(tokens, D // pieces))
     torch.cuda.synchronize()
     assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
 
@@ -656,7 +667,7 @@ def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
     gen = torch.Generator().manual_seed(5)
     calls = {
         "router_down": (*router_inputs(5, gen), GROUP, 1, 0),
-        "latent_tail": (*tail_inputs(5, gen), L, D, GROUP, 1, EPS, 0),
+        "latent_tail": (*tail_inputs(5, gen), L, D, GROUP, 1, EPS, 0, 1),
         "o_proj_attn_res": (*o_proj_inputs(5, 16, True, gen), GROUP, 1, 2, EPS),
     }
     for name, args in calls.items():

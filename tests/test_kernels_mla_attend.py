@@ -90,10 +90,19 @@ def _with(i, value, **kw):
     (_with(4, meta(2, dtype=torch.float32)), "kv_scale must be one fp32 value"),
     (_with(6, meta(128 * 6, 2).t()[:1]), "gate must be bf16 with unit column stride"),
     (_with(11, 256), "kv_lora 256: the kernel is built for 128, 128, 512"),
+    (attend_args(heads=24), "heads 24 outside 1..16"),  # TP 4's share of Kimi K3's 96 heads
 ])
 def test_refusals_say_why(args, reason):
     tpl, why = spec_for_call(OP, "sm_90a", args)
     assert tpl is None and reason in why, why
+
+
+def test_the_head_bound_is_the_kernels():
+    """The spec refuses what the kernel's constructor would raise on, so ``inspect`` plans what
+    a server compiles: a rank's heads as the MMA's 16 rows."""
+    from codegen.launchers.mla_attend import MLA_MAX_HEADS
+    kernel = pytest.importorskip("codegen.kernels.mla_attend")
+    assert MLA_MAX_HEADS == kernel.MAX_HEADS
 
 
 # ---------------------------------------------------------------- compile checks (CuTe DSL, no GPU)

@@ -40,7 +40,8 @@ E, K, L = K3.num_experts, K3.num_experts_per_token, K3.moe_hidden_size  # 896, 1
 BETA, LINEAR_BETA = K3.activation_situ_beta, K3.activation_situ_linear_beta
 SHAPES = {"tp16": (256, 192), "tp8": (384, 384)}  # (I held per rank, I live)
 SMALL_TP_SHAPES = {"tp4": (768, 768), "tp2": (1536, 1536), "tp1": (3072, 3072)}  # a slot's down stage: 4, 8, 16 warps
-OTHER_TP_SHAPES = {**SMALL_TP_SHAPES, "tp32": (256, 96)}  # TP 32: 96 live channels, two tiles computed
+OTHER_TP_SHAPES = {**SMALL_TP_SHAPES, "tp32": (256, 96),  # TP 32: 96 live channels, two tiles computed
+                   "tp3": (1024, 1024), "tp12": (256, 256), "tp48": (256, 64)}  # sizes that do not divide 896
 HUMMING, NATIVE, CHECKPOINT = (ExpertFormat("mxfp4", x) for x in ("humming", "humming_native", "checkpoint"))
 TOL = 1e-2
 
@@ -692,9 +693,9 @@ def test_kernels_read_the_layout_humming_leaves(humming_experts, tokens):
 @pytest.mark.parametrize("shape", list(OTHER_TP_SHAPES))
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_kernels_at_other_tp_sizes(shape, tokens):
-    """TP 4, 2 and 1 (a down-stage CTA of 8, 16 or 32 warps) and 32 (96 live channels in two
-    tiles, the rest of them zero) on 64 experts, in Humming's layout: the per-pair grids, and at
-    16 tokens the router's plan with the per-pair down stage."""
+    """TP 4, 2 and 1 (a down-stage CTA of 8, 16 or 32 warps), 32 (96 live channels in two tiles,
+    the rest of them zero), 3, 12 and 48 on 64 experts, in Humming's layout: the per-pair grids,
+    and at 16 tokens the router's plan with the per-pair down stage."""
     inter, live = OTHER_TP_SHAPES[shape]
     experts = Experts(inter, live, HUMMING, torch.Generator(device="cuda").manual_seed(inter), experts=64)
     gen = torch.Generator().manual_seed(tokens)

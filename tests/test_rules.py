@@ -160,14 +160,20 @@ def test_batch_beyond_the_rules_is_refused_and_stays_equal(tiny, layer_idx):
     _assert_equivalent(lg, result.after, make_inputs(layer, batch=65, context=3, block_size=4, seed=1), 1e-6)
 
 
-def test_router_gemm_refuses_a_tp_that_does_not_split_the_experts(tiny):
+def test_a_tp_that_does_not_split_the_experts_replicates_the_router(tiny):
+    """router_gemm splits the gate's rows across TP; where TP does not divide them it refuses,
+    and router_gemm.replicated reads every row on each rank: nothing of it left to the others."""
     cfg = tiny.replace(num_experts=12)
     from rewriter.layers import build_layer
     layer = build_layer(cfg, 1, tp=8, rank=3, dtype=torch.float32)
     result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)))
     refusals = {r.rule: r.reason for r in result.refusals}
     assert refusals["router_gemm"] == "TP 8 does not divide the 12 rows of block_sparse_moe.gate.weight"
-    assert "routed_experts" in {m.rule for m in result.matches}  # the rest still fuses
+    matches = {m.rule: m for m in result.matches}
+    assert "routed_experts" in matches and "router_gemm" not in matches
+    router = matches["router_gemm.replicated"]
+    assert router.kernel == "router_down" and router.split_saving == 0
+    assert set(router.weights.values()) == {12 * 64 * 4, cfg.routed_expert_hidden_size * 64 * 4}  # whole, fp32
 
 
 def test_larger_rules_run_first(tiny):
@@ -263,13 +269,15 @@ def test_rule_launches_must_be_a_positive_int():
         Rule("zero", "moe", lambda ctx: [], common_guard, launches=0)
 
 
-def test_latent_tail_refuses_a_tp_that_does_not_split_the_up_projection(tiny):
-    """The tail reads 1/TP of the up projection's rows; a hidden size TP does not divide keeps
-    the replicated tail (its reference ops), the rest still fuses."""
+def test_a_tp_that_does_not_split_the_up_projection_replicates_the_tail(tiny):
+    """The tail reads 1/TP of the up projection's rows; where TP does not divide the hidden size
+    latent_tail refuses and latent_tail.replicated reads them all; the router still splits."""
     from rewriter.layers import build_layer
     layer = build_layer(tiny.replace(hidden_size=68), 1, tp=8, rank=3, dtype=torch.float32)
     result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)))
     refusals = {r.rule: r.reason for r in result.refusals}
     assert refusals["latent_tail"] == "TP 8 does not divide the 68 rows of block_sparse_moe.routed_expert_up_proj.weight"
-    assert "routed_experts" in {m.rule for m in result.matches}
-    assert result.served_floor_bytes() < result.reference_floor_bytes()  # the router still splits its two
+    matches = {m.rule: m for m in result.matches}
+    assert {"routed_experts", "router_gemm", "latent_tail.replicated"} <= set(matches)
+    assert matches["latent_tail.replicated"].split_saving == 0
+    assert result.served_floor_bytes() == result.reference_floor_bytes() - matches["router_gemm"].split_saving

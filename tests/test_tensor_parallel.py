@@ -1,5 +1,7 @@
 """TP 2 and 4 on CPU processes (gloo) give TP 1's layer outputs and state updates, for the
-reference layers and for their rewritten graphs.
+reference layers and for their rewritten graphs; at TP 4 also with a hidden size and an expert
+count TP does not divide, where the router and the latent tail read every row on each rank
+(``router_gemm.replicated``, ``latent_tail.replicated``), as at Kimi K3's TP 3, 6, 12, 24, 48.
 
 Each rank builds its layer from the TP 1 weights cut as vLLM cuts them (column, row,
 replicated, packed pieces, zero-padded expert shards at TP 4), runs the same decode
@@ -37,7 +39,7 @@ def _exit_without_teardown() -> None:
     os._exit(0)
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, port: int, sizes: dict) -> None:
     sys.path.insert(0, HERE)
     from conftest import make_inputs, make_layer, rel_err
 
@@ -53,7 +55,8 @@ def _worker(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     register_group("tp", dist.group.WORLD)
     torch.manual_seed(0)
-    cfg = KimiK3Config.preset("tiny")
+    cfg = KimiK3Config.preset("tiny").replace(**sizes)
+    replicated = {"router_gemm.replicated", "latent_tail.replicated"} if sizes else set()
     try:
         for layer_idx in LAYERS:
             full = make_layer(cfg, layer_idx, seed=100 + layer_idx)
@@ -75,8 +78,11 @@ def _worker(rank: int, world: int, port: int) -> None:
             for batch in (2, 9):
                 shape = DecodeShape(batch=batch, tp=world, rank=rank, dtype=torch.float32, context=6, block_size=4)
                 result = rewrite(trace(local, shape))
-                assert {m.rule for m in result.matches} >= {"o_proj_all_reduce_attn_res", "kda_core"
-                                                            if local.attention_kind == "kda" else "mla_q_front"}
+                rules = {m.rule for m in result.matches}
+                assert rules >= {"o_proj_all_reduce_attn_res", "kda_core" if local.attention_kind == "kda"
+                                 else "mla_q_front"}
+                if layer_idx:  # the MoE layers
+                    assert rules >= (replicated or {"router_gemm", "latent_tail"}), rules
                 step = make_inputs(full, batch=batch, context=6, block_size=4, seed=10 + layer_idx)
                 expected = full(**{k: v.clone() for k, v in step.items()})
                 got = result.after.gm(*shard_decode_inputs(step, local).values())
@@ -90,9 +96,10 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_ranks_equal_tp1(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+@pytest.mark.parametrize("world,sizes", [(2, {}), (4, {}), (4, {"hidden_size": 66, "num_experts": 18})],
+                         ids=["tp2", "tp4", "tp4-rows-not-divided"])
+def test_tp_ranks_equal_tp1(world, sizes):
+    mp.spawn(_worker, args=(world, _free_port(), sizes), nprocs=world, join=True)
 
 
 def _gather_worker(rank: int, world: int, port: int) -> None:

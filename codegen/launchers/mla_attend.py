@@ -16,6 +16,7 @@ MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels
 MLA_MAX_BATCH = 64  # tokens (requests x q)
 MLA_MAX_Q = 8  # tokens per request of a verify step
 MLA_MAX_CTAS = 128  # the grid: requests x context splits
+MLA_MAX_HEADS = 16  # a rank's heads as the MMA's 16 rows: TP 6 and above for Kimi K3's 96
 
 
 def mla_splits(batch: int) -> int:
@@ -28,6 +29,8 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
         return f"{op} takes 12 arguments, got {len(args)}"
     mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate, scale, heads, nope, v_dim, kv_lora = args
     h = int(heads)
+    if not 1 <= h <= MLA_MAX_HEADS:
+        return f"heads {h} outside 1..{MLA_MAX_HEADS}: the kernel holds a rank's heads as the MMA's 16 rows"
     if (int(nope), int(v_dim), int(kv_lora)) != (MLA_NOPE, MLA_V_DIM, MLA_LATENT):
         return (f"nope {nope}, v_dim {v_dim}, kv_lora {kv_lora}: the kernel is built for {MLA_NOPE}, {MLA_V_DIM}, "
                 f"{MLA_LATENT}")
