@@ -138,7 +138,10 @@ def _compile_uncached(spec: KernelSpec, key: str) -> tuple[Entry, float]:
     t0 = time.perf_counter()
     cute = _import_cute(spec.arch)
     module = importlib.import_module(_module_of(spec))
-    kernel, args = module.build(spec)
+    try:
+        kernel, args = module.build(spec)
+    except ValueError as e:  # a bound the template should have refused: name it, as a compile failure
+        raise CodegenError(f"{spec.label()}: the kernel refuses its spec: {e}") from e
     function = f"k3_{spec.kernel}_{key[:16]}"
     with tempfile.TemporaryDirectory(prefix="k3-compile-") as d:
         options = f"--gpu-arch {spec.arch} --enable-tvm-ffi --keep-ptx --dump-dir {d}"

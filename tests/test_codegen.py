@@ -653,3 +653,46 @@ def test_load_kernels_loads_the_named_template_or_the_one_the_call_picks(kcache,
     tpl, specs, fns = bind.load_kernels("k3f::kda_in_proj", "sm_90a", gemv_args(tokens=3), "attn_in_proj_gemv")
     assert tpl.kernel == specs[0].kernel == "attn_in_proj_gemv" and len(fns) == 1  # loads without a GPU
     assert bind.load_kernels("kda_in_proj", "sm_90a", gemv_args(tokens=1))[0].kernel == "attn_in_proj_gemv"
+
+
+@needs_cutedsl
+def test_a_spec_the_kernel_refuses_is_a_named_compile_failure(tmp_path):
+    """A bound the kernel holds and its template let through (a rank's 24 MLA heads at TP 4,
+    before the template refused them) fails the compile with the reason, as a CodegenError that
+    ``compile --all-layers`` counts and a server start turns into a stock layer, not a crash."""
+    from codegen.compiler import CodegenError, compile_kernel
+
+    spec = KernelSpec.make("mla_attend", "k3f::mla_attend", "sm_90a", shapes={"batch": 1, "heads": 24, "block_size": 64},
+                           dtypes={"q": "bf16", "cache": "bf16", "weight": "bf16"},
+                           params={"scale": 0.07, "gate_stride": 24 * 128})
+    with pytest.raises(CodegenError, match="the kernel refuses its spec: heads 24 outside 1..16"):
+        compile_kernel(spec, cache=KernelCache(str(tmp_path)))
+
+
+@needs_cutedsl
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48])
+def test_every_kernel_a_plan_lists_builds(tp):
+    """What ``inspect`` counts as rewritten is what a server compiles: every spec the templates
+    accept for layers 0, 1 and 3 of Kimi K3 at 1, 8 and 64 tokens builds its kernel object (the
+    kernels' own bounds agree with their templates'; no compile, so every TP size stays cheap)."""
+    import importlib
+
+    from codegen.kernels import module_of
+    from rewriter.config import KimiK3Config
+    from rewriter.kernel_plan import plan
+    from rewriter.layers import build_layer
+    from rewriter.rewrite import rewrite
+    from rewriter.shape import DecodeShape
+    from rewriter.trace import trace
+
+    cfg = KimiK3Config.preset("kimi-k3")
+    built = set()
+    for layer_idx in (0, 1, 3):
+        layer = build_layer(cfg, layer_idx, tp=tp, rank=0, dtype=torch.bfloat16, experts="mxfp4")
+        for batch in (1, 8, 64):
+            rows = plan(rewrite(trace(layer, DecodeShape(batch=batch, tp=tp, arch="sm_90a"))), "sm_90a")
+            for spec in (s for row in rows for s in row.get("specs", ())):
+                importlib.import_module(module_of(spec.kernel)).build(spec)
+                built.add(spec)
+    assert len(built) > 20  # the plans listed kernels: the layers were rewritten
