@@ -186,19 +186,21 @@ def _tail_variants(ctx: RuleContext, *, split: bool):
     return [(pattern, replacement)]
 
 
-def _tail_guard(m: Match) -> str | None:
-    reason = common_guard(m)
+def _undivided_up_rows(m: Match) -> str | None:
+    """Why the TP size does not split the up projection's rows, if it does not."""
     rows, tp = m.val("up_weight").shape[0], m.shape.tp
-    if reason is None and rows % tp:
-        reason = f"TP {tp} does not divide the {rows} rows of {m.inputs['up_weight'].target or 'up_weight'}"
-    return reason
+    return f"TP {tp} does not divide the {rows} rows of {m.inputs['up_weight'].target or 'up_weight'}" if rows % tp \
+        else None
+
+
+def _tail_guard(m: Match) -> str | None:
+    return common_guard(m) or _undivided_up_rows(m)
 
 
 def _tail_replicated_guard(m: Match) -> str | None:
     reason = common_guard(m)
-    rows, tp = m.val("up_weight").shape[0], m.shape.tp
-    if reason is None and rows % tp == 0:
-        reason = f"TP {tp} divides the {rows} up-projection rows: latent_tail splits them"
+    if reason is None and _undivided_up_rows(m) is None:
+        reason = f"TP {m.shape.tp} divides the up projection's rows: latent_tail splits them"
     return reason
 
 

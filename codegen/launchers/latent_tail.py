@@ -72,7 +72,7 @@ def _latent_tail_runtime(args: Sequence[Any]) -> str | None:
 def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     """``out``: this rank's [tokens, hidden / pieces] piece, written by the kernel before the gather."""
     (fn,) = fns
-    routed, shared, norm_weight, _, latent, hidden, group, tp = args[:8]
+    routed, shared, norm_weight, _, latent, hidden, group, tp, _, _, pieces = args
     if ops.reduces(tp):
         reduced = torch.ops.k3.all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
         routed, shared = reduced.split([latent, hidden], dim=-1)
@@ -82,7 +82,7 @@ def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
         gemm_call(fn, routed, rows, [y], norm_weight, part)
     else:
         fn(routed, rows, None, norm_weight, part, y, None)
-    return ops.gather_last_dim(y, group, args[10])
+    return ops.gather_last_dim(y, group, pieces)
 
 
 TEMPLATE = Template("latent_tail", ("k3f::latent_tail",), _latent_tail_spec, _latent_tail_runtime,
