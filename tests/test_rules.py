@@ -176,6 +176,19 @@ def test_a_tp_that_does_not_split_the_experts_replicates_the_router(tiny):
     assert set(router.weights.values()) == {12 * 64 * 4, cfg.routed_expert_hidden_size * 64 * 4}  # whole, fp32
 
 
+@pytest.mark.parametrize("name, reason", [
+    ("router_gemm.replicated", "TP 8 divides both weights' rows: router_gemm splits them"),
+    ("latent_tail.replicated", "TP 8 divides the up projection's rows: latent_tail splits them")])
+def test_replicated_rules_refuse_what_tp_splits(tiny, name, reason):
+    """Alone, a replicated rule refuses where TP divides the rows (its split rule's case); where
+    it does not, it matches (the two tests above), and the gloo test of tests/test_tensor_parallel.py
+    runs its rewrite against TP 1."""
+    from rewriter.layers import build_layer
+    layer = build_layer(tiny, 1, tp=8, rank=3, dtype=torch.float32)
+    result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)), _only(name))
+    assert result.matches == [] and {r.rule: r.reason for r in result.refusals} == {name: reason}
+
+
 def test_larger_rules_run_first(tiny):
     """A one-linear user rule registered FIRST still gets no node a larger rule needs."""
     def variants(ctx):
