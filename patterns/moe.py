@@ -28,7 +28,7 @@ from rewriter import ops  # gather_last_dim looked up at call time (tests mock i
 from rewriter.layers.common import rms_norm
 from rewriter.layers.moe import (experts_down, experts_up, latent_tail, route, shared_experts_down,
                                  shared_experts_up)
-from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, token_range_guard
+from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, split_guards, token_range_guard
 
 SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
 # routed_moe_mxfp4 from this many tokens per step (router_topk + routed_experts_mxfp4 below); None: never.
@@ -193,15 +193,7 @@ def _undivided_up_rows(m: Match) -> str | None:
         else None
 
 
-def _tail_guard(m: Match) -> str | None:
-    return common_guard(m) or _undivided_up_rows(m)
-
-
-def _tail_replicated_guard(m: Match) -> str | None:
-    reason = common_guard(m)
-    if reason is None and _undivided_up_rows(m) is None:
-        reason = f"TP {m.shape.tp} divides the up projection's rows: latent_tail splits them"
-    return reason
+_tail_guard, _tail_replicated_guard = split_guards(_undivided_up_rows, "the up projection's rows", "latent_tail")
 
 
 RULES = [

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from rewriter.layers.moe import route, router_and_down_proj
 from rewriter.ops import gather_last_dim
-from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op
+from rewriter.rules import Match, Rule, RuleContext, common_guard, fused_op, split_guards
 
 
 def _router_down_fake(x: Tensor, gate_weight: Tensor, down_weight: Tensor, group: str, tp: int,
@@ -66,15 +66,7 @@ def _undivided_rows(m: Match) -> str | None:
     return None
 
 
-def _router_gemm_guard(m: Match) -> str | None:
-    return common_guard(m) or _undivided_rows(m)
-
-
-def _router_replicated_guard(m: Match) -> str | None:
-    reason = common_guard(m)
-    if reason is None and _undivided_rows(m) is None:
-        reason = f"TP {m.shape.tp} divides both weights' rows: router_gemm splits them"
-    return reason
+_router_gemm_guard, _router_replicated_guard = split_guards(_undivided_rows, "both weights' rows", "router_gemm")
 
 
 @fused_op("router_topk")

@@ -10,6 +10,8 @@ small functions:
   only matches the shapes it was specialized for.
 - ``guard(match)``: a pure predicate on the matched shapes, dtypes, TP size, batch and GPU
   architecture. It returns None to accept or a reason to refuse ("batch 128 > 64").
+  ``common_guard``, ``token_range_guard`` and ``split_guards`` (a rule that splits replicated
+  rows across TP and its replicated twin) build the usual ones.
 - ``kernel``/``stream``/``communicates``: how the fused op appears in the schedule.
 
 The fused ops themselves are ``torch.library`` custom ops (namespace ``k3f``) defined
@@ -123,6 +125,23 @@ def token_range_guard(lo: int, hi: int, what: str) -> Callable[[Match], str | No
         return None
 
     return guard
+
+
+def split_guards(undivided: Callable[[Match], str | None], rows: str,
+                 split_rule: str) -> tuple[Callable[[Match], str | None], Callable[[Match], str | None]]:
+    """The guards of a rule that splits replicated weights' rows across TP and of its replicated
+    twin: ``undivided`` says why TP does not divide the ``rows`` (the split rule's refusal), and
+    the twin refuses where it does (the split rule's case)."""
+    def split(m: Match) -> str | None:
+        return common_guard(m) or undivided(m)
+
+    def replicated(m: Match) -> str | None:
+        reason = common_guard(m)
+        if reason is None and undivided(m) is None:
+            reason = f"TP {m.shape.tp} divides {rows}: {split_rule} splits them"
+        return reason
+
+    return split, replicated
 
 
 @dataclass
