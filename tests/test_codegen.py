@@ -657,15 +657,15 @@ def test_load_kernels_loads_the_named_template_or_the_one_the_call_picks(kcache,
 
 @needs_cutedsl
 def test_a_spec_the_kernel_refuses_is_a_named_compile_failure(tmp_path):
-    """A bound the kernel holds and its template let through (a rank's 24 MLA heads at TP 4,
-    before the template refused them) fails the compile with the reason, as a CodegenError that
+    """A bound the kernel holds and its template lets through (a spec made by hand here: more MLA
+    heads than the kernel takes) fails the compile with the reason, as a CodegenError that
     ``compile --all-layers`` counts and a server start turns into a stock layer, not a crash."""
     from codegen.compiler import CodegenError, compile_kernel
 
-    spec = KernelSpec.make("mla_attend", "k3f::mla_attend", "sm_90a", shapes={"batch": 1, "heads": 24, "block_size": 64},
+    spec = KernelSpec.make("mla_attend", "k3f::mla_attend", "sm_90a", shapes={"batch": 1, "heads": 130, "block_size": 64},
                            dtypes={"q": "bf16", "cache": "bf16", "weight": "bf16"},
-                           params={"scale": 0.07, "gate_stride": 24 * 128})
-    with pytest.raises(CodegenError, match="the kernel refuses its spec: heads 24 outside 1..16"):
+                           params={"scale": 0.07, "gate_stride": 130 * 128})
+    with pytest.raises(CodegenError, match="the kernel refuses its spec: heads 130 outside 1..128"):
         compile_kernel(spec, cache=KernelCache(str(tmp_path)))
 
 

@@ -16,10 +16,10 @@ from codegen import bind
 from codegen.templates import spec_for_call, template
 
 OP = "k3f::mla_attend"
-HEADS = {"tp16": 6, "tp8": 12}  # Kimi K3 MLA heads per rank
+HEADS = {"tp16": 6, "tp8": 12, "tp4": 24, "tp1": 96}  # Kimi K3 MLA heads per rank (from 24: head groups)
 E, L = 576, 512
 SCALE = 192 ** -0.5
-GATE_WIDTH, GATE_AT = 4000, 96  # the gate is a column slice of the input projection's output
+GATE_WIDTH, GATE_AT = 12800, 96  # the gate is a column slice of the input projection's output (96 heads fit)
 TOL = 1e-2
 
 
@@ -42,8 +42,8 @@ def attend_spec(arch, args):
 
 # ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
 
-@pytest.mark.parametrize("shape", list(HEADS))
-@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("shape,batch", [(s, b) for s in HEADS for b in (1, 8, 64)
+                                         if b * -(-HEADS[s] // 16) <= 128])  # a grid of B x head groups x splits
 def test_specs_at_kimi_k3_shapes(shape, batch):
     h = HEADS[shape]
     spec = attend_spec("sm_90a", attend_args(batch, h))
@@ -90,19 +90,28 @@ def _with(i, value, **kw):
     (_with(4, meta(2, dtype=torch.float32)), "kv_scale must be one fp32 value"),
     (_with(6, meta(128 * 6, 2).t()[:1]), "gate must be bf16 with unit column stride"),
     (_with(11, 256), "kv_lora 256: the kernel is built for 128, 128, 512"),
-    (attend_args(heads=24), "heads 24 outside 1..16"),  # TP 4's share of Kimi K3's 96 heads
+    (attend_args(heads=130), "heads 130 outside 1..128"),
+    (attend_args(batch=22, heads=96), "22 tokens x 6 head groups of 16 heads: more CTAs than the 128"),  # TP 1
+    (attend_args(batch=64, heads=48), "64 tokens x 3 head groups"),  # TP 2
 ])
 def test_refusals_say_why(args, reason):
     tpl, why = spec_for_call(OP, "sm_90a", args)
     assert tpl is None and reason in why, why
 
 
-def test_the_head_bound_is_the_kernels():
-    """The spec refuses what the kernel's constructor would raise on, so ``inspect`` plans what
-    a server compiles: a rank's heads as the MMA's 16 rows."""
-    from codegen.launchers.mla_attend import MLA_MAX_HEADS
+def test_the_launchers_grid_is_the_kernels():
+    """The launcher sizes the scratch and checks the SM count from its own copy of the kernel's
+    head groups and splits (it imports no CuTe DSL): they agree at every head count and batch."""
+    from codegen.launchers.mla_attend import MLA_GROUP_HEADS, MLA_MAX_HEADS, mla_head_groups, mla_splits
     kernel = pytest.importorskip("codegen.kernels.mla_attend")
-    assert MLA_MAX_HEADS == kernel.MAX_HEADS
+    assert (MLA_GROUP_HEADS, MLA_MAX_HEADS) == (kernel.MAX_HEADS, kernel.MAX_TOTAL_HEADS)
+    for h in range(1, MLA_MAX_HEADS + 1):
+        g = mla_head_groups(h)
+        assert g == kernel.head_groups(h) and h % g == 0 and h // g <= MLA_GROUP_HEADS
+        for batch in (1, 3, 8, 64):
+            if batch * g <= 128:  # else the template refuses (below)
+                assert mla_splits(batch, h) == kernel.splits_for(batch, g) and batch * g * mla_splits(batch, h) <= 128
+    assert [mla_head_groups(h) for h in (6, 12, 16, 24, 32, 96)] == [1, 1, 1, 2, 2, 6]
 
 
 # ---------------------------------------------------------------- compile checks (CuTe DSL, no GPU)
@@ -111,7 +120,8 @@ def test_the_head_bound_is_the_kernels():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("batch, heads, cache, q, block", [(1, 6, torch.bfloat16, 1, 64), (64, 12, torch.bfloat16, 1, 64),
                                                            (1, 12, torch.uint8, 1, 64), (64, 12, torch.uint8, 1, 16),
-                                                           (1, 6, torch.bfloat16, 8, 16), (2, 12, torch.uint8, 4, 128)])
+                                                           (1, 6, torch.bfloat16, 8, 16), (2, 12, torch.uint8, 4, 128),
+                                                           (1, 96, torch.bfloat16, 1, 64), (8, 24, torch.uint8, 1, 64)])
 def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
     from codegen.compiler import compile_kernel
 
@@ -140,7 +150,8 @@ def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
     if cache == torch.bfloat16:
         assert ptx[:wait].count("cp.async.cg.shared.global") == kernel.loads
     else:
-        assert ptx[:wait].count("ld.global.L1") == kernel.loads + 2 * kernel.rows_per_warp
+        from codegen.kernels.mla_attend import WUV_HELD_ROWS
+        assert ptx[:wait].count("ld.global.L1") == kernel.loads + 2 * min(kernel.rows_per_warp, WUV_HELD_ROWS)
     assert "ld.global.v4" not in ptx[:wait] and "ld.global.v4" in ptx[wait:]
     # before the wait, the 32-bit loads: the request's length and the block table lookups of
     # the first two tiles (one a tile, or one a row where blocks are not multiples of 64)
@@ -231,8 +242,8 @@ CASES = {  # (batch, context lengths): long and short requests, a padding reques
 
 @on_gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("shape", list(HEADS))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,shape", [(c, s) for c in CASES for s in HEADS
+                                        if CASES[c][0] * -(-HEADS[s] // 16) <= 128])  # the grid's bound
 def test_mla_attend(case, shape, fp8):
     batch, seq = CASES[case]
     cpu = attend_inputs(batch, HEADS[shape], seq, fp8=fp8, seed=len(case) + batch)

@@ -13,14 +13,18 @@ A verify step (``q_len`` q > 1) takes q tokens per request, causal among them: t
 request r = t // q sees the first ``seq_lens[r] - (q - 1 - t % q)`` entries of r's block table
 row (its own insert the last), so each token is a row of its own below, "request" meaning token.
 
-Work split: a grid of ``B x S`` CTAs (S context splits per request, ``B x S <= 128`` so that the
-whole grid is resident at once on any Hopper or Blackwell part: the launcher checks the SM
-count), 256 threads, three phases separated by two grid-wide barriers:
-1. split ``s`` of request ``b`` walks its share of the context in tiles of 64 entries: the
+Work split: a grid of ``B x G x S`` CTAs (G head groups of at most 16 heads, the MMA's rows:
+one up to 16 heads a rank, 2 for Kimi K3's 24 or 32 at TP 4 or 3, 6 for its 96 at TP 1; S
+context splits per request and group, ``B x G x S <= 128`` so that the whole grid is resident
+at once on any Hopper or Blackwell part: the launcher checks the SM count), 256 threads, three
+phases separated by two grid-wide barriers:
+1. split ``s`` of request ``b`` and head group ``g`` walks its share of the context in tiles of
+   64 entries (the groups of a split read the same entries, together, so the L2 serves all but
+   the first): the
    tile's entries (block table lookups, 128-bit loads; the next tile's loads are issued before
    the current one is computed) go to shared memory as bf16 (fp8 E4M3 converted exactly);
    both products run on tensor cores (``mma.sync.m16n8k16``, bf16 in, fp32 accumulators;
-   ``warp_mma``), the H heads padded to the MMA's 16 rows. Scores: warp ``w`` multiplies the
+   ``warp_mma``), the group's heads padded to the MMA's 16 rows. Scores: warp ``w`` multiplies the
    queries' entry values [144 (w % 4), +144) (A fragments by ldmatrix) by entries
    [32 (w // 4), +32) of the tile; the 4 partial sums meet in shared memory. Online softmax
    in base 2 (scale x log2(e), fp8: x kv_scale, applied to the fp32 sums), one warp per head,
@@ -67,7 +71,8 @@ THREADS = 256
 WARPS = THREADS // 32
 MAX_CTAS = 128
 MAX_BATCH = 64
-MAX_HEADS = 16  # the MMA's M: heads padded to 16 rows
+MAX_HEADS = 16  # the MMA's M: a head group's heads padded to 16 rows
+MAX_TOTAL_HEADS = 128  # a rank's heads over its groups (Kimi K3 at TP 1: 96)
 CACHE_DTYPES = ("bf16", "fp8_e4m3")
 TILE = 64  # entries per tile
 ROW = E + 8  # shared-memory row of an entry / a query (bf16): 16 bytes of padding, ldmatrix rows in distinct banks
@@ -80,13 +85,19 @@ O_TILES = L // WARPS // 8  # P x V: 8 n8 tiles of latent values per warp
 ELEMS = 8  # latent values per combine unit
 LAT_VECS = L // ELEMS  # 64 combine units per (request, head)
 WUV_CHUNK = 8  # requests whose latents a warp loads at once in the W_UV stage (16 x 16 bytes a lane)
+WUV_HELD_ROWS = 2  # W_UV rows a warp loads before the wait and holds (TP 8 and 16 hold all theirs; the rest after the barrier)
 LOG2E = 1.0 / math.log(2.0)
 NEG_INF = float("-inf")
 
 
-def splits_for(batch: int) -> int:
-    """Context splits per request: the grid fills up to ``MAX_CTAS``."""
-    return max(1, MAX_CTAS // batch)
+def head_groups(heads: int) -> int:
+    """The fewest groups of at most ``MAX_HEADS`` heads that split ``heads`` evenly."""
+    return next(g for g in range(-(-heads // MAX_HEADS), heads + 1) if heads % g == 0)
+
+
+def splits_for(batch: int, groups: int = 1) -> int:
+    """Context splits per request and head group: the grid fills up to ``MAX_CTAS``."""
+    return max(1, MAX_CTAS // (batch * groups))
 
 
 class MlaAttend:
@@ -102,11 +113,14 @@ class MlaAttend:
         self.q_len = q_len
         if cache not in CACHE_DTYPES:
             raise ValueError(f"cache {cache!r}: bf16 or fp8_e4m3")
-        if not 1 <= heads <= MAX_HEADS:
-            raise ValueError(f"heads {heads} outside 1..{MAX_HEADS} (the MMA's 16 rows)")
+        if not 1 <= heads <= MAX_TOTAL_HEADS:
+            raise ValueError(f"heads {heads} outside 1..{MAX_TOTAL_HEADS}")
         self.batch, self.heads, self.cache = batch, heads, cache
-        self.splits = splits_for(batch)
-        self.ctas = batch * self.splits
+        self.groups = head_groups(heads)
+        self.group_heads = heads // self.groups  # at most MAX_HEADS: the MMA's rows
+        self.splits = splits_for(batch, self.groups)
+        self.pairs = batch * self.splits  # (request, split): the rows of the partials' scratch
+        self.ctas = self.pairs * self.groups
         self.scale = float(scale)
         self.gate_stride = gate_stride
         self.per_vec = 8 if cache == "bf16" else 16  # cache values per 16-byte load
@@ -144,14 +158,12 @@ class MlaAttend:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         RPW = const_expr(self.rows_per_warp)
+        HELD = const_expr(min(RPW, WUV_HELD_ROWS))
 
-        # 0. before the wait (PDL): this warp's W_UV rows, 2 vectors per lane and row
-        rW = cute.make_rmem_tensor((VEC, 2, RPW), BFloat16)
-        for r in cutlass.range_constexpr(RPW):
-            n = cutlass.min(self.warp_row(cta, warp, r), self.rows - 1)
-            wrow = mW[n // V_DIM * HEAD_ROWS + V_DIM + n % V_DIM, None]
-            for u in cutlass.range_constexpr(2):
-                cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(wrow, (VEC,), (u * 32 + lane,)), rW[None, u, r])
+        # 0. before the wait (PDL): this warp's first W_UV rows, 2 vectors per lane and row
+        rW = cute.make_rmem_tensor((VEC, 2, HELD), BFloat16)
+        for r in cutlass.range_constexpr(HELD):
+            self.load_w_row(mW, rW, r, cutlass.min(self.warp_row(cta, warp, r), self.rows - 1), lane)
 
         # 1. this split's share of the context (``griddepcontrol.wait`` inside, once the entries
         #    of earlier steps are in flight)
@@ -169,11 +181,24 @@ class MlaAttend:
             self.combine(mPAcc, mPML, mLat, first + lane // G, lane % G, kv_scale)
         self.grid_sync(mBar, cta, tidx)
 
-        # 3. W_UV rows and the gate, every request
+        # 3. W_UV rows and the gate, every request (rows past the held ones loaded here: at most
+        #    WUV_HELD_ROWS a warp stay in registers across the two barriers)
         for r in cutlass.range_constexpr(RPW):
             n = self.warp_row(cta, warp, r)
             if self.owns(warp, r, n):
-                self.project_row(mLat, mGate, mOut, rW, n, r, lane)
+                if const_expr(r < HELD):
+                    self.project_row(mLat, mGate, mOut, rW, n, r, lane)
+                else:
+                    rW1 = cute.make_rmem_tensor((VEC, 2, 1), BFloat16)
+                    self.load_w_row(mW, rW1, 0, n, lane)
+                    self.project_row(mLat, mGate, mOut, rW1, n, 0, lane)
+
+    @cute.jit
+    def load_w_row(self, mW, rW, r: cutlass.Constexpr, n, lane):
+        """W_UV row ``n`` (head ``n // 128``'s value rows of kv_b) into ``rW[:, :, r]``, 2 vectors a lane."""
+        wrow = mW[n // V_DIM * HEAD_ROWS + V_DIM + n % V_DIM, None]
+        for u in cutlass.range_constexpr(2):
+            cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(wrow, (VEC,), (u * 32 + lane,)), rW[None, u, r])
 
     @cute.jit
     def project_row(self, mLat, mGate, mOut, rW, n, r: cutlass.Constexpr, lane):
@@ -248,10 +273,12 @@ class MlaAttend:
 
     @cute.jit
     def attend(self, mQ, mCache, mBT, mSeq, mKvScale, mPAcc, mPML, cta, tidx, lane, warp):
-        H = const_expr(self.heads)
+        H = const_expr(self.group_heads)  # this CTA's heads h0 .. h0 + H - 1
         TS = const_expr(TILE // 32)
-        b = cta // self.splits
+        b = cta // (self.groups * self.splits)
+        h0 = cta // self.splits % self.groups * H
         split = cta % self.splits
+        pair = b * self.splits + split  # the partials' row: the combine reads (request, split)
         g, q = lane // 4, lane % 4  # the MMA fragments' row group and column pair
 
         smem = cutlass.memory.SmemAllocator()
@@ -314,7 +341,7 @@ class MlaAttend:
             rQv[None, j].fill(0.0)
             if h < H:
                 cute.copy(g2r_atom(BFloat16, invariant=False),
-                          cute.local_tile(mQ[b, h, None], (VEC,), (i % (E // VEC),)), rQv[None, j])
+                          cute.local_tile(mQ[b, h0 + h, None], (VEC,), (i % (E // VEC),)), rQv[None, j])
         for j in cutlass.range_constexpr(-(-QV // THREADS)):
             i = tidx + j * THREADS
             if const_expr((j + 1) * THREADS <= QV) or i < QV:
@@ -428,11 +455,11 @@ class MlaAttend:
             if h < H:
                 for nt in cutlass.range_constexpr(O_TILES):
                     col = warp * (L // WARPS) + nt * 8 + 2 * q
-                    mPAcc[cta, h, col] = rO[2 * hh, nt]
-                    mPAcc[cta, h, col + 1] = rO[2 * hh + 1, nt]
+                    mPAcc[pair, h0 + h, col] = rO[2 * hh, nt]
+                    mPAcc[pair, h0 + h, col + 1] = rO[2 * hh + 1, nt]
         if tidx < H:
-            mPML[cta, tidx, 0] = sStat[0, tidx]
-            mPML[cta, tidx, 1] = sStat[1, tidx]
+            mPML[pair, h0 + tidx, 0] = sStat[0, tidx]
+            mPML[pair, h0 + tidx, 1] = sStat[1, tidx]
 
     @cute.jit
     def lookup(self, mBT, rBlk, b, first, end, tidx):
@@ -562,8 +589,8 @@ def build(spec) -> tuple[MlaAttend, tuple]:
             t(BFloat16, (h * HEAD_ROWS, L), (L, 1)),  # kv_b_proj weight
             t(BFloat16, (b, h * V_DIM), (kernel.gate_stride, 1), 2),  # gate
             t(BFloat16, (b, h * V_DIM), (h * V_DIM, 1), 2),  # out
-            t(Float32, (kernel.ctas, h, L), (h * L, L, 1)),  # split partials: latent
-            t(Float32, (kernel.ctas, h, 2), (h * 2, 2, 1), 4),  # split partials: max, sum
+            t(Float32, (kernel.pairs, h, L), (h * L, L, 1)),  # split partials: latent
+            t(Float32, (kernel.pairs, h, 2), (h * 2, 2, 1), 4),  # split partials: max, sum
             t(BFloat16, (b, h, L), (h * L, L, 1)),  # combined latent
             t(Int32, (1,), (1,), 4),  # barrier word
             make_fake_stream(use_tvm_ffi_env_stream=True))

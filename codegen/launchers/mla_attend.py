@@ -1,6 +1,7 @@
 """``mla_attend``: MLA decode over vLLM's paged latent cache (bf16, or fp8 E4M3 with its
 per-tensor scale) + W_UV + sigmoid output gate (``k3f::mla_attend``); one kernel whose context
-splits meet at a grid-wide barrier, so the whole grid must be resident at once."""
+splits (and head groups of at most 16, the MMA's rows) meet at a grid-wide barrier, so the whole
+grid must be resident at once."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,12 +17,19 @@ MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels
 MLA_MAX_BATCH = 64  # tokens (requests x q)
 MLA_MAX_Q = 8  # tokens per request of a verify step
 MLA_MAX_CTAS = 128  # the grid: requests x context splits
-MLA_MAX_HEADS = 16  # a rank's heads as the MMA's 16 rows: TP 6 and above for Kimi K3's 96
+MLA_GROUP_HEADS = 16  # heads a CTA takes: the MMA's 16 rows
+MLA_MAX_HEADS = 128  # a rank's heads over its groups (Kimi K3 at TP 1: 96)
 
 
-def mla_splits(batch: int) -> int:
-    """Context splits per request (codegen/kernels/mla_attend.py:splits_for)."""
-    return max(1, MLA_MAX_CTAS // batch)
+def mla_head_groups(heads: int) -> int:
+    """Head groups of the grid (codegen/kernels/mla_attend.py:head_groups): the fewest of at
+    most 16 heads that split ``heads`` evenly."""
+    return next(g for g in range(-(-heads // MLA_GROUP_HEADS), heads + 1) if heads % g == 0)
+
+
+def mla_splits(batch: int, heads: int) -> int:
+    """Context splits per request and head group (codegen/kernels/mla_attend.py:splits_for)."""
+    return max(1, MLA_MAX_CTAS // (batch * mla_head_groups(heads)))
 
 
 def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
@@ -30,7 +38,7 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
     mqa_q, kv_cache, block_table, seq_lens, kv_scale, kv_b_weight, gate, scale, heads, nope, v_dim, kv_lora = args
     h = int(heads)
     if not 1 <= h <= MLA_MAX_HEADS:
-        return f"heads {h} outside 1..{MLA_MAX_HEADS}: the kernel holds a rank's heads as the MMA's 16 rows"
+        return f"heads {h} outside 1..{MLA_MAX_HEADS}"
     if (int(nope), int(v_dim), int(kv_lora)) != (MLA_NOPE, MLA_V_DIM, MLA_LATENT):
         return (f"nope {nope}, v_dim {v_dim}, kv_lora {kv_lora}: the kernel is built for {MLA_NOPE}, {MLA_V_DIM}, "
                 f"{MLA_LATENT}")
@@ -48,6 +56,10 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
         return f"{q} tokens per request outside 1..{MLA_MAX_Q}"
     if not 1 <= t <= MLA_MAX_BATCH:
         return f"{t} tokens outside 1..{MLA_MAX_BATCH}"
+    groups = mla_head_groups(h)
+    if t * groups > MLA_MAX_CTAS:
+        return (f"{t} tokens x {groups} head groups of {h // groups} heads: more CTAs than the {MLA_MAX_CTAS} a "
+                "grid-wide barrier holds")
     reason = (shape_is("mqa_q", mqa_q, (t, h, e)) or shape_is("kv_b_weight", kv_b_weight, (h * 256, MLA_LATENT))
               or shape_is("gate", gate, (t, h * MLA_V_DIM)))
     if reason:
@@ -79,7 +91,8 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
 
 def _mla_attend_runtime(args: Sequence[Any]) -> str | None:
     mqa_q, kv_cache, *_ = args
-    ctas = mqa_q.shape[0] * mla_splits(mqa_q.shape[0])
+    t, h = mqa_q.shape[0], mqa_q.shape[1]
+    ctas = t * mla_head_groups(h) * mla_splits(t, h)
     if mqa_q.is_cuda and sm_count(mqa_q.device.index) < ctas:
         return (f"{ctas} CTAs meet at a grid-wide barrier and need as many SMs; this GPU has "
                 f"{sm_count(mqa_q.device.index)}")
@@ -89,14 +102,14 @@ def _mla_attend_runtime(args: Sequence[Any]) -> str | None:
 _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _scratch(device: torch.device, ctas: int, heads: int, batch: int) -> tuple[torch.Tensor, ...]:
-    """The split partials, the combined latent and the barrier word of one shape on one device,
-    made once and shared by every MLA layer (they run one after another; the barrier word's
-    low bits are back at 0 after each barrier)."""
-    key = (device, ctas, heads, batch)
+def _scratch(device: torch.device, pairs: int, heads: int, batch: int) -> tuple[torch.Tensor, ...]:
+    """The split partials (a row per (request, split)), the combined latent and the barrier word
+    of one shape on one device, made once and shared by every MLA layer (they run one after
+    another; the barrier word's low bits are back at 0 after each barrier)."""
+    key = (device, pairs, heads, batch)
     if key not in _SCRATCH:
-        _SCRATCH[key] = (torch.empty(ctas, heads, MLA_LATENT, dtype=torch.float32, device=device),
-                         torch.empty(ctas, heads, 2, dtype=torch.float32, device=device),
+        _SCRATCH[key] = (torch.empty(pairs, heads, MLA_LATENT, dtype=torch.float32, device=device),
+                         torch.empty(pairs, heads, 2, dtype=torch.float32, device=device),
                          torch.empty(batch, heads, MLA_LATENT, dtype=torch.bfloat16, device=device),
                          torch.zeros(1, dtype=torch.int32, device=device))
     return _SCRATCH[key]
@@ -108,11 +121,11 @@ def _mla_attend_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], 
     b, h = spec.shape_dict["batch"], spec.shape_dict["heads"]
     out = out if out is not None else gate.new_empty(b, h * MLA_V_DIM)
     cache = kv_cache.view(torch.float8_e4m3fn) if kv_cache.dtype == torch.uint8 else kv_cache
-    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * mla_splits(b), h, b)
+    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * mla_splits(b, h), h, b)
     fn(mqa_q, cache, block_table, seq_lens, kv_scale.reshape(1), kv_b_weight, gate, out, p_acc, p_ml, latent, barrier)
     return out
 
 
 TEMPLATE = Template("mla_attend", ("k3f::mla_attend",), _mla_attend_spec, _mla_attend_runtime, _mla_attend_launch,
-                    doc="MLA decode split over the context + grid barrier + combine + W_UV + sigmoid gate; "
-                        "requests x splits <= 128 CTAs")
+                    doc="MLA decode split over the context and head groups of 16 + grid barrier + combine + W_UV "
+                        "+ sigmoid gate; requests x head groups x splits <= 128 CTAs")
