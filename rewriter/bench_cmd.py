@@ -123,6 +123,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--variant", type=Path, metavar="DIR",
                    help="kernel sources (codegen/kernels/*.py at their paths below DIR) to time against the tree's "
                         "in the same process: both captured on the same weights, replays alternating, paired")
+    b.add_argument("--hbm-tbps", type=float, metavar="TBPS",
+                   help=f"HBM bandwidth of the floor, TB/s (default: {H200_COPY_TBPS} on an H200, the copy measured "
+                        "there; on any other GPU a copy measured at start)")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--svg", type=Path, metavar="PATH",
                    help="also draw each rewritten row's replay timeline into PATH (rewriter/timeline_svg.py)")
@@ -144,6 +147,8 @@ def _check_args(args: argparse.Namespace) -> None:
         bad.append(f"--layers-per-replay {args.layers_per_replay}")
     if args.reps < 3:
         bad.append(f"--reps {args.reps} (at least 3)")
+    if args.hbm_tbps is not None and not args.hbm_tbps > 0:
+        bad.append(f"--hbm-tbps {args.hbm_tbps} (TB/s, positive)")
     if bad:
         raise ShapeError(f"bad value: {', '.join(bad)}")
     if args.variant is not None:
@@ -154,6 +159,33 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ShapeError(f"--svg {args.svg}: no folder {args.svg.parent} to write it into")
     if not torch.cuda.is_available():
         raise ShapeError("bench needs a CUDA GPU (inspect and compile run without one)")
+
+
+KNOWN_COPY_TBPS = {"H200": H200_COPY_TBPS}  # device-to-device copy bandwidth measured on GPUs named so
+
+
+def floor_bandwidth(device_name: str, requested: float | None, measure: Callable[[], float]) -> tuple[float, str]:
+    """The HBM bandwidth a row's floor is at, and where it comes from: ``--hbm-tbps`` if given;
+    on an H200 its measured copy (every figure in BENCHMARKS.md is at it); on any other GPU a copy
+    measured now, so that an H100 (HBM3, about 0.7x an H200's bandwidth) is not held to an H200's
+    floor."""
+    if requested is not None:
+        return requested, "--hbm-tbps"
+    for name, tbps in KNOWN_COPY_TBPS.items():
+        if name in device_name:
+            return tbps, f"the copy measured on an {name}"
+    return round(measure(), 2), f"a copy measured on this {device_name} at start"
+
+
+def measured_copy_tbps(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth, bytes read plus bytes written over the median of ``reps``
+    copies of ``nbytes`` (past the L2), in TB/s."""
+    src = torch.randint(1, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = sorted(_timed_us(lambda: dst.copy_(src)) for _ in range(reps))
+    del src, dst
+    return 2 * nbytes / (times[len(times) // 2] * 1e-6) / 1e12
 
 
 def _timed_us(run: Callable[[], Any]) -> float:
@@ -415,7 +447,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
                              kv_cache_dtype=args.kv_cache_dtype)
     planned = rewrite(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape))
     floor, ref_floor = planned.served_floor_bytes(), planned.reference_floor_bytes()
-    floor_us, ref_floor_us = hbm_us(floor, H200_COPY_TBPS), hbm_us(ref_floor, H200_COPY_TBPS)
+    floor_us, ref_floor_us = hbm_us(floor, args.floor_tbps), hbm_us(ref_floor, args.floor_tbps)
     copies = copies_for(floor, args.copies)
     rounds = rounds_for(copies, args.layers_per_replay)
     layers = copies * rounds  # per timed replay
@@ -540,11 +572,12 @@ def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: 
     return row
 
 
-def render(rows: list[Row], device: str, experts: str, layer: str = "") -> str:
+def render(rows: list[Row], device: str, experts: str, layer: str = "", floor_at: str = "") -> str:
+    """The run's table; ``floor_at``: the bandwidth the floors are at and its source."""
     lines = [f"{device}; {layer}{experts} routed experts; one rank of each TP shape, collectives excluded; weights "
              "rotated past the L2",
              "floor: the layer as served (each weight once per rank under the rules' sharding); ref floor: the "
-             "reference layer (replicated weights whole)",
+             f"reference layer (replicated weights whole){'; floors at ' + floor_at if floor_at else ''}",
              f"{'TP':>3} {'batch':>5}  {'path':<14}{'kernels':>8}{'us/layer':>10}{'floor us':>10}{'% floor':>9}"
              f"{'ref floor':>10}  note"]
     for r in rows:
@@ -582,6 +615,9 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = KimiK3Config.load(args.model)
     device = f"{torch.cuda.get_device_name()} ({arch})"
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    args.floor_tbps, floor_source = floor_bandwidth(torch.cuda.get_device_name(), args.hbm_tbps, measured_copy_tbps)
+    floor_at = f"{args.floor_tbps} TB/s ({floor_source})"
+    log(f"floors at {floor_at}")
     rows: list[Row] = []
     with torch.no_grad(), collectives_excluded():
         for tp in args.tp:
@@ -591,6 +627,7 @@ def run_bench(args: argparse.Namespace) -> int:
     run = {"device": device, "model": args.model, "layer": args.layer, "q": args.q, "experts": args.experts,
            "variant": None if args.variant is None else str(args.variant),
            "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
+           "floor_tbps": args.floor_tbps, "floor_source": floor_source,
            "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}
     if args.svg is not None:
         write_svg(run, args.svg, log)
@@ -601,5 +638,5 @@ def run_bench(args: argparse.Namespace) -> int:
         mla = f", context {args.context}, {args.kv_cache_dtype} latent cache" if cfg.attention_kind(args.layer) == "mla" \
             else ""
         verify = f"verify steps of {args.q} tokens per request; " if args.q > 1 else ""
-        print(render(rows, device, args.experts, f"layer {args.layer} ({kind}{mla}); {verify}"))
+        print(render(rows, device, args.experts, f"layer {args.layer} ({kind}{mla}); {verify}", floor_at))
     return 0

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import on_gpu
 
-from rewriter.bench_cmd import L2_BYTES, Row, copies_for, render, repeated, rounds_for
+from rewriter.bench_cmd import L2_BYTES, Row, copies_for, floor_bandwidth, render, repeated, rounds_for
 from rewriter.cli import main
 
 
@@ -30,12 +31,37 @@ def test_table_gives_the_share_of_the_floor():
     assert "collectives excluded" in text and " 65%" in text and "not run" in text and "mxfp4 routed experts" in text
 
 
+def _no_measuring() -> float:
+    raise AssertionError("measured a copy where the bandwidth was known")
+
+
+def test_floors_are_at_the_bandwidth_of_the_gpu_that_runs():
+    """An H200 keeps the copy measured there (every BENCHMARKS.md figure); another GPU measures its
+    own at start, so an H100 is not held to an H200's floor; ``--hbm-tbps`` wins over both."""
+    assert floor_bandwidth("NVIDIA H200", None, _no_measuring) == (4.27, "the copy measured on an H200")
+    tbps, source = floor_bandwidth("NVIDIA H100 80GB HBM3", None, lambda: 2.9134)
+    assert tbps == 2.91 and "measured on this NVIDIA H100 80GB HBM3 at start" in source
+    assert floor_bandwidth("NVIDIA H100 80GB HBM3", 3.35, _no_measuring) == (3.35, "--hbm-tbps")
+    assert floor_bandwidth("NVIDIA H200", 5.0, _no_measuring) == (5.0, "--hbm-tbps")
+    text = render([Row(8, 1, "rewritten", 7, 100.0, 65.0)], "H100", "mxfp4", floor_at="2.91 TB/s (a copy)")
+    assert "floors at 2.91 TB/s (a copy)" in text
+
+
+@on_gpu
+def test_a_measured_copy_is_a_plausible_hbm_bandwidth():
+    """The copy moves 2 GiB (read and written) past the L2: between 1 and 10 TB/s on any HBM GPU."""
+    from rewriter.bench_cmd import measured_copy_tbps
+
+    assert 1.0 < measured_copy_tbps() < 10.0
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--tp", "0"], "--tp 0"),
     (["--batch", "0", "--reps", "2"], "--batch 0, --reps 2"),
     (["--q", "9"], "--q 9 (1..8)"),
     (["--layers-per-replay", "0"], "--layers-per-replay 0"),
     (["--q", "4", "--batch", "1", "32"], "--batch 32 x --q 4 = 128 tokens (at most 64)"),
+    (["--hbm-tbps", "0"], "--hbm-tbps 0.0 (TB/s, positive)"),
 ])
 def test_bad_arguments_name_the_problem(capsys, argv, message):
     assert main(["bench", *argv]) == 2
