@@ -245,33 +245,39 @@ def profile_kernels(run: Callable[[], Any]) -> list[tuple[str, float]]:
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         run()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-              and not e.name.startswith(("Memcpy", "Memset"))]
-    events.sort(key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.elapsed_us()) for e in events]
+    return [(e.name, e.time_range.elapsed_us()) for e in split_events(prof.events())[0]]
+
+
+def split_events(events: list) -> tuple[list, list]:
+    """A profile's GPU events in start order, split into kernels and memory operations (memcpy,
+    memset: graph nodes that are not kernels, which break a PDL chain)."""
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    memory = [e for e in gpu if e.name.startswith(("Memcpy", "Memset"))]
+    return [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))], memory
 
 
 def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
-                    ) -> list[tuple[str, float, float, float]] | None:
+                    ) -> tuple[list[tuple[str, float, float, float]] | None, list[tuple[str, float]]]:
     """The kernels of one layer (``middle_layer``'s) in one profiled graph replay: (name, start us
     from the layer's first kernel, duration us, us by which its end moved the layer's last end
     so far). The last column sums to the layer's span under replay, so it says which kernels
     the layer waits on (a kernel that ends inside an earlier one adds 0); None where the
-    profiler does not see kernels inside a graph replay."""
+    profiler does not see kernels inside a graph replay. Second: the replay's memory
+    operations (name, us), which the layers' spans do not show."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         replay()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                     and not e.name.startswith(("Memcpy", "Memset"))), key=lambda e: e.time_range.start)
+    events, memory = split_events(prof.events())
+    memory_ops = [(e.name, e.time_range.elapsed_us()) for e in memory]
     layer = middle_layer(events, per_layer, layers)
     if layer is None:
-        return None
+        return None, memory_ops
     spans = [(e.time_range.start, e.time_range.end) for e in layer]
     return [(e.name, start - spans[0][0], end - start, added)
-            for e, (start, end), added in zip(layer, spans, span_additions(spans))]
+            for e, (start, end), added in zip(layer, spans, span_additions(spans))], memory_ops
 
 
 def middle_layer(events: list, per_layer: int, layers: int) -> list | None:
@@ -409,13 +415,16 @@ class _Captured:
         profiled replay; printed as progress."""
         kernels = len(self.launched)
         labels = label_kernels(self.launched, specs)
-        timeline = replay_timeline(self.graph.replay, kernels, layers)
+        timeline, memory_ops = replay_timeline(self.graph.replay, kernels, layers)
         if timeline is not None:
             names = [label for label, _ in label_kernels([(n, d) for n, _, d, _ in timeline], specs)]
             timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for label, (_, t, d, a) in zip(names, timeline)]
         others = [short_name(n) for n, _ in self.launched if "codegenkernels" not in n]
         notes = [note] if note else []
         notes += [f"reference ran for: {', '.join(self.fallbacks)}"] if self.fallbacks else []
+        if memory_ops:  # not kernels: a memcpy or memset node breaks the PDL chain around it
+            notes.append(f"{len(memory_ops) / layers:g} memcpy/memset a layer in the replay "
+                         f"({sum(u for _, u in memory_ops) / layers:.1f} us a layer)")
         stand_ins = len(others) if tp > 1 and not self.fallbacks else 0  # the router's all-gather, repeated
         if stand_ins:
             kernels -= stand_ins
@@ -431,6 +440,8 @@ class _Captured:
                  if timeline else "  (the profiler saw no kernels inside the graph replay)")
         for label, t, d, a in timeline or ():
             progress(f"    {t:7.1f} {d:7.1f} {a:7.1f}  {label}")
+        if timeline:
+            progress(f"    between layers: {us - sum(a for *_, a in timeline):.1f} us (the figure less the span)")
         return row
 
 

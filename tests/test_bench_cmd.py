@@ -139,3 +139,20 @@ def test_the_timeline_is_the_middle_layers():
     assert middle_layer(events, 3, 8) == ["layer4.k0", "layer4.k1", "layer4.k2"]
     assert middle_layer(events[:3], 3, 1) == events[:3]
     assert middle_layer(events[:-1], 3, 8) is None
+
+
+def test_memory_operations_are_kept_apart_from_kernels():
+    """A profile's memcpy and memset (graph nodes that are not kernels) are not counted as kernels
+    nor dropped: the bench names them in its row. CPU events are left out; both lists in start order."""
+    from types import SimpleNamespace
+
+    from rewriter.bench_cmd import split_events
+
+    def event(name, start, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=start + 1))
+
+    events = [event("kernel_b", 3.0), event("Memcpy DtoD (Device -> Device)", 2.0), event("kernel_a", 1.0),
+              event("Memset (Device)", 4.0), event("aten::mm", 0.5, torch.autograd.DeviceType.CPU)]
+    kernels, memory = split_events(events)
+    assert [e.name for e in kernels] == ["kernel_a", "kernel_b"]
+    assert [e.name for e in memory] == ["Memcpy DtoD (Device -> Device)", "Memset (Device)"]
