@@ -3,8 +3,11 @@ with the schedule's events between streams.
 
 A ``LayerRunner`` interprets the rewritten fx graph node by node (each fused op is one
 kernel launch once its CUDA kernel is registered; views cost nothing). Nodes of an aux
-kernel run on a side stream; before a kernel starts, its stream waits on the events the
-schedule recorded after the kernels it depends on, and values made on one stream and
+kernel run on a side stream (made only for a schedule that has one; it forks from the
+caller's stream and the caller's joins it only where the schedule's events do not already
+order them, since each fork and join adds graph edges between layers); before a kernel starts,
+its stream waits on the events the schedule recorded after the kernels it depends on, and
+values made on one stream and
 used on another are marked for the caching allocator. Nothing here synchronizes with the
 host, so a step can be captured in a CUDA graph once every op in it is a device kernel.
 On a CPU there are no streams and the graph simply runs in order.
@@ -33,10 +36,18 @@ class LayerRunner(fx.Interpreter):
             self.waits[e.before].append(e.record_after)
         self.recorded = {e.record_after for e in schedule.events}
         self.last_node = {k.name: k.nodes[-1] for k in schedule.kernels}
-        cuda = self.device.type == "cuda"
+        aux = [k.name for k in schedule.kernels if k.stream == "aux"]
+        waited_by_main = {src for k, srcs in self.waits.items() if self.stream_name[k] == "main" for src in srcs}
+        # the aux stream forks from the caller's stream at the start unless its first kernel waits on a main
+        # kernel of the layer (which comes after the caller's work), and the caller's stream joins it at the end
+        # unless a main kernel already waits on its last kernel: edges that say nothing new are not added
+        self.fork = bool(aux) and not self.waits.get(aux[0])
+        self.join = bool(aux) and aux[-1] not in waited_by_main
         self.streams: dict[str, Any] = {}
-        if cuda:
-            self.streams = {"main": None, "aux": torch.cuda.Stream(device=self.device)}
+        if self.device.type == "cuda":  # a side stream only where the schedule puts a kernel on it
+            self.streams = {"main": None}
+            if aux:
+                self.streams["aux"] = torch.cuda.Stream(device=self.device)
         self._events: dict[str, torch.cuda.Event] = {}
         self._started: set[str] = set()
         self._made_on: dict[str, str] = {}
@@ -51,12 +62,14 @@ class LayerRunner(fx.Interpreter):
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         self._events, self._started, self._made_on = {}, set(), {}
+        aux = self.streams.get("aux")
         if self.streams:
             self.streams["main"] = torch.cuda.current_stream(self.device)
-            self.streams["aux"].wait_stream(self.streams["main"])  # inputs were made on the caller's stream
+        if aux is not None and self.fork:
+            aux.wait_stream(self.streams["main"])  # inputs were made on the caller's stream
         out = super().run(*args, **kwargs)
-        if self.streams:  # the caller's stream sees everything the aux stream did
-            self.streams["main"].wait_stream(self.streams["aux"])
+        if aux is not None and self.join:  # the caller's stream sees everything the aux stream did
+            self.streams["main"].wait_stream(aux)
         return out
 
     def run_node(self, n: fx.Node) -> Any:
