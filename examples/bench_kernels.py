@@ -6,6 +6,7 @@ again, so every launch streams its weight from HBM. Prints the median per launch
 torch's own ``linear`` (cuBLAS) on the same data.
 
     python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res, kda_core)
+    python examples/bench_kernels.py --only dense_tiling   # the dense MLP's GEMM at other tilings than the chosen
 
 The dense MLP, output projection, latent tail and router sections time the GEMV and the GEMM at the same batches
 (each forced outside its range for the sweep only), to place the batch where the templates
@@ -14,6 +15,8 @@ hand over from the GEMVs to the GEMM.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -22,6 +25,7 @@ import patterns.layer
 import patterns.moe
 import patterns.output_projection  # noqa: F401  (with the three above: defines the k3f ops)
 from codegen.bind import device_arch, load_kernels
+from codegen.compiler import CodegenError
 
 D = 7168
 SPLITS = {"kda_tp16": [2304, 768, 128, 6, 10], "kda_tp8": [4608, 1536, 128, 12, 4]}
@@ -133,6 +137,70 @@ def bench_dense(tp: int) -> None:
             row.append(f"{us:.1f} us ({nbytes / us / 1e3:.0f} GB/s)")
         print(f"| {t} | {row[0]} | {row[1]} |")
     dense_mlp.DENSE_GEMM_TOKENS = (2, 64)
+
+
+# (gate/up, down) tilings tried beside the chosen one, one stage at a time: ring depth, K split, rows a CTA
+DENSE_TILINGS = {16: ([{"stages": 12}, {"split_k": 8}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 8}],
+                      [{"stages": 12}, {"stages": 6}, {"rows_per_cta": 32}, {"rows_per_cta": 128}]),
+                 8: ([{"stages": 12}, {"split_k": 4}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 4}],
+                     [{"stages": 12}, {"stages": 6}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 1}])}
+
+
+@contextmanager
+def forced_tiling(gate_up: dict, down: dict) -> Iterator[None]:
+    """The skinny GEMM's tiling with some choices forced (the gated stage's by ``gate_up``, the
+    others' by ``down``), for the sweep only; a changed tile or split without ``stages`` gets
+    the ring that fits two CTAs an SM."""
+    from codegen.launchers import gemm_specs
+
+    chosen = gemm_specs.gemm_tiling
+
+    def tiling(tokens, k, rows_out, arch, glu=False, weights=()):
+        forced = gate_up if glu else down
+        out = {**chosen(tokens, k, rows_out, arch, glu=glu, weights=weights), **forced}
+        if forced and "stages" not in forced:
+            stage = (out["rows_per_cta"] + out["token_tile"]) * gemm_specs.GEMM_TILE_K * 2
+            out["stages"] = max(2, min(6, gemm_specs.GEMM_SMEM_BUDGET // stage,
+                                       k // gemm_specs.GEMM_TILE_K // out["split_k"]))
+        return out
+
+    gemm_specs.gemm_tiling = tiling
+    try:
+        yield
+    finally:
+        gemm_specs.gemm_tiling = chosen
+
+
+def bench_dense_tiling(tp: int) -> None:
+    """Layer 0's dense MLP on the GEMM (``dense_mlp_gemm``) at 2, 8 and 16 tokens: the chosen
+    tiling, then each stage at another (the other stage as chosen); both stages per call."""
+    from rewriter.config import KimiK3Config
+
+    cfg = KimiK3Config.preset("kimi-k3")
+    inter = cfg.shard(tp).dense_intermediate
+    act = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    nbytes = 3 * inter * D * 2
+    ws = [((torch.randn(2 * inter, D, device="cuda") * 0.02).bfloat16(),
+           (torch.randn(D, inter, device="cuda") * 0.02).bfloat16()) for _ in range(max(2, int(200e6 // nbytes) + 1))]
+    ups, downs = DENSE_TILINGS[tp]
+    cases = [({}, {})] + [(u, {}) for u in ups] + [({}, d) for d in downs]
+    print(f"dense_mlp_gemm TP {tp} (I = {inter}, {nbytes / 1e6:.1f} MB): us per call, both stages\n"
+          "| tokens | gate/up tiling | down tiling | us |\n|---|---|---|---|")
+    for t in (2, 8, 16):
+        x = torch.randn(t, D, device="cuda").bfloat16()
+        y = torch.empty(t, D, device="cuda", dtype=torch.bfloat16)
+        for gate_up, down in cases:
+            try:
+                with forced_tiling(gate_up, down):
+                    tpl, specs, fns = kernel("k3f::dense_mlp", (x, *ws[0], *act, "tp", 1), "dense_mlp_gemm")
+            except CodegenError as e:  # a tiling the kernel refuses: said, and the sweep goes on
+                print(f"| {t} | {gate_up or 'chosen'} | {down or 'chosen'} | refused: {e} |")
+                continue
+            us = graph_us(lambda: [tpl.launch(fns, specs, (x, g, d, *act, "tp", 1), out=y) for g, d in ws]) / len(ws)
+            tiles = [f"{p['rows_per_cta']} rows x {p['split_k']}, {p['stages']} stages"
+                     for p in (specs[0].param_dict, specs[1].param_dict)]
+            star = " (chosen)" if not gate_up and not down else ""
+            print(f"| {t} | {tiles[0]} | {tiles[1]} | {us:.2f}{star} |")
 
 
 def sweep(title: str, module, knob: str, op: str, make_args, call, nbytes: int, copies_of) -> None:
@@ -264,8 +332,8 @@ def bench_kda_core(tp: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("in_proj", "attn_res", "dense", "o_proj", "latent_tail", "router", "kda_core")
-    parser.add_argument("--only", nargs="+", choices=parts, default=parts)
+    parts = ("in_proj", "attn_res", "dense", "dense_tiling", "o_proj", "latent_tail", "router", "kda_core")
+    parser.add_argument("--only", nargs="+", choices=parts, default=[p for p in parts if p != "dense_tiling"])
     only = parser.parse_args().only
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
     if "in_proj" in only:
@@ -281,6 +349,9 @@ def main() -> None:
     if "dense" in only:
         for tp in (16, 8):
             bench_dense(tp)
+    if "dense_tiling" in only:
+        for tp in (16, 8):
+            bench_dense_tiling(tp)
     if "o_proj" in only:
         for tp in (16, 8):
             bench_o_proj(tp)

@@ -301,3 +301,32 @@ def test_ops_dispatch_to_the_gemm_and_capture_in_a_cuda_graph(shape, tokens):
     assert all(torch.isfinite(y).all() for y in ys)
     assert rel_err(torch.cat(ys, dim=1), ref) <= TOL
     assert bind.stats()[op]["kernel"] == before + 2
+
+
+def test_the_dense_tiling_sweep_forces_one_stage_and_restores_the_rule():
+    """``examples/bench_kernels.py --only dense_tiling``: inside ``forced_tiling`` the dense MLP's
+    specs take the forced choices (gate/up and down apart; a changed split without stages gets
+    the two-CTA ring), and the rule is back after it."""
+    import importlib.util
+    from pathlib import Path
+
+    from codegen.launchers import gemm_specs
+    from codegen.launchers.experts import one_expert_gemm_specs
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x, up, down = (torch.empty(*shape, dtype=torch.bfloat16) for shape in ((8, D), (2 * 2112, D), (D, 2112)))
+    args = (x, up, down, 4.0, 25.0, "tp", 1)
+
+    def params():
+        return [s.param_dict for s in one_expert_gemm_specs("k3f::dense_mlp", "sm_90a", args, (2, 64))]
+
+    chosen = params()
+    rule = gemm_specs.gemm_tiling
+    with bench.forced_tiling({"split_k": 8}, {"stages": 5}):
+        forced = params()
+    assert gemm_specs.gemm_tiling is rule and params() == chosen
+    assert forced[0]["split_k"] == 8 and forced[0]["stages"] == 6 and forced[1]["stages"] == 5
+    assert {k: v for k, v in forced[1].items() if k != "stages"} == {k: v for k, v in chosen[1].items() if k != "stages"}
