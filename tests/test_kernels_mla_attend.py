@@ -109,9 +109,28 @@ def test_the_launchers_grid_is_the_kernels():
         g = mla_head_groups(h)
         assert g == kernel.head_groups(h) and h % g == 0 and h // g <= MLA_GROUP_HEADS
         for batch in (1, 3, 8, 64):
-            if batch * g <= 128:  # else the template refuses (below)
-                assert mla_splits(batch, h) == kernel.splits_for(batch, g) and batch * g * mla_splits(batch, h) <= 128
+            for cap in (128, 114, 78):  # the grid's cap: 128, or the SMs of an H100 PCIe, an H20
+                if batch * g <= cap:  # else the template refuses (below)
+                    splits = mla_splits(batch, h, cap)
+                    assert splits == kernel.splits_for(batch, g, cap) and batch * g * splits <= cap
     assert [mla_head_groups(h) for h in (6, 12, 16, 24, 32, 96)] == [1, 1, 1, 2, 2, 6]
+
+
+def test_a_gpu_with_fewer_sms_than_the_grid_gets_fewer_splits(monkeypatch):
+    """On a GPU of fewer than 128 SMs (an H20's 78) the spec caps the grid at its SMs (a
+    ``max_ctas`` parameter, so another kernel), and refuses what that cap cannot hold, naming it;
+    at 128 the spec is the one it was (no parameter: the same cache entries)."""
+    import codegen.launchers.mla_attend as launcher
+
+    served = attend_spec("sm_90a", attend_args(8, 6))
+    assert "max_ctas" not in served.param_dict
+    monkeypatch.setattr(launcher, "grid_cap", lambda t: 78)
+    spec = attend_spec("sm_90a", attend_args(8, 6))
+    assert spec.param_dict["max_ctas"] == 78 and spec != served
+    assert launcher.mla_splits(8, 6, 78) == 9  # 72 CTAs of the 78
+    tpl, why = spec_for_call(OP, "sm_90a", attend_args(64, 24))  # 64 tokens x 2 head groups
+    assert tpl is None and "more CTAs than the 78 this GPU's SMs hold" in why, why
+    assert attend_spec("sm_90a", attend_args(39, 24)).param_dict["max_ctas"] == 78  # 78 CTAs: one split each
 
 
 # ---------------------------------------------------------------- compile checks (CuTe DSL, no GPU)
@@ -159,6 +178,21 @@ def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
     assert ptx[:wait].count("ld.global.b32") == 1 + 2 * lookups
     if arch == "sm_90a" and batch == 1:
         assert pdl_flags(spec) == [1]
+
+
+@needs_cutedsl
+def test_a_capped_grid_compiles_without_spills(monkeypatch, kcache):
+    """The kernel for a 78-SM GPU (9 splits a request at 8 tokens) builds, its scratch sized by the cap."""
+    import codegen.launchers.mla_attend as launcher
+    from codegen.compiler import compile_kernel
+    from codegen.kernels.mla_attend import build
+
+    monkeypatch.setattr(launcher, "grid_cap", lambda t: 78)
+    spec = attend_spec("sm_90a", attend_args(8, 6))
+    kernel, _ = build(spec)
+    assert (kernel.splits, kernel.pairs, kernel.ctas) == (9, 72, 72)
+    registers, spilled = ptxas_usage(compile_kernel(spec, cache=kcache).ptx, "sm_90a")
+    assert spilled == 0 and registers <= 255
 
 
 @needs_cutedsl
@@ -262,6 +296,21 @@ def test_mla_attend_block_sizes(block_size, fp8):
     one-lookup case at offset 0."""
     batch, seq = CASES["b8"]
     cpu = attend_inputs(batch, 6, seq, fp8=fp8, block_size=block_size, seed=block_size)
+    check_attend(cpu, cuda(cpu), seq, 1)
+
+
+@on_gpu
+@pytest.mark.parametrize("case", ["b1-4096", "b8", "b64"])
+def test_mla_attend_on_a_grid_capped_below_the_sms(case, monkeypatch):
+    """The kernel a 78-SM GPU (an H20) gets: fewer splits per request (78 at one token, 9 at 8, 1
+    at 64), run here on more SMs than it takes, against the reference."""
+    import codegen.launchers.mla_attend as launcher
+
+    monkeypatch.setattr(launcher, "grid_cap", lambda t: 78)
+    batch, seq = CASES[case]
+    cpu = attend_inputs(batch, 6, seq, seed=78 + batch)
+    tpl, specs, _ = gpu_kernels(OP, cuda(cpu))
+    assert specs[0].param_dict["max_ctas"] == 78
     check_attend(cpu, cuda(cpu), seq, 1)
 
 

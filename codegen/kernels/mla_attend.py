@@ -16,7 +16,8 @@ row (its own insert the last), so each token is a row of its own below, "request
 Work split: a grid of ``B x G x S`` CTAs (G head groups of at most 16 heads, the MMA's rows:
 one up to 16 heads a rank, 2 for Kimi K3's 24 or 32 at TP 4 or 3, 6 for its 96 at TP 1; S
 context splits per request and group, ``B x G x S <= 128`` so that the whole grid is resident
-at once on any Hopper or Blackwell part: the launcher checks the SM count), 256 threads, three
+at once on any Hopper or Blackwell part, or at most the SMs of a GPU with fewer: ``max_ctas``,
+which the launcher sets from the SM count), 256 threads, three
 phases separated by two grid-wide barriers:
 1. split ``s`` of request ``b`` and head group ``g`` walks its share of the context in tiles of
    64 entries (the groups of a split read the same entries, together, so the L2 serves all but
@@ -95,17 +96,19 @@ def head_groups(heads: int) -> int:
     return next(g for g in range(-(-heads // MAX_HEADS), heads + 1) if heads % g == 0)
 
 
-def splits_for(batch: int, groups: int = 1) -> int:
-    """Context splits per request and head group: the grid fills up to ``MAX_CTAS``."""
-    return max(1, MAX_CTAS // (batch * groups))
+def splits_for(batch: int, groups: int = 1, max_ctas: int = MAX_CTAS) -> int:
+    """Context splits per request and head group: the grid fills up to ``max_ctas`` (``MAX_CTAS``,
+    or the SMs of a GPU with fewer)."""
+    return max(1, max_ctas // (batch * groups))
 
 
 class MlaAttend:
     """Compile-time configuration: requests B (= tokens), heads H, the cache dtype (bf16 or
-    fp8), the softmax scale, the gate's row stride."""
+    fp8), the softmax scale, the gate's row stride, and the grid's cap (``MAX_CTAS``, or the SMs
+    of a GPU with fewer: every CTA must be resident for the grid barriers)."""
 
     def __init__(self, batch: int, heads: int, cache: str, scale: float, gate_stride: int, q_len: int = 1,
-                 block_size: int = 64):
+                 block_size: int = 64, max_ctas: int = MAX_CTAS):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch {batch} outside 1..{MAX_BATCH}")
         if q_len < 1 or batch % q_len:
@@ -118,7 +121,10 @@ class MlaAttend:
         self.batch, self.heads, self.cache = batch, heads, cache
         self.groups = head_groups(heads)
         self.group_heads = heads // self.groups  # at most MAX_HEADS: the MMA's rows
-        self.splits = splits_for(batch, self.groups)
+        if not 1 <= max_ctas <= MAX_CTAS or batch * self.groups > max_ctas:
+            raise ValueError(f"grid cap {max_ctas}: at most {MAX_CTAS}, and at least {batch} tokens x "
+                             f"{self.groups} head groups")
+        self.splits = splits_for(batch, self.groups, max_ctas)
         self.pairs = batch * self.splits  # (request, split): the rows of the partials' scratch
         self.ctas = self.pairs * self.groups
         self.scale = float(scale)
@@ -574,7 +580,7 @@ def build(spec) -> tuple[MlaAttend, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     s, d, p = spec.shape_dict, spec.dtype_dict, spec.param_dict
     b, h, q, block_size = s["batch"], s["heads"], s.get("q_len", 1), s["block_size"]
-    kernel = MlaAttend(b, h, d["cache"], p["scale"], p["gate_stride"], q, block_size)
+    kernel = MlaAttend(b, h, d["cache"], p["scale"], p["gate_stride"], q, block_size, p.get("max_ctas", MAX_CTAS))
     blocks, max_blocks = cute.sym_int32(), cute.sym_int32()
     block_stride = cute.sym_int64(divisibility=16)
 

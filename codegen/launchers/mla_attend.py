@@ -1,7 +1,8 @@
 """``mla_attend``: MLA decode over vLLM's paged latent cache (bf16, or fp8 E4M3 with its
 per-tensor scale) + W_UV + sigmoid output gate (``k3f::mla_attend``); one kernel whose context
 splits (and head groups of at most 16, the MMA's rows) meet at a grid-wide barrier, so the whole
-grid must be resident at once."""
+grid must be resident at once: at most 128 CTAs, or the SMs of a GPU with fewer (H100 PCIe 114,
+H20 78), whose kernels take fewer splits."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,9 +28,19 @@ def mla_head_groups(heads: int) -> int:
     return next(g for g in range(-(-heads // MLA_GROUP_HEADS), heads + 1) if heads % g == 0)
 
 
-def mla_splits(batch: int, heads: int) -> int:
+def mla_splits(batch: int, heads: int, cap: int = MLA_MAX_CTAS) -> int:
     """Context splits per request and head group (codegen/kernels/mla_attend.py:splits_for)."""
-    return max(1, MLA_MAX_CTAS // (batch * mla_head_groups(heads)))
+    return max(1, cap // (batch * mla_head_groups(heads)))
+
+
+def grid_cap(t: torch.Tensor) -> int:
+    """The most CTAs the grid may take on ``t``'s GPU: ``MLA_MAX_CTAS``, or its SM count where that
+    is smaller; ``MLA_MAX_CTAS`` off a GPU (planning on a CPU)."""
+    return min(MLA_MAX_CTAS, sm_count(t.device.index)) if t.is_cuda else MLA_MAX_CTAS
+
+
+def _cap_of(spec: KernelSpec) -> int:
+    return spec.param_dict.get("max_ctas", MLA_MAX_CTAS)
 
 
 def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
@@ -56,10 +67,10 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
         return f"{q} tokens per request outside 1..{MLA_MAX_Q}"
     if not 1 <= t <= MLA_MAX_BATCH:
         return f"{t} tokens outside 1..{MLA_MAX_BATCH}"
-    groups = mla_head_groups(h)
-    if t * groups > MLA_MAX_CTAS:
-        return (f"{t} tokens x {groups} head groups of {h // groups} heads: more CTAs than the {MLA_MAX_CTAS} a "
-                "grid-wide barrier holds")
+    groups, cap = mla_head_groups(h), grid_cap(mqa_q)
+    if t * groups > cap:
+        held = "a grid-wide barrier holds" if cap == MLA_MAX_CTAS else "this GPU's SMs hold"
+        return f"{t} tokens x {groups} head groups of {h // groups} heads: more CTAs than the {cap} {held}"
     reason = (shape_is("mqa_q", mqa_q, (t, h, e)) or shape_is("kv_b_weight", kv_b_weight, (h * 256, MLA_LATENT))
               or shape_is("gate", gate, (t, h * MLA_V_DIM)))
     if reason:
@@ -86,16 +97,13 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
     return (KernelSpec.make("mla_attend", op, arch, shapes={"batch": t, "heads": h, "block_size": kv_cache.shape[1],
                                                                **({"q_len": q} if q > 1 else {})},
                             dtypes={"q": "bf16", "cache": "fp8_e4m3" if fp8 else "bf16", "weight": "bf16"},
-                            params={"scale": float(scale), "gate_stride": gate.stride(0)}),)
+                            params={"scale": float(scale), "gate_stride": gate.stride(0),
+                                    **({"max_ctas": cap} if cap < MLA_MAX_CTAS else {})}),)
 
 
 def _mla_attend_runtime(args: Sequence[Any]) -> str | None:
+    """The spec sized the grid by this GPU's SMs (``grid_cap``); what is left to check is alignment."""
     mqa_q, kv_cache, *_ = args
-    t, h = mqa_q.shape[0], mqa_q.shape[1]
-    ctas = t * mla_head_groups(h) * mla_splits(t, h)
-    if mqa_q.is_cuda and sm_count(mqa_q.device.index) < ctas:
-        return (f"{ctas} CTAs meet at a grid-wide barrier and need as many SMs; this GPU has "
-                f"{sm_count(mqa_q.device.index)}")
     return aligned({"mqa_q": mqa_q, "kv_cache": kv_cache, "kv_b_weight": args[5]})
 
 
@@ -121,7 +129,7 @@ def _mla_attend_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], 
     b, h = spec.shape_dict["batch"], spec.shape_dict["heads"]
     out = out if out is not None else gate.new_empty(b, h * MLA_V_DIM)
     cache = kv_cache.view(torch.float8_e4m3fn) if kv_cache.dtype == torch.uint8 else kv_cache
-    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * mla_splits(b, h), h, b)
+    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * mla_splits(b, h, _cap_of(spec)), h, b)
     fn(mqa_q, cache, block_table, seq_lens, kv_scale.reshape(1), kv_b_weight, gate, out, p_acc, p_ml, latent, barrier)
     return out
 
