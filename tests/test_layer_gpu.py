@@ -18,6 +18,12 @@ inputs are redrawn); the KDA states, which come before the router, are compared 
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -37,6 +43,34 @@ pytestmark = GPU_MARKS
 
 MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
+LARGE_REFERENCE = 4 << 30  # bytes of dequantized expert rows above which a test runs alone on the GPU
+
+
+def reference_expert_bytes(tp: int, tokens: int, layer_idx: int) -> int:
+    """What the reference MoE holds at once: each (token, slot) pair's expert rows (gate, up and
+    down, fp32), gathered per pair (``rewriter/layers/moe.py:expert_rows``)."""
+    if layer_idx == 0:
+        return 0
+    cfg = KimiK3Config.preset("kimi-k3")
+    inter = cfg.moe_intermediate_size // tp
+    return tokens * cfg.num_experts_per_token * 3 * inter * cfg.routed_expert_hidden_size * 4
+
+
+@contextlib.contextmanager
+def alone_if_large(nbytes: int) -> Iterator[None]:
+    """Tests whose reference holds more than ``LARGE_REFERENCE`` take turns across the pytest-xdist
+    workers of one machine (a file lock), and give their cached blocks back before the next one
+    runs: an H100's 80 GB held two such references at once, not three."""
+    if nbytes < LARGE_REFERENCE:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / "k3-large-gpu-reference.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def _layer(tp: int, experts: str, index: int = 1):
@@ -97,6 +131,14 @@ def test_rewritten_verify_layer_matches_the_reference(layer_idx, tp, batch, q, c
 
 
 def check_layer(layer_idx, tp, batch, experts, cache, q=1):
+    import gc
+
+    with alone_if_large(reference_expert_bytes(tp, batch * q, layer_idx)):
+        _check_layer(layer_idx, tp, batch, experts, cache, q)
+        gc.collect()  # the layer and its tensors, before the lock lets the next large test in
+
+
+def _check_layer(layer_idx, tp, batch, experts, cache, q):
     from codegen import bind
 
     layer = _layer(tp, experts or "bf16", layer_idx)
