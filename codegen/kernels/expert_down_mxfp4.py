@@ -40,8 +40,8 @@ from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import push_buffers, push_init, push_ready, push_received, push_send, push_total
 from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS, copy_from,
-                                   issue_weights, load_b, load_scales, mma_mxfp4, scale_pairs, staged_words, tile_mma,
-                                   warp_registers, weight_staging)
+                                   issue_weights, issue_x_pairs, load_b, load_scales, mma_mxfp4, scale_pairs,
+                                   staged_words, tile_mma, warp_registers, weight_staging)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -289,7 +289,7 @@ class ExpertDownMxfp4ByExpert:
                         wts[h] = Float32(mWeights[pairs[h] // self.top_k, pairs[h] % self.top_k])
                 xAddr = mA.iterator.toint() + Int64(mine) * (self.inter_live * 2) + Int64(q * 4)
                 for s in cutlass.range_constexpr(S - 1):  # group s = stage s (groups complete in order)
-                    self.issue_x(xAddr, sRing, s % G, s, lane, warp)
+                    issue_x_pairs(xAddr, sRing, F - 1, s % G, s, lane, warp)
                     cute.arch.cp_async_commit_group()
                 acc.fill(0.0)
                 read = Int32(0)
@@ -298,7 +298,7 @@ class ExpertDownMxfp4ByExpert:
                     nxt = st + (S - 1)
                     if nxt < n:
                         self.issue_weights(wAddr, sAddr, sRing, nxt // G, nxt % G, write, lane, warp)
-                        self.issue_x(xAddr, sRing, nxt % G, write, lane, warp)
+                        issue_x_pairs(xAddr, sRing, F - 1, nxt % G, write, lane, warp)
                     cute.arch.cp_async_commit_group()  # empty at the end: keeps group st = stage st
                     cute.arch.cp_async_wait_group(S - 1)
                     self.group_mma(sRing, read, lane, warp, acc)
@@ -317,16 +317,6 @@ class ExpertDownMxfp4ByExpert:
         for blk in range(2):
             copy_from(w + blk * self.w_block_bytes, 4, sRing[None, blk, lane, warp, stage])
         copy_from(sAddr + Int64(grp * self.rows + t * 64), 2, cute.local_tile(sRing[None, 2, lane, warp, stage], (2,), (0,)))
-
-    def issue_x(self, xAddr, sRing, grp, stage, lane, warp):
-        """The lane's B pairs of its column's activation (int32 words ``kb * 8 + q`` and ``+ 4``,
-        ``xAddr`` at word q of the pair's row) for the two K blocks of scale group ``grp``, into
-        ``stage`` (trace-time helper)."""
-        x = xAddr + Int64(grp * 64)
-        for blk in range(2):
-            for hi in range(2):
-                copy_from(x + (blk * 32 + hi * 16), 1,
-                          cute.local_tile(sRing[None, 3, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
     @cute.jit
     def group_mma(self, sRing: cute.Tensor, stage, lane, warp, acc: cute.Tensor):

@@ -39,8 +39,8 @@ from cutlass.memory import SmemAllocator
 from codegen.kernels.common import (gated_act, push_buffers, push_init, push_ready, push_received, push_send,
                                     push_total)
 from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM, copy_from,
-                                   issue_weights, load_scales, mma_mxfp4, scale_pairs, staged_words, tile_mma,
-                                   warp_registers, weight_staging)
+                                   issue_weights, issue_x_pairs, load_scales, mma_mxfp4, scale_pairs, staged_words,
+                                   tile_mma, warp_registers, weight_staging)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -301,7 +301,7 @@ class ExpertUpMxfp4ByExpert:
                 token = pair // self.top_k
                 xAddr = mX.iterator.toint() + Int64(token) * (self.latent * 2) + Int64(g0 * 64 + q * 4)
                 for s in cutlass.range_constexpr(S - 1):  # group s = stage s (groups complete in order)
-                    self.issue_x(xAddr, sRing, s, s, lane, warp)
+                    issue_x_pairs(xAddr, sRing, F - 1, s, s, lane, warp)
                     cute.arch.cp_async_commit_group()
                 acc.fill(0.0)
                 read = Int32(0)  # stage holding group g
@@ -309,7 +309,7 @@ class ExpertUpMxfp4ByExpert:
                 for g in cutlass.range(G, unroll=1):
                     if g + (S - 1) < G:
                         self.issue_weights(wAddr, sAddr, sRing, g + (S - 1), write, lane, warp)
-                        self.issue_x(xAddr, sRing, g + (S - 1), write, lane, warp)
+                        issue_x_pairs(xAddr, sRing, F - 1, g + (S - 1), write, lane, warp)
                     cute.arch.cp_async_commit_group()  # empty at the end: keeps group g = stage g
                     cute.arch.cp_async_wait_group(S - 1)
                     self.group_mma(sRing, read, lane, warp, acc)
@@ -329,16 +329,6 @@ class ExpertUpMxfp4ByExpert:
                 copy_from(w + (h * self.up_tile0 * 512 + blk * self.w_block_bytes), 4,
                           sRing[None, h * 2 + blk, lane, warp, stage])
             copy_from(sc + h * self.up_tile0 * 64, 2, cute.local_tile(sRing[None, 4, lane, warp, stage], (2,), (h,)))
-
-    def issue_x(self, xAddr, sRing, g, stage, lane, warp):
-        """The lane's B pairs of x (int32 words ``kb * 8 + q`` and ``+ 4`` of its token's row,
-        ``xAddr`` at the warp's first group) for the two K blocks of its ``g``-th scale group, into
-        ``stage`` (trace-time helper)."""
-        x = xAddr + Int64(g * 64)
-        for blk in range(2):
-            for hi in range(2):
-                copy_from(x + (blk * 32 + hi * 16), 1,
-                          cute.local_tile(sRing[None, 5, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
     @cute.jit
     def group_mma(self, sRing: cute.Tensor, stage, lane, warp, acc: cute.Tensor):

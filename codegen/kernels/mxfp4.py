@@ -15,7 +15,7 @@ native dequant on sm_100: ``p = i4 * 4 + i5 * 2 + i6``, the pair in one byte).
 """
 from __future__ import annotations
 
-from cutlass import Float32, Int32, cute
+from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -163,6 +163,18 @@ def copy_from(addr, words: int, dst: cute.Tensor):
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), Int32, num_bits_per_copy=32 * words)
     src = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4 * words)
     cute.copy(atom, cute.make_tensor(src, cute.make_layout((words,))), dst)
+
+
+def issue_x_pairs(x_addr, ring: cute.Tensor, field: int, group, stage, lane, warp):
+    """``cp.async`` of a lane's B pairs of the activation (int32 words ``kb * 8 + q`` and ``+ 4`` of
+    its row; ``x_addr`` at word q of the row's first scale group) for the two K blocks of scale
+    group ``group``, into field ``field`` of the lane's ``stage`` of the per-expert stages' ring
+    (trace-time helper)."""
+    x = x_addr + Int64(group * 64)
+    for blk in range(2):
+        for hi in range(2):
+            copy_from(x + (blk * 32 + hi * 16), 1,
+                      cute.local_tile(ring[None, field, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
 
 def staged_words(rW, sW, lane, warp):
