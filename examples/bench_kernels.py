@@ -159,9 +159,7 @@ def forced_tiling(gate_up: dict, down: dict) -> Iterator[None]:
         forced = gate_up if glu else down
         out = {**chosen(tokens, k, rows_out, arch, glu=glu, weights=weights), **forced}
         if forced and "stages" not in forced:
-            stage = (out["rows_per_cta"] + out["token_tile"]) * gemm_specs.GEMM_TILE_K * 2
-            out["stages"] = max(2, min(6, gemm_specs.GEMM_SMEM_BUDGET // stage,
-                                       k // gemm_specs.GEMM_TILE_K // out["split_k"]))
+            out["stages"] = gemm_specs.two_cta_stages(out["rows_per_cta"], out["token_tile"], k, out["split_k"])
         return out
 
     gemm_specs.gemm_tiling = tiling

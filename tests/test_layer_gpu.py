@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,8 +132,6 @@ def test_rewritten_verify_layer_matches_the_reference(layer_idx, tp, batch, q, c
 
 
 def check_layer(layer_idx, tp, batch, experts, cache, q=1):
-    import gc
-
     with alone_if_large(reference_expert_bytes(tp, batch * q, layer_idx)):
         _check_layer(layer_idx, tp, batch, experts, cache, q)
         gc.collect()  # the layer and its tensors, before the lock lets the next large test in

@@ -18,6 +18,16 @@ MAX_SEGMENTS = 4
 GEMM_MAX_TOKENS = 64  # codegen/kernels/gemm.py: the token tile's largest size
 
 
+def stage_bytes(rows_per_cta: int, token_tile: int) -> int:
+    """Shared memory of one pipeline stage: a K tile of the CTA's weight rows and of x."""
+    return (rows_per_cta + token_tile) * GEMM_TILE_K * 2
+
+
+def two_cta_stages(rows_per_cta: int, token_tile: int, k: int, split: int) -> int:
+    """The ring that fits two CTAs an SM: at most 6 stages, and no more than the CTA's K tiles."""
+    return max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes(rows_per_cta, token_tile), k // GEMM_TILE_K // split))
+
+
 def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False,
                 weights: Sequence[int] = ()) -> dict[str, Any]:
     """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
@@ -60,11 +70,10 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     ctas, rows_per_cta, split = best
     if rows_per_cta > GEMM_ROWS_PER_CTA // 4 and ctas > sms:
         groups = 1  # 8 warps of ~160 registers hold one CTA an SM: a second wave (the input projection)
-    stage_bytes = (rows_per_cta + token_tile) * GEMM_TILE_K * 2
     if ctas <= WHOLE_K_MAX_SHARE * sms:
-        stages = max(2, min(k_tiles // split, GEMM_SMEM_ONE_CTA // stage_bytes))
+        stages = max(2, min(k_tiles // split, GEMM_SMEM_ONE_CTA // stage_bytes(rows_per_cta, token_tile)))
     else:
-        stages = max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes, k_tiles // split))
+        stages = two_cta_stages(rows_per_cta, token_tile, k, split)
     return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_groups": groups,
             "token_tile": token_tile}
 

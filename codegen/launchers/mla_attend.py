@@ -39,9 +39,6 @@ def grid_cap(t: torch.Tensor) -> int:
     return min(MLA_MAX_CTAS, sm_count(t.device.index)) if t.is_cuda else MLA_MAX_CTAS
 
 
-def _cap_of(spec: KernelSpec) -> int:
-    return spec.param_dict.get("max_ctas", MLA_MAX_CTAS)
-
 
 def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     if len(args) != 12:
@@ -129,7 +126,8 @@ def _mla_attend_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], 
     b, h = spec.shape_dict["batch"], spec.shape_dict["heads"]
     out = out if out is not None else gate.new_empty(b, h * MLA_V_DIM)
     cache = kv_cache.view(torch.float8_e4m3fn) if kv_cache.dtype == torch.uint8 else kv_cache
-    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * mla_splits(b, h, _cap_of(spec)), h, b)
+    splits = mla_splits(b, h, spec.param_dict.get("max_ctas", MLA_MAX_CTAS))
+    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * splits, h, b)
     fn(mqa_q, cache, block_table, seq_lens, kv_scale.reshape(1), kv_b_weight, gate, out, p_acc, p_ml, latent, barrier)
     return out
 
