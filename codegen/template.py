@@ -11,8 +11,10 @@ to its module), imported only to compile. Each template lives in ``codegen/launc
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,29 @@ Specs = tuple[KernelSpec, ...]
 def sm_count(device_index: int) -> int:
     """SMs of a GPU, asked once: launchers that size their grid by it run on every served call."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_planned_sms: ContextVar[int | None] = ContextVar("planned_sms", default=None)
+
+
+@contextlib.contextmanager
+def planned_for_sms(sms: int | None) -> Iterator[None]:
+    """Specs made inside are for a GPU of ``sms`` SMs where their tensors are not on a GPU (a
+    plan on meta tensors): a server plans for its own GPU before it has run anything, and
+    ``compile --sms`` for a GPU it is not on. None: a GPU with as many SMs as any grid asks."""
+    if sms is not None and sms < 1:
+        raise ValueError(f"a GPU of {sms} SMs")
+    token = _planned_sms.set(sms)
+    try:
+        yield
+    finally:
+        _planned_sms.reset(token)
+
+
+def target_sms(t: torch.Tensor) -> int | None:
+    """SMs of the GPU a kernel for ``t`` is specified for: ``t``'s own GPU, else the count being
+    planned for (``planned_for_sms``), else None (no limit but the kernel's own)."""
+    return sm_count(t.device.index) if t.is_cuda else _planned_sms.get()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -103,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--no-rules", action="store_true", help="skip the built-in rules (show the stock layer)")
     ins.add_argument("--all-layers", action="store_true",
                      help="one row per layer of the model: kind, rewritten or why not, kernels (--layer ignored)")
+    ins.add_argument("--sms", type=int, metavar="N",
+                     help="with --all-layers: plan the kernels for a GPU of N SMs (an H20: 78), as compile --sms")
     add_compile_parser(sub)
     add_bench_parser(sub)
     add_decode_parser(sub)
@@ -123,15 +125,17 @@ def run_inspect_all(args: argparse.Namespace) -> int:
     single = [f"--{n}" for n in ("dot", "png", "graph", "nodes") if getattr(args, n)]
     if single:
         raise ShapeError(f"--all-layers prints one row per layer; {', '.join(single)} take one --layer")
+    if args.sms is not None and args.sms < 1:
+        raise ShapeError(f"--sms must be >= 1, got {args.sms}")
     cfg = KimiK3Config.load(args.model)
     rows = []
     for layers in layer_structures(cfg, args.tp, args.rank, args.experts).values():
         row = layer_row(rewritten_layer(argparse.Namespace(**{**vars(args), "layer": layers[0]}),
-                                        RuleSet() if args.no_rules else None), args.arch)
+                                        RuleSet() if args.no_rules else None), args.arch, args.sms)
         rows += [{**row, "layer": i} for i in layers]
     rows.sort(key=lambda r: r["layer"])
     report = build_model_report(rows, model=args.model, tp=args.tp, rank=args.rank, batch=args.batch, q=args.q,
-                                arch=args.arch, experts=args.experts)
+                                arch=args.arch, sms=args.sms, experts=args.experts)
     print(json.dumps(report, indent=1) if args.json else render_model_table(report))
     return 0
 
@@ -141,6 +145,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     if args.all_layers:
         return run_inspect_all(args)
+    if args.sms is not None:
+        raise ShapeError("--sms goes with --all-layers (one layer's table plans no kernels; compile --sms does)")
     if args.hbm_tbps <= 0:
         raise ShapeError(f"--hbm-tbps must be positive, got {args.hbm_tbps}")
     if args.png and shutil.which("dot") is None:

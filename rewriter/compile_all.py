@@ -24,7 +24,7 @@ from typing import Any
 
 
 def _plan_one(model: str, layer_idx: int, shape_kwargs: dict, experts: str, arch: str,
-              cache_dir: str | None) -> dict[str, Any]:
+              cache_dir: str | None, sms: int | None) -> dict[str, Any]:
     """(worker) The specs of one layer structure at one batch, or why it cannot be served; its
     rewritten graphs go to the program cache (``rewriter.program_cache``) a server start reads."""
     from rewriter.config import KimiK3Config
@@ -36,7 +36,7 @@ def _plan_one(model: str, layer_idx: int, shape_kwargs: dict, experts: str, arch
     cfg = KimiK3Config.load(model)
     shape = DecodeShape(**shape_kwargs)
     layer = build_layer(cfg, layer_idx, tp=shape.tp, rank=shape.rank, dtype=shape.dtype, experts=experts)
-    rows = plan(rewrite_cached(layer, shape, ProgramCache(cache_dir)), arch)
+    rows = plan(rewrite_cached(layer, shape, ProgramCache(cache_dir)), arch, sms=sms)
     return {"layer": layer_idx, "batch": shape.batch, "refusal": program_refusal(rows),
             "specs": [spec for row in rows for spec in row.get("specs", ())]}
 
@@ -90,13 +90,14 @@ def run_compile_all(args: argparse.Namespace) -> int:
             "kv_cache_dtype": args.kv_cache_dtype}
     work = [(layers[0], b) for layers in structures.values() for b in batches]
     say(f"{args.model}: {cfg.num_hidden_layers} layers, {len(structures)} structures x {len(batches)} batches "
-        f"{list(batches)} = {len(work)} plans, TP {args.tp} rank {args.rank}, {args.arch}, {jobs} processes")
+        f"{list(batches)} = {len(work)} plans, TP {args.tp} rank {args.rank}, {args.arch}"
+        f"{f' ({args.sms} SMs)' if args.sms else ''}, {jobs} processes")
     t0 = time.perf_counter()
     plans: dict[tuple[int, int], dict] = {}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
         cache_dir = str(args.cache_dir) if args.cache_dir else None
-        futures = [pool.submit(_plan_one, args.model, i, {**base, "batch": b}, args.experts, args.arch, cache_dir)
-                   for i, b in work]
+        futures = [pool.submit(_plan_one, args.model, i, {**base, "batch": b}, args.experts, args.arch, cache_dir,
+                               args.sms) for i, b in work]
         for n, f in enumerate(as_completed(futures), 1):
             p = f.result()
             plans[(p["layer"], p["batch"])] = p
@@ -124,7 +125,8 @@ def run_compile_all(args: argparse.Namespace) -> int:
     compile_s = time.perf_counter() - t1
     failed = [r for r in results if r["status"] == "failed"]
     misses = sum(r.get("cache") == "miss" for r in results)
-    summary = {"model": args.model, "tp": args.tp, "rank": args.rank, "arch": args.arch, "batches": list(batches),
+    summary = {"model": args.model, "tp": args.tp, "rank": args.rank, "arch": args.arch, "sms": args.sms,
+               "batches": list(batches),
                "structures": len(structures), "plans": len(work), "kernels": len(specs),
                "compiled": len(results) - len(failed), "cache_misses": misses, "failed": len(failed),
                "plan_seconds": round(plan_s, 1), "compile_seconds": round(compile_s, 1),

@@ -41,6 +41,10 @@ def add_compile_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--batches", type=int, nargs="+", metavar="N",
                    help="with --all-layers: the batch sizes (default the server's: 1..8, 16, 32, 64)")
     c.add_argument("--jobs", type=int, help="with --all-layers: worker processes (default: the CPUs, at most 16)")
+    c.add_argument("--sms", type=int, metavar="N",
+                   help="the kernels for a GPU of N SMs: a grid that must be resident at once is capped by them "
+                        "(default: 128 or more, as on an H100 SXM, H200 or B200; an H100 PCIe has 114, an H20 78). "
+                        "A server plans for its own GPU's")
     return c
 
 
@@ -67,6 +71,8 @@ def run_compile(args: argparse.Namespace) -> int:
     from codegen.compiler import CodegenError, available, compile_kernel
     from rewriter.cli import rewritten_layer
 
+    if args.sms is not None and args.sms < 1:
+        raise ShapeError(f"--sms must be >= 1, got {args.sms}")
     if args.all_layers:
         from rewriter.compile_all import run_compile_all
 
@@ -87,12 +93,12 @@ def run_compile(args: argparse.Namespace) -> int:
                              "or CUDA on PATH)")
     result = rewritten_layer(args)
     shape = result.before.shape
-    rows = plan(result, args.arch)
+    rows = plan(result, args.arch, sms=args.sms)
     pending = [r for r in rows if r["status"] == "pending"]
     out = sys.stdout
     head = (f"{args.model} layer {args.layer} ({result.before.kind}), TP {args.tp} "
             f"rank {args.rank}, batch {args.batch} x q {args.q} = {shape.tokens} tokens, {args.dtype}, "
-            f"{args.arch}: {len(rows)} scheduled ops, {len(pending)} with a CuTe DSL template "
+            f"{args.arch}{f' ({args.sms} SMs)' if args.sms else ''}: {len(rows)} scheduled ops, {len(pending)} with a CuTe DSL template "
             f"({sum(len(r['specs']) for r in pending)} kernels)")
     reason = None if args.dry_run or not pending else available()
     if reason:

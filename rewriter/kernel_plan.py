@@ -30,9 +30,17 @@ def _op_call(lg, node_names: list[str]) -> tuple[str, tuple[Any, ...]] | None:
     return None
 
 
-def plan(result, arch: str, schedule=None) -> list[dict[str, Any]]:
+def plan(result, arch: str, schedule=None, sms: int | None = None) -> list[dict[str, Any]]:
     """One row per scheduled kernel (of ``schedule``, built here when not given): its status
-    before compiling and, for a template, its spec."""
+    before compiling and, for a template, its spec, for a GPU of ``sms`` SMs (a grid that must
+    be resident at once is capped by them; None: one with as many as any grid asks)."""
+    from codegen.template import planned_for_sms
+
+    with planned_for_sms(sms):
+        return _plan_rows(result, arch, schedule)
+
+
+def _plan_rows(result, arch: str, schedule) -> list[dict[str, Any]]:
     from codegen.templates import template
     from rewriter.schedule import build_schedule
 

@@ -204,13 +204,14 @@ def to_dot(lg: LayerGraph, title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def layer_row(result: RewriteResult, arch: str) -> dict[str, Any]:
+def layer_row(result: RewriteResult, arch: str, sms: int | None = None) -> dict[str, Any]:
     """One layer's line of the whole-model report: whether the server would run it as a program
-    (every scheduled kernel a CuTe DSL template's, ``rewriter.kernel_plan``) and why not."""
+    (every scheduled kernel a CuTe DSL template's, ``rewriter.kernel_plan``, on a GPU of ``sms``
+    SMs) and why not."""
     from rewriter.kernel_plan import plan, program_refusal
 
     before, after = result.before, result.after
-    reason = program_refusal(plan(result, arch))
+    reason = program_refusal(plan(result, arch, sms=sms))
     rewritten = sum(k.launches for k in build_schedule(after).kernels)
     default = len(build_schedule(before).kernels)
     return {"layer": before.layer, "layer_kind": before.kind, "rewritten": reason is None,
@@ -227,7 +228,8 @@ def build_model_report(rows: list[dict[str, Any]], **header: Any) -> dict[str, A
 
 def render_model_table(r: dict[str, Any]) -> str:
     n = len(r["layers"])
-    lines = [f"{r['model']}, TP {r['tp']} rank {r['rank']}, batch {r['batch']} x q {r['q']}, {r['arch']}, "
+    sms = f" ({r['sms']} SMs)" if r.get("sms") else ""
+    lines = [f"{r['model']}, TP {r['tp']} rank {r['rank']}, batch {r['batch']} x q {r['q']}, {r['arch']}{sms}, "
              f"{r['experts']} routed experts: {r['rewritten_layers']} of {n} layers rewritten",
              f"kernels per step: {r['total_default_kernels']} stock -> {r['total_served_kernels']} served "
              "(rewritten layers' kernels, the others' stock ones)", "",

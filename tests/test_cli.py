@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -167,6 +168,17 @@ def test_inspect_all_layers_reports_every_layer(capsys, k3):
     assert "    4  kda   no             20       12  refused by the attn_in_proj_gemv template: K 64" in table
     assert main(["inspect", "--all-layers", "--dot", "x.dot"]) == 2
     assert "--all-layers prints one row per layer; --dot take one --layer" in capsys.readouterr().err
+
+
+def test_inspect_all_layers_for_a_gpu_of_fewer_sms(capsys):
+    """``--sms 78``: which layers a server on an H20 runs as programs. At TP 4 and 64 tokens the
+    MLA layers' 2 head groups need 128 CTAs resident at once, more than its SMs."""
+    table = _inspect(capsys, "--model", "kimi-k3", "--all-layers", "--tp", "4", "--batch", "64", "--arch", "sm_90a",
+                     "--sms", "78")
+    assert "sm_90a (78 SMs)" in table and "69 of 93 layers rewritten" in table
+    assert re.search(r"\n\s+3  mla   no .*more CTAs than the 78 SMs of the GPU hold", table)
+    assert main(["inspect", "--tp", "4", "--sms", "78"]) == 2
+    assert "--sms goes with --all-layers" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tp,batch,rewritten", [(4, 64, 93), (1, 1, 93), (1, 64, 69), (2, 64, 69), (3, 8, 93),

@@ -523,6 +523,26 @@ def test_compile_all_layers_for_verify_steps_plans_the_served_request_counts(cap
     assert report["batches"] == [1, 2, 4, 8, 16] and report["plans"] == 6 * 5
 
 
+def test_compile_for_a_gpu_of_fewer_sms_plans_its_mla_grid(capsys, tmp_path):
+    """``--sms 78`` (an H20): an MLA layer's ``mla_attend`` is planned on a grid of at most 78 CTAs,
+    the kernel that GPU's server launches, for one layer and for ``--all-layers`` (which names the
+    layers that GPU cannot serve: at TP 4, 64 tokens x 2 head groups); a bad count is refused."""
+    args = ["compile", "--layer", "3", "--tp", "16", "--batch", "8", "--arch", "sm_90a", "--dry-run"]
+    assert main([*args, "--sms", "78"]) == 0
+    out = capsys.readouterr().out
+    assert "sm_90a (78 SMs)" in out and re.search(r"would compile mla_attend [^\n]*max_ctas=78", out)
+    assert main(args) == 0
+    assert "max_ctas" not in capsys.readouterr().out
+    assert main(["compile", "--all-layers", "--tp", "4", "--batches", "8", "64", "--arch", "sm_90a", "--sms", "78",
+                 "--jobs", "2", "--cache-dir", str(tmp_path), "--json", "--dry-run"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sms"] == 78 and report["layers_served"] == 69  # the 24 MLA layers cannot take 64 tokens
+    assert "more CTAs than the 78 SMs of the GPU hold" in report["refusals"]["layer 3 batch 64"]
+    assert "layer 3 batch 8" not in report["refusals"]
+    assert main([*args, "--sms", "0"]) == 2
+    assert "--sms must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_compile_batches_and_jobs_need_all_layers(capsys):
     assert main(["compile", "--model", "tiny", "--layer", "1", "--jobs", "2", "--dry-run"]) == 2
     assert "--batches and --jobs go with --all-layers" in capsys.readouterr().err

@@ -129,7 +129,7 @@ def test_a_gpu_with_fewer_sms_than_the_grid_gets_fewer_splits(monkeypatch):
     assert spec.param_dict["max_ctas"] == 78 and spec != served
     assert launcher.mla_splits(8, 6, 78) == 9  # 72 CTAs of the 78
     tpl, why = spec_for_call(OP, "sm_90a", attend_args(64, 24))  # 64 tokens x 2 head groups
-    assert tpl is None and "more CTAs than the 78 this GPU's SMs hold" in why, why
+    assert tpl is None and "more CTAs than the 78 SMs of the GPU hold" in why, why
     assert attend_spec("sm_90a", attend_args(39, 24)).param_dict["max_ctas"] == 78  # 78 CTAs: one split each
 
 

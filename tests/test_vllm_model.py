@@ -892,12 +892,65 @@ def test_speculative_decoding_is_served_at_q_4_and_a_conv_rows_count_the_program
 
 
 # ---- the kernels asked about vLLM's state layout, before any step ------------------------------
+def test_the_server_plans_for_its_own_gpus_sms_and_vllms_cache_page_size():
+    """``mla_attend``'s grid must be resident at once, so it is capped at the GPU's SMs, and it is
+    specialized to the cache's page size, which vLLM fixes only after the model (and the
+    programs) are built: a hybrid MLA model's pages are a multiple of 128 tokens, here 128, not
+    the 64 traced. So the server plans for its own GPU (78 SMs, an H20) and, once vLLM binds its
+    caches, compiles the kernels that page size needs before any step, on the same cap. Without
+    a compile step such layers keep the stock forward, named; on fewer SMs than a step's CTAs
+    the MLA layers keep it from the build: never a kernel compiled or declined inside a step."""
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
+
+    from rewriter.kernel_plan import program_refusal
+    from rewriter.vllm.programs import check_cache_layouts
+
+    model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
+    layers, cfg = decoder_layers(model), text_config(vc)
+    mla = [layer.layer_idx for layer in layers if cfg.layer_kind(layer.layer_idx) == "mla"]
+    assert mla
+
+    def refuse_as_the_server_does(result, rows):  # compile_with_codegen's check, without compiling
+        reason = program_refusal(rows)
+        if reason:
+            raise ProgramError(reason)
+
+    def programs(sms):
+        return build_programs(layers, cfg, tp=1, rank=0, arch=ARCH, batches=(B,),
+                              compile_fn=refuse_as_the_server_does, progress=_quiet, sms=sms)
+
+    def attend(built):
+        return {(spec.shape_dict["block_size"], spec.param_dict.get("max_ctas")) for i in mla
+                for spec in built.get(i, B).kernel_specs if spec.kernel == "mla_attend"}
+
+    h20, any_gpu, too_few = programs(78), programs(None), programs(B - 1)
+    assert not h20.fallbacks and not any_gpu.fallbacks
+    assert attend(h20) == {(64, 78)} and attend(any_gpu) == {(64, None)}  # None: the 128-CTA kernel, as always
+    assert set(too_few.fallbacks) == set(mla)
+    for i in mla:
+        assert f"more CTAs than the {B - 1} SMs of the GPU hold" in too_few.fallbacks[i], too_few.fallbacks[i]
+
+    bind_caches(model, vc)
+    page = cache_tensors(layers[mla[0]])["kv_cache"].shape[1]
+    assert page == 128
+    compiled = []
+    check_cache_layouts(h20, layers, ARCH, sms=78, compile_specs=compiled.extend)
+    assert not h20.fallbacks and attend(h20) == {(64, 78), (page, 78)}
+    assert {s.kernel for s in compiled} == {"mla_attend"} and len(compiled) == 1, [s.label() for s in compiled]
+    check_cache_layouts(any_gpu, layers, ARCH, sms=78)  # no compile step
+    assert set(any_gpu.fallbacks) == set(mla)
+    for i in mla:
+        assert "needs kernels not built for the traced layout: mla_attend" in any_gpu.fallbacks[i]
+        assert f"block_size={page}" in any_gpu.fallbacks[i] and "max_ctas=78" in any_gpu.fallbacks[i]
+
+
 def test_vllms_state_layout_is_taken_and_one_the_kernels_cannot_read_is_refused_when_bound():
     """At the smallest sizes the KDA+MoE templates take, vLLM's real model with bf16 experts: once
     vLLM's CPU runner binds its caches (page-strided slots, the conv state "SD", its default) the
-    KDA programs built for that layout keep their kernels; programs built for "DS" are refused
-    (their kernels would compile inside a step), and so is a state no kernel reads (a strided
-    channel), each naming why: never the reference in a served step."""
+    KDA programs built for that layout keep their kernels; programs built for "DS" get theirs for
+    "SD" compiled then, before any step (or, with no compile step or a failed compile, are refused:
+    their kernels would compile inside a step), and a state no kernel reads (a strided channel) is
+    refused, each naming why: never the reference in a served step."""
     from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     from rewriter.vllm.programs import check_cache_layouts
@@ -924,6 +977,22 @@ def test_vllms_state_layout_is_taken_and_one_the_kernels_cannot_read_is_refused_
         assert reason.startswith("the state as vLLM lays it out: it needs kernels not built for the traced layout: "
                                  "kda_core"), reason
         assert "conv_layout=SD" in reason and ds.get(layer.layer_idx, B) is None
+    compiled = []
+    ds = programs("DS")
+    check_cache_layouts(ds, layers, ARCH, compile_specs=compiled.extend)
+    assert all(ds.get(layer.layer_idx, B) is not None for layer in kda), ds.fallbacks
+    kda_kernels = [s for s in compiled if s.kernel == "kda_core"]
+    assert kda_kernels and all(s.param_dict["conv_layout"] == "SD" for s in kda_kernels), [s.label() for s in compiled]
+    assert all(set(kda_kernels) <= ds.get(layer.layer_idx, B).kernel_specs for layer in kda)
+
+    def failing(specs):
+        raise ProgramError("kernel compile failed: forced for the test")
+
+    ds = programs("DS")
+    check_cache_layouts(ds, layers, ARCH, compile_specs=failing)
+    for layer in kda:
+        assert ds.fallbacks[layer.layer_idx] == ("the state as vLLM lays it out: its kernels for this layout: kernel "
+                                                 "compile failed: forced for the test")
 
     raw, recurrent = kda[0].self_attn.kv_cache[:2]
     wide = torch.empty(raw.shape[0], raw.shape[1], 2 * raw.shape[2], dtype=raw.dtype)

@@ -55,11 +55,12 @@ TINY_VLLM_CONFIG: dict[str, Any] = {
     "kv_lora_rank": 512, "qk_rope_head_dim": 64,
 }
 # The same, at the smallest sizes every KDA+MoE kernel template takes (hidden 512, two KDA heads of
-# 128, latent 256, expert intermediate 128): for checks of what the kernels accept on vLLM's tensors.
+# 128, latent 256, expert intermediate 128) and the MLA templates' q_lora of 1536: for checks of
+# what the kernels accept on vLLM's tensors.
 KERNEL_SHAPED_VLLM_CONFIG: dict[str, Any] = {
     **TINY_VLLM_CONFIG, "hidden_size": 512, "intermediate_size": 512, "num_attention_heads": 2,
     "linear_attn_config": {**_TINY["linear_attn_config"], "num_heads": 2, "head_dim": 128},
-    "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 256, "routed_expert_hidden_size": 256,
+    "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536, "routed_expert_hidden_size": 256,
     "moe_intermediate_size": 128,
 }
 # What vLLM resolves the released compressed-tensors checkpoint to (KimiK3ForConditionalGeneration

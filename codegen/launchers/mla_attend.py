@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, dtype_name, shape_is, sm_count
+from codegen.template import Template, aligned, dtype_name, shape_is, target_sms
 from rewriter.ops import cache_is_fp8
 
 MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels/mla_attend.py
@@ -34,9 +34,9 @@ def mla_splits(batch: int, heads: int, cap: int = MLA_MAX_CTAS) -> int:
 
 
 def grid_cap(t: torch.Tensor) -> int:
-    """The most CTAs the grid may take on ``t``'s GPU: ``MLA_MAX_CTAS``, or its SM count where that
-    is smaller; ``MLA_MAX_CTAS`` off a GPU (planning on a CPU)."""
-    return min(MLA_MAX_CTAS, sm_count(t.device.index)) if t.is_cuda else MLA_MAX_CTAS
+    """The most CTAs the grid may take on the GPU it is for (``target_sms``: ``t``'s, or the one a
+    plan is for): ``MLA_MAX_CTAS``, or its SM count where that is smaller."""
+    return min(MLA_MAX_CTAS, target_sms(t) or MLA_MAX_CTAS)
 
 
 
@@ -66,7 +66,8 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
         return f"{t} tokens outside 1..{MLA_MAX_BATCH}"
     groups, cap = mla_head_groups(h), grid_cap(mqa_q)
     if t * groups > cap:
-        held = "a grid-wide barrier holds" if cap == MLA_MAX_CTAS else "this GPU's SMs hold"
+        held = ("a grid-wide barrier holds" if cap == MLA_MAX_CTAS
+                else "SMs of the GPU hold (the grid barrier needs every CTA resident)")
         return f"{t} tokens x {groups} head groups of {h // groups} heads: more CTAs than the {cap} {held}"
     reason = (shape_is("mqa_q", mqa_q, (t, h, e)) or shape_is("kv_b_weight", kv_b_weight, (h * 256, MLA_LATENT))
               or shape_is("gate", gate, (t, h * MLA_V_DIM)))

@@ -26,6 +26,7 @@ import torch
 from vllm.models.kimi_k3.nvidia import model as stock
 from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 
+from codegen.template import sm_count
 from codegen.templates import make_workspaces
 from rewriter.config import KimiK3Config
 from rewriter.program_cache import ProgramCache
@@ -33,8 +34,8 @@ from rewriter.vllm.guard import (KV_CACHE_DTYPES, StepDecision, StepLog, arch_of
                                  tokens_per_request)
 from rewriter.vllm.experts import select_moe_backend
 from rewriter.vllm.knob import REWRITER, decode_backend
-from rewriter.vllm.programs import (ProgramSet, build_programs, check_cache_layouts, compile_with_codegen,
-                                    served_batches, use_tp_group)
+from rewriter.vllm.programs import (ProgramSet, build_programs, check_cache_layouts, compile_specs_with_codegen,
+                                    compile_with_codegen, served_batches, use_tp_group)
 from rewriter.vllm.runtime import run_stage
 
 log = logging.getLogger("rewriter.vllm")
@@ -70,19 +71,21 @@ class RewriterDecode:
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         capture = self.vllm_config.compilation_config.cudagraph_capture_sizes or ()
         arch = arch_of(torch.cuda.get_device_capability())
+        sms = sm_count(torch.cuda.current_device())
         q = tokens_per_request(self.vllm_config)  # k + 1 with k speculative tokens: every decode step verifies
         self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
                                        batches=served_batches(capture, q), compile_fn=compile_with_codegen(arch),
                                        group=group.cpu_group, conv_layout=get_conv_state_layout(),
                                        kv_cache_dtype=KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype],
-                                       program_cache=ProgramCache(), q=q)
+                                       program_cache=ProgramCache(), q=q, sms=sms)
         rewritten = len(layers) - len(self.programs.fallbacks)
         log.info("rewriter: %d of %d layers rewritten for batch sizes %s of %d tokens per request; %d keep the "
                  "stock forward", rewritten, len(layers), list(self.programs.batches), q, len(self.programs.fallbacks))
 
     def check_caches(self, model: "RewrittenKimiLinearForCausalLM") -> None:
-        """Once vLLM has bound its caches: drop the programs whose kernels refuse the state as vLLM
-        laid it out (``check_cache_layouts``)."""
+        """Once vLLM has bound its caches: compile the kernels their page size and layout need
+        beyond those built (vLLM fixes the page size after the model loads), and drop the programs
+        whose kernels refuse the state as vLLM laid it out (``check_cache_layouts``)."""
         from vllm.distributed import get_tp_group
 
         if self.programs is None:
@@ -90,7 +93,8 @@ class RewriterDecode:
         backbone = model.model
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         check_cache_layouts(self.programs, layers, arch_of(torch.cuda.get_device_capability()),
-                            group=get_tp_group().cpu_group)
+                            group=get_tp_group().cpu_group, sms=sm_count(torch.cuda.current_device()),
+                            compile_specs=compile_specs_with_codegen())
         # what kernels keep across steps (the MoE router's plan), zeroed now: every served step is captured
         made = make_workspaces({s for p in self.programs.programs.values() for s in p.kernel_specs},
                                torch.cuda.current_device())

@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from codegen.spec import KernelSpec
 from rewriter.config import KimiK3Config
 from rewriter.layers import KimiDecoderLayer, build_layer
 from rewriter.kernel_plan import plan, program_refusal
 from rewriter.layers.experts import ExpertFormat, mxfp4_scale_refusal
+from rewriter.layers.state import conv_layout_of
 from rewriter.program import LayerRunner
 from rewriter.program_cache import ProgramCache, rewrite_cached
 from rewriter.rewrite import RewriteResult, is_fused
@@ -125,31 +127,52 @@ def require_cuda_kernels(result: RewriteResult, rows: list[dict]) -> None:
         raise ProgramError(f"no CUDA kernel registered for {', '.join(missing)}")
 
 
+SpecCompileFn = Callable[[list[KernelSpec]], None]  # compile these kernels (or read the disk cache), or raise
+
+
+def _codegen() -> tuple[Any, Any]:
+    """CuTe DSL's compile entry points, or ``ProgramError`` naming why they are unavailable."""
+    try:
+        from codegen.compiler import CodegenError, available, compile_kernel
+    except ImportError as e:
+        raise ProgramError(f"CuTe DSL kernels unavailable ({e}); pip install 'k3-decode-rewriter[cutedsl]'") from e
+    reason = available()
+    if reason:
+        raise ProgramError(f"CuTe DSL kernels unavailable: {reason}")
+    return compile_kernel, CodegenError
+
+
+def compile_specs_with_codegen(progress: Callable[[str], None] | None = None) -> SpecCompileFn:
+    """Compile kernels (or read them from the disk cache), ``ProgramError`` on the first failure.
+    ``progress`` gets a line per kernel compiled now (a cache miss: seconds each)."""
+    progress = progress or (lambda line: log.info("%s", line))
+
+    def compile_specs(specs: list[KernelSpec]) -> None:
+        compile_kernel, codegen_error = _codegen()
+        for spec in specs:
+            try:
+                compile_kernel(spec, progress=lambda line: progress(f"rewriter: {line}"))
+            except codegen_error as e:
+                raise ProgramError(f"kernel compile failed: {e}") from e
+
+    return compile_specs
+
+
 def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = None) -> CompileFn:
     """The server's compile step: every fused op of the schedule needs a CuTe DSL template that
     takes its shapes; compile those (or read the disk cache) and register them as the ops'
     CUDA kernels. Anything short of that keeps the layer on the stock forward, with why.
     ``progress`` gets a line per kernel compiled now (a cache miss: seconds each)."""
-    progress = progress or (lambda line: log.info("%s", line))
+    compile_specs = compile_specs_with_codegen(progress)
 
     def compile_fn(result: RewriteResult, rows: list[dict]) -> None:
-        try:
-            from codegen.bind import install_cuda_kernels
-            from codegen.compiler import CodegenError, available, compile_kernel
-        except ImportError as e:
-            raise ProgramError(f"CuTe DSL kernels unavailable ({e}); pip install 'k3-decode-rewriter[cutedsl]'") \
-                from e
-        reason = available()
-        if reason:
-            raise ProgramError(f"CuTe DSL kernels unavailable: {reason}")
+        _codegen()
         reason = program_refusal(rows)
         if reason:
             raise ProgramError(reason)
-        for spec in (s for row in rows for s in row.get("specs", ())):
-            try:
-                compile_kernel(spec, progress=lambda line: progress(f"rewriter: {line}"))
-            except CodegenError as e:
-                raise ProgramError(f"kernel compile failed: {e}") from e
+        compile_specs([s for row in rows for s in row.get("specs", ())])
+        from codegen.bind import install_cuda_kernels
+
         install_cuda_kernels(arch, strict=True)  # in a served step a declined call raises, never runs slow
         require_cuda_kernels(result, rows)
 
@@ -169,23 +192,22 @@ class LayerProgram:
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.runner(*inputs)
 
-    def state_refusal(self, states: dict[str, torch.Tensor], arch: str) -> str | None:
-        """Why the kernels cannot take these state tensors (shapes, dtypes, strides as vLLM laid
-        them out), or None: the graph's values re-derived from them (meta tensors, nothing run)
-        and every fused op's template asked again; a template that takes them but would need a
-        kernel other than those compiled at build (another conv layout) refuses too, since it
-        would compile inside a served step."""
+    def kernels_for_state(self, states: dict[str, torch.Tensor], arch: str, sms: int | None = None
+                          ) -> tuple[str | None, list[KernelSpec]]:
+        """Whether the kernels can take these state tensors (shapes, dtypes, strides as vLLM laid
+        them out): the graph's values re-derived from them (meta tensors, nothing run) and every
+        fused op's template asked again, for a GPU of ``sms`` SMs as at build. Returns why not (or
+        None) and the kernels they need that were not built: the graph does not depend on the
+        cache's page size or the conv state's layout, but the kernels are specialized to them, and
+        vLLM fixes its page size only after the programs are built."""
         gm = self.result.after.gm
         propagate_meta(gm, [states.get(n.name, n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"])
-        rows = plan(self.result, arch)
+        rows = plan(self.result, arch, sms=sms)
         reason = program_refusal(rows)
         if reason:
-            return reason
-        other = [spec.label() for row in rows for spec in row.get("specs", ()) if spec not in self.kernel_specs]
-        if other:
-            return (f"it needs kernels not built for the traced layout: {', '.join(other)} (build the programs "
-                    f"for vLLM's layout: DecodeShape.conv_layout)")
-        return None
+            return reason, []
+        return None, list(dict.fromkeys(spec for row in rows for spec in row.get("specs", ())
+                                        if spec not in self.kernel_specs))
 
 
 @dataclass
@@ -217,12 +239,14 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
                    batches: Iterable[int], compile_fn: CompileFn = require_cuda_kernels,
                    group: Any = None, progress: Callable[[str], None] | None = None,
                    conv_layout: str = "SD", kv_cache_dtype: str = "bf16",
-                   program_cache: ProgramCache | None = None, q: int = 1) -> ProgramSet:
+                   program_cache: ProgramCache | None = None, q: int = 1, sms: int | None = None) -> ProgramSet:
     """Programs for every (layer, batch), traced on KDA state in ``conv_layout`` (vLLM's
     ``get_conv_state_layout()``) and an MLA cache of ``kv_cache_dtype`` (bf16 or fp8), for steps
     of ``q`` tokens per request (q > 1: speculative verify, ``DecodeShape.q``); layers that fail
     on any rank fall back on all. ``program_cache``: rewritten graphs read from (and stored to)
-    disk, as a warm server start does; None rewrites every one."""
+    disk, as a warm server start does; None rewrites every one. ``sms``: the serving GPU's SMs,
+    which cap the grids that must be resident at once (None: as many as any grid asks), so the
+    kernels compiled here are the ones its steps launch."""
     batches = tuple(sorted(set(batches)))
     if not 1 <= q <= MAX_Q or any(b * q > MAX_TOKENS for b in batches):
         raise ValueError(f"programs take 1..{MAX_Q} tokens per request and at most {MAX_TOKENS} tokens a step; "
@@ -238,7 +262,7 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
             for b in batches:
                 shape = DecodeShape(batch=b, q=q, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout,
                                     kv_cache_dtype=kv_cache_dtype)
-                result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn, program_cache)
+                result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn, program_cache, sms)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}Q{q}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
                 device = next(ref.parameters()).device
@@ -254,14 +278,14 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
 
 
 def _built(cache: dict, structure: tuple, ref: KimiDecoderLayer, shape: DecodeShape, compile_fn: CompileFn,
-           program_cache: ProgramCache | None) -> tuple[RewriteResult, Schedule, frozenset]:
+           program_cache: ProgramCache | None, sms: int | None) -> tuple[RewriteResult, Schedule, frozenset]:
     """Trace, rewrite, schedule and compile once per layer structure and batch; later layers
     of the same structure reuse the graph (re-rooted on their own weights) and its kernels."""
     key = (structure, shape.batch, shape.q)
     if key not in cache:
         result = rewrite_cached(ref, shape, program_cache)
         schedule = build_schedule(result.after)
-        rows = plan(result, shape.arch, schedule)
+        rows = plan(result, shape.arch, schedule, sms)
         try:
             compile_fn(result, rows)
             cache[key] = (result, schedule, frozenset(spec for row in rows for spec in row.get("specs", ())))
@@ -273,13 +297,25 @@ def _built(cache: dict, structure: tuple, ref: KimiDecoderLayer, shape: DecodeSh
     return entry
 
 
-def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch: str, group: Any = None) -> None:
+def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch: str, group: Any = None,
+                        sms: int | None = None, compile_specs: SpecCompileFn | None = None) -> None:
     """Once vLLM has bound its KV cache and KDA state: every program's kernels asked about the
-    state tensors as vLLM laid them out (page-strided slots, its conv layout); a layer whose
-    kernels refuse them keeps the stock forward, with the reason, on every rank. So a state the
-    kernels cannot read is refused here, before any step, never run by the ops' references
-    inside a served step. Each layer structure and layout is checked once."""
-    checked: dict[tuple, str | None] = {}
+    state tensors as vLLM laid them out (page-strided slots, its conv layout, its cache page
+    size); a layer whose kernels refuse them keeps the stock forward, with the reason, on every
+    rank. So a state the kernels cannot read is refused here, before any step, never run by the
+    ops' references inside a served step. Kernels the layout needs beyond those built (vLLM's
+    page size is not known when the programs are built) are compiled here by ``compile_specs``,
+    still before any step; without it such a layer keeps the stock forward too. Each layer
+    structure and layout is checked once. ``sms``: the serving GPU's SMs, as at build."""
+    checked: dict[tuple, tuple[str | None, list[KernelSpec]]] = {}
+    compiled: dict[KernelSpec, None] = {}  # in order, each once however many structures need it
+
+    def compile_new(specs: list[KernelSpec]) -> None:
+        new = [spec for spec in specs if spec not in compiled]
+        if new:
+            compile_specs(new)
+            compiled.update(dict.fromkeys(new))
+
     for i, layer in enumerate(vllm_layers):
         idx = getattr(layer, "layer_idx", i)
         states = cache_tensors(layer)
@@ -294,11 +330,45 @@ def check_cache_layouts(programs: ProgramSet, vllm_layers: list[nn.Module], arch
                 continue
             key = (program.structure, tokens, layout)
             if key not in checked:
-                checked[key] = program.state_refusal(states, arch)
-            if checked[key]:
-                _keep_stock(programs, idx, f"the state as vLLM lays it out: {checked[key]}")
+                checked[key] = _state_kernels(program, states, arch, sms, compile_specs and compile_new)
+            reason, added = checked[key]
+            if reason:
+                _keep_stock(programs, idx, f"the state as vLLM lays it out: {reason}")
                 break
+            program.kernel_specs = program.kernel_specs | frozenset(added)
+    if compiled:
+        log.info("rewriter: %d kernels compiled for the caches as vLLM laid them out, not as traced; "
+                 "`python -m rewriter compile --all-layers %s` fills the kernel cache ahead",
+                 len(compiled), _compile_flags(vllm_layers, sms))
     agree_across_ranks(programs, [getattr(m, "layer_idx", i) for i, m in enumerate(vllm_layers)], group)
+
+
+def _state_kernels(program: LayerProgram, states: dict[str, torch.Tensor], arch: str, sms: int | None,
+                   compile_specs: SpecCompileFn | None) -> tuple[str | None, list[KernelSpec]]:
+    """(why ``program`` cannot serve ``states``, or None; the kernels compiled for them now)."""
+    reason, missing = program.kernels_for_state(states, arch, sms)
+    if reason or not missing:
+        return reason, []
+    if compile_specs is None:
+        return (f"it needs kernels not built for the traced layout: {', '.join(s.label() for s in missing)} "
+                "(build the programs for vLLM's layout: DecodeShape.conv_layout and block_size)"), []
+    try:
+        compile_specs(missing)
+    except ProgramError as e:
+        return f"its kernels for this layout: {e}", []
+    return None, missing
+
+
+def _compile_flags(vllm_layers: list[nn.Module], sms: int | None) -> str:
+    """``compile --all-layers``'s options for the caches as vLLM bound them and this GPU."""
+    def first(name: str) -> torch.Tensor | None:
+        return next((t for t in (cache_tensors(layer).get(name) for layer in vllm_layers) if t is not None), None)
+
+    cache, conv = first("kv_cache"), first("conv_state")
+    flags = [f"--sms {sms}"] if sms else []
+    flags += [f"--block-size {cache.shape[1]}"] if cache is not None else []
+    flags += [f"--conv-layout {conv_layout_of(conv)}"] if conv is not None and conv_layout_of(conv) else []
+    return " ".join(flags)
 
 
 def _keep_stock(programs: ProgramSet, idx: int, reason: str) -> None:
