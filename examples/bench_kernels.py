@@ -5,7 +5,8 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res, kda_core)
+    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res, kda_core,
+                                            # mla_attend)
     python examples/bench_kernels.py --only dense_tiling   # the dense MLP's GEMM at other tilings than the chosen
 
 The dense MLP, output projection, latent tail and router sections time the GEMV and the GEMM at the same batches
@@ -328,9 +329,78 @@ def bench_kda_core(tp: int) -> None:
         print(f"| {requests} | {form} | {serial:.2f} us | {alone:.2f} | {back:.2f} |")
 
 
+@contextmanager
+def forced_grid_cap(cap: int) -> Iterator[None]:
+    """``mla_attend``'s grid capped at ``cap`` CTAs (as on a GPU of ``cap`` SMs), for the sweep only."""
+    from codegen.launchers import mla_attend
+
+    chosen = mla_attend.grid_cap
+    mla_attend.grid_cap = lambda t: cap
+    try:
+        yield
+    finally:
+        mla_attend.grid_cap = chosen
+
+
+def mla_attend_args(heads: int, requests: int, context: int, gen: torch.Generator, block_size: int = 64,
+                    device: str = "cuda") -> tuple:
+    """One rank's ``k3f::mla_attend`` call: ``requests`` requests of ``context`` cached entries (the
+    step's own included) in a bf16 paged cache whose blocks are handed out shuffled."""
+    per = -(-context // block_size)
+    order = torch.randperm(requests * per, generator=gen).int() + 1  # block 0: vLLM's null block
+    tensors = ((torch.randn(requests, heads, 576, generator=gen) * 0.5).bfloat16(),
+               torch.randn(requests * per + 1, block_size, 576, generator=gen).bfloat16(),
+               order.view(requests, per).contiguous(), torch.full((requests,), context, dtype=torch.int32),
+               torch.ones(1), (torch.randn(heads * 256, 512, generator=gen) * 512 ** -0.5).bfloat16(),
+               torch.randn(requests, heads * 128, generator=gen).bfloat16())
+    return (*(t.to(device) for t in tensors), 192 ** -0.5, heads, 128, 128, 512)
+
+
+def bench_mla_attend(tp: int) -> None:
+    """The MLA decode core (``mla_attend``: cache, W_UV, gate) alone at Kimi K3's heads a rank, at
+    grids capped below the chosen 128 CTAs (fewer context splits): where its time goes between
+    the cache's bytes, the splits' combine and the two grid barriers. Per launch: with a one-element
+    torch kernel between launches (no overlap), and back to back (PDL: the next launch's cache loads
+    overlap this one's tail); the caches rotated past the L2."""
+    from rewriter.bench_cmd import measured_copy_tbps
+
+    heads, tbps = 96 // tp, measured_copy_tbps()
+    gen = torch.Generator().manual_seed(tp)
+    print(f"mla_attend TP {tp} ({heads} heads, bf16 cache of 64-entry pages; floor at {tbps:.2f} TB/s)\n"
+          "| requests | context | CTAs | cache MB (floor us) | launch + torch kernel | torch kernel alone | "
+          "back to back |\n|---|---|---|---|---|---|---|")
+    for requests in (1, 8, 64):
+        for context in (512, 4096):
+            first = mla_attend_args(heads, requests, context, gen)
+            nbytes = first[1].numel() * 2
+            copies = min(512, max(2, int(200e6 // nbytes) + 1))
+            cases = [first] + [mla_attend_args(heads, requests, context, gen) for _ in range(copies - 1)]
+            outs = [torch.empty_like(a[6]) for a in cases]
+            bump = torch.zeros(1, device="cuda")
+            for cap in (128, 64, 32, 16):
+                if requests > cap:
+                    continue
+                with forced_grid_cap(cap):
+                    tpl, specs, fns = kernel("k3f::mla_attend", first)
+
+                def run(serial: bool) -> None:
+                    for a, o in zip(cases, outs):
+                        tpl.launch(fns, specs, a, out=o)
+                        if serial:
+                            bump.add_(1)
+
+                serial = graph_us(lambda: run(True)) / copies
+                alone = graph_us(lambda: [bump.add_(1) for _ in cases]) / copies
+                back = graph_us(lambda: run(False)) / copies
+                print(f"| {requests} | {context} | {cap} | {nbytes / 1e6:.1f} ({nbytes / tbps / 1e6:.1f}) | "
+                      f"{serial:.2f} us | {alone:.2f} | {back:.2f} |")
+            del cases, outs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("in_proj", "attn_res", "dense", "dense_tiling", "o_proj", "latent_tail", "router", "kda_core")
+    parts = ("in_proj", "attn_res", "dense", "dense_tiling", "o_proj", "latent_tail", "router", "kda_core",
+             "mla_attend")
     parser.add_argument("--only", nargs="+", choices=parts, default=[p for p in parts if p != "dense_tiling"])
     only = parser.parse_args().only
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
@@ -361,6 +431,9 @@ def main() -> None:
     if "kda_core" in only:
         for tp in (16, 8):
             bench_kda_core(tp)
+    if "mla_attend" in only:
+        for tp in (16, 8):
+            bench_mla_attend(tp)
 
 
 if __name__ == "__main__":

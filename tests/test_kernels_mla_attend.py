@@ -133,6 +133,29 @@ def test_a_gpu_with_fewer_sms_than_the_grid_gets_fewer_splits(monkeypatch):
     assert attend_spec("sm_90a", attend_args(39, 24)).param_dict["max_ctas"] == 78  # 78 CTAs: one split each
 
 
+def test_the_kernel_benchmark_times_a_served_call_at_each_grid_cap():
+    """``examples/bench_kernels.py --only mla_attend``: its inputs are a call the template serves and
+    the op's reference takes (finite outputs), and inside ``forced_grid_cap`` the spec takes the
+    cap (fewer context splits), the launcher's rule back after it."""
+    import importlib.util
+    from pathlib import Path
+
+    import codegen.launchers.mla_attend as launcher
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.mla_attend_args(6, 2, 200, torch.Generator().manual_seed(0), device="cpu")
+    rule = launcher.grid_cap
+    assert "max_ctas" not in attend_spec("sm_90a", args).param_dict
+    with bench.forced_grid_cap(32):
+        assert attend_spec("sm_90a", args).param_dict["max_ctas"] == 32
+    assert launcher.grid_cap is rule and "max_ctas" not in attend_spec("sm_90a", args).param_dict
+    out = torch.ops.k3f.mla_attend(*args)
+    assert out.shape == (2, 6 * 128) and torch.isfinite(out).all() and out.abs().max() > 0
+
+
 # ---------------------------------------------------------------- compile checks (CuTe DSL, no GPU)
 
 @needs_cutedsl
@@ -289,11 +312,12 @@ def test_mla_attend(case, shape, fp8):
 
 @on_gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("block_size", [16, 48, 128])
+@pytest.mark.parametrize("block_size", [16, 48, 128, 384, 768])
 def test_mla_attend_block_sizes(block_size, fp8):
     """Blocks smaller than a tile or not a multiple of it (a lookup per row) and larger ones (a
     tile at an offset inside its block, one lookup a tile); the 64 of every other test is the
-    one-lookup case at offset 0."""
+    one-lookup case at offset 0. 384 and 768 are the pages vLLM gives Kimi K3's MLA cache at TP 16
+    (bf16 and fp8): a hybrid model's attention page holds at least a KDA state slot."""
     batch, seq = CASES["b8"]
     cpu = attend_inputs(batch, 6, seq, fp8=fp8, block_size=block_size, seed=block_size)
     check_attend(cpu, cuda(cpu), seq, 1)
