@@ -944,6 +944,60 @@ def test_the_server_plans_for_its_own_gpus_sms_and_vllms_cache_page_size():
         assert f"block_size={page}" in any_gpu.fallbacks[i] and "max_ctas=78" in any_gpu.fallbacks[i]
 
 
+def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monkeypatch, tmp_path):
+    """The plugin's hooks in vLLM's V2 runner, on vLLM's real model, config and model-state class
+    (``KimiK3ModelState``, whose own hooks build vLLM's in-tree path): the state vLLM makes after
+    ``load_model`` (``init_model_state``) builds every layer's programs for the GPU it runs on, and
+    its ``initialize_kv_cache``, which vLLM calls for each cache it binds (the profiling one, then
+    the real one), checks them on the caches as bound, compiling the kernels the bound page size
+    needs once. The GPU is an H20 (sm_90, 78 SMs) as far as the plugin can tell; the compile
+    steps check the templates without compiling."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.kimi_k3.nvidia.model_state import KimiK3ModelState
+    from vllm.v1.worker.gpu.model_states import init_model_state
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
+
+    import rewriter.vllm.model as plugin
+    from rewriter.kernel_plan import program_refusal
+
+    def refuse_as_the_server_does(result, rows):  # compile_with_codegen's check, without compiling
+        reason = program_refusal(rows)
+        if reason:
+            raise ProgramError(reason)
+
+    compiled, workspaces = [], []
+    monkeypatch.setenv("K3_REWRITER_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(plugin, "sm_count", lambda index: 78)
+    monkeypatch.setattr(plugin, "compile_with_codegen", lambda arch: refuse_as_the_server_does)
+    monkeypatch.setattr(plugin, "compile_specs_with_codegen", lambda: compiled.extend)
+    monkeypatch.setattr(plugin, "make_workspaces", lambda specs, device: workspaces.append(set(specs)) or 0)
+
+    model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
+    model.__class__ = plugin.RewrittenKimiLinearForCausalLM  # what vLLM's registry resolves to with the plugin
+    model.rewriter = plugin.RewriterDecode(vc)
+    layers, cfg = decoder_layers(model), text_config(vc)
+    mla = [layer.layer_idx for layer in layers if cfg.layer_kind(layer.layer_idx) == "mla"]
+    with set_current_vllm_config(vc):
+        state = init_model_state(vc, model, None, torch.device("cpu"))
+    assert isinstance(state, KimiK3ModelState)
+    programs = model.rewriter.programs
+    assert not programs.fallbacks and len(programs.programs) == len(layers) * len(programs.batches)
+    attend = {s for p in programs.programs.values() for s in p.kernel_specs if s.kernel == "mla_attend"}
+    assert {(s.shape_dict["block_size"], s.param_dict["max_ctas"]) for s in attend} == {(64, 78)}
+
+    runner = bind_caches(model, vc)
+    page = cache_tensors(layers[mla[0]])["kv_cache"].shape[1]
+    for _ in range(2):  # vLLM's profiling cache, then the real one
+        state.initialize_kv_cache(runner.kv_cache_config, None)
+    assert not programs.fallbacks
+    assert {(s.kernel, s.shape_dict["block_size"], s.param_dict["max_ctas"]) for s in compiled} == \
+        {("mla_attend", page, 78)}
+    assert len(compiled) == len({s.shape_dict["batch"] for s in attend})  # once per batch, not per bound cache
+    assert len(workspaces) == 2 and set(compiled) <= workspaces[-1]
+
+
 def test_vllms_state_layout_is_taken_and_one_the_kernels_cannot_read_is_refused_when_bound():
     """At the smallest sizes the KDA+MoE templates take, vLLM's real model with bf16 experts: once
     vLLM's CPU runner binds its caches (page-strided slots, the conv state "SD", its default) the
