@@ -100,16 +100,20 @@ class CompiledKernel:
         without a GPU; calling needs one."""
         fn = _LOADED.get(self.key)
         if fn is None:
-            _import_cute(self.spec.arch)
-            from cutlass.cute.runtime import load_module
-
-            with tempfile.TemporaryDirectory(prefix="k3-kernel-") as d:
-                path = os.path.join(d, "kernel.o")
-                with open(path, "wb") as f:
-                    f.write(self.obj)
-                module = load_module(path, enable_tvm_ffi=True)
-                fn = _LOADED[self.key] = getattr(module, self.function)
+            fn = _LOADED[self.key] = load_object(self.obj, self.function, self.spec.arch)
         return fn
+
+
+def load_object(obj: bytes, function: str, arch: str) -> Callable[..., Any]:
+    """The exported ``function`` of a TVM-FFI object file (``compile_object``'s) as a callable."""
+    _import_cute(arch)
+    from cutlass.cute.runtime import load_module
+
+    with tempfile.TemporaryDirectory(prefix="k3-kernel-") as d:
+        path = os.path.join(d, "kernel.o")
+        with open(path, "wb") as f:
+            f.write(obj)
+        return getattr(load_module(path, enable_tvm_ffi=True), function)
 
 
 _MEMORY: dict[str, CompiledKernel] = {}
@@ -134,30 +138,37 @@ def _import_cute(arch: str):
     return cute
 
 
+def compile_object(kernel: Any, args: tuple, arch: str, function: str, label: str) -> tuple[str, bytes]:
+    """(PTX, TVM-FFI object file exporting ``function``) of a CuTe DSL kernel object compiled on
+    its fake arguments for ``arch``; ``label`` names it in errors."""
+    cute = _import_cute(arch)
+    with tempfile.TemporaryDirectory(prefix="k3-compile-") as d:
+        options = f"--gpu-arch {arch} --enable-tvm-ffi --keep-ptx --dump-dir {d}"
+        try:
+            compiled = cute.compile(kernel, *args, options=options)
+        except Exception as e:
+            raise CodegenError(f"{label}: CuTe DSL compile failed: {type(e).__name__}: {e}") from e
+        ptx_files = glob.glob(os.path.join(d, "*.ptx"))
+        if len(ptx_files) != 1:
+            raise CodegenError(f"{label}: expected one PTX file from the compile, found {len(ptx_files)}")
+        with open(ptx_files[0]) as f:
+            ptx = f.read()
+        obj_path = os.path.join(d, "kernel.o")
+        compiled.export_to_c(obj_path, function_name=function)
+        with open(obj_path, "rb") as f:
+            return ptx, f.read()
+
+
 def _compile_uncached(spec: KernelSpec, key: str) -> tuple[Entry, float]:
     t0 = time.perf_counter()
-    cute = _import_cute(spec.arch)
+    _import_cute(spec.arch)
     module = importlib.import_module(_module_of(spec))
     try:
         kernel, args = module.build(spec)
     except ValueError as e:  # a bound the template should have refused: name it, as a compile failure
         raise CodegenError(f"{spec.label()}: the kernel refuses its spec: {e}") from e
     function = f"k3_{spec.kernel}_{key[:16]}"
-    with tempfile.TemporaryDirectory(prefix="k3-compile-") as d:
-        options = f"--gpu-arch {spec.arch} --enable-tvm-ffi --keep-ptx --dump-dir {d}"
-        try:
-            compiled = cute.compile(kernel, *args, options=options)
-        except Exception as e:
-            raise CodegenError(f"{spec.label()}: CuTe DSL compile failed: {type(e).__name__}: {e}") from e
-        ptx_files = glob.glob(os.path.join(d, "*.ptx"))
-        if len(ptx_files) != 1:
-            raise CodegenError(f"{spec.label()}: expected one PTX file from the compile, found {len(ptx_files)}")
-        with open(ptx_files[0]) as f:
-            ptx = f.read()
-        obj_path = os.path.join(d, "kernel.o")
-        compiled.export_to_c(obj_path, function_name=function)
-        with open(obj_path, "rb") as f:
-            obj = f.read()
+    ptx, obj = compile_object(kernel, args, spec.arch, function, spec.label())
     seconds = time.perf_counter() - t0
     manifest = {"spec": spec.to_json(), "function": function, "versions": versions(), "recipe": RECIPE,
                 "compile_seconds": round(seconds, 4)}
