@@ -11,14 +11,19 @@ reason is counted in ``stats()`` (a strict launcher, the server's, raises instea
 unless told otherwise.
 
 Calls compile on first use (or read the disk cache: ``python -m rewriter compile`` fills it
-ahead); under CUDA graph capture, call ``prepare`` first so nothing compiles or loads
-while capturing.
+ahead). A kernel's first call loads its CUDA library (CuTe DSL's TVM-FFI functions do it
+lazily, ``cuLibraryLoadData``): the server runs its programs only inside vLLM's CUDA graph
+captures, where that is an unsafe call for a global-mode capture, so a launcher makes each
+kernel's first call under capture in relaxed capture mode (``relaxed_capture_mode``: the CUDA
+documentation's pattern for a library call that must allocate while a capture is under way).
+``prepare`` compiles and loads a call's kernels ahead.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -125,6 +130,26 @@ def load_kernels(op: str, arch: str, args: Sequence[Any], kernel: str | None = N
     return tpl, specs, tuple(compile_kernel(s).load() for s in specs)
 
 
+@contextlib.contextmanager
+def relaxed_capture_mode() -> Iterator[None]:
+    """This thread in relaxed stream-capture mode for the block (then back to its mode before):
+    inside a capture it may make calls a global-mode capture forbids, here a kernel library's
+    lazy load."""
+    from cuda.bindings import driver
+
+    def exchange(mode):
+        status, previous = driver.cuThreadExchangeStreamCaptureMode(mode)
+        if status != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed: {status}")
+        return previous
+
+    previous = exchange(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    try:
+        yield
+    finally:
+        exchange(previous)
+
+
 class KernelDeclined(RuntimeError):
     """A strict launcher's template refused a call: in a served step the reference must not run."""
 
@@ -140,6 +165,7 @@ class TemplateLauncher:
         self.arch = arch
         self.strict = strict
         self._fns: dict[Specs, tuple[Callable[..., Any], ...]] = {}
+        self._launched: set[Specs] = set()  # kernels called at least once: their libraries are loaded
 
     def _decline(self, reason: str):
         _stats[self.op][f"declined: {reason}"] += 1
@@ -165,6 +191,7 @@ class TemplateLauncher:
     def forget(self) -> None:
         """Drop the loaded kernels (``forget_loaded``)."""
         self._fns.clear()
+        self._launched.clear()
 
     def prepare(self, *args) -> str | None:
         """Compile and load the kernel for this call's shapes now (before graph capture); the refusal if any."""
@@ -183,7 +210,13 @@ class TemplateLauncher:
         reason = tpl.runtime_check(args)
         if reason:
             return self._decline(reason)
-        return tpl.launch(fns, specs, args)
+        if specs in self._launched or not torch.cuda.is_current_stream_capturing():
+            out = tpl.launch(fns, specs, args)
+        else:  # the first call loads the kernels' libraries: not a captured operation
+            with relaxed_capture_mode():
+                out = tpl.launch(fns, specs, args)
+        self._launched.add(specs)
+        return out
 
 
 def forget_loaded() -> None:

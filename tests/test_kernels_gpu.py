@@ -179,3 +179,34 @@ def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
     w, ids = torch.ops.k3f.router_topk(logits.cuda(), bias.cuda(), 16, True, 1.0)
     assert bind.stats()["k3f::router_topk"]["kernel"] == before + 1
     assert torch.equal(ids.cpu(), ref_ids) and rel_err(w, ref_w) <= ROUTER_TOL
+
+
+def test_a_kernels_first_call_may_be_inside_a_cuda_graph_capture():
+    """The server runs its programs only inside vLLM's CUDA graph captures, so a kernel's first
+    call, where CuTe DSL's TVM-FFI function loads its CUDA library, is captured: in a
+    global-mode capture (torch's default, and vLLM's) that load is an unsafe call, which the
+    launcher makes in relaxed capture mode. A freshly loaded kernel, compiled but never called,
+    first called inside a capture; the replay against the reference, and a second capture of
+    the same kernel."""
+    from codegen import compiler
+    from codegen.bind import device_arch
+    from codegen.templates import spec_for_call
+
+    bind.install_cuda_kernels()
+    xs, w = torch.randn(2, D, device="cuda").bfloat16(), (torch.randn(3216, D, device="cuda") * 0.02).bfloat16()
+    split = [2304, 768, 128, 6, 10]
+    ref = torch.nn.functional.linear(xs.float(), w.float())[:, :3206]
+    _, specs = spec_for_call("k3f::kda_in_proj", device_arch(), (xs, w, split))
+    for spec in specs:
+        compiler.compile_kernel(spec)  # compiled (no CUDA call) but not loaded
+    bind.forget_loaded()
+    compiler._LOADED.clear()  # a fresh load: its library not yet on the device
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = torch.ops.k3f.kda_in_proj(xs, w, split)
+        for y in ys:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(torch.cat(ys, dim=1), ref) <= TOL
