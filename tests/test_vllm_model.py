@@ -457,7 +457,8 @@ def test_humming_layer_configs_pick_the_nibble_order():
 def test_step_guard_on_the_real_decode_context(bf16):
     from vllm.config import CUDAGraphMode
 
-    with decode_context(bf16.vllm_config, bf16.batch, mode=CUDAGraphMode.FULL) as context:  # as a GPU capture
+    with decode_context(bf16.vllm_config, bf16.batch) as context:  # as vLLM's V2 runner captures a FULL graph
+        assert context.cudagraph_runtime_mode == CUDAGraphMode.NONE
         assert context.attn_metadata is bf16.batch.attn_metadata
         assert decide_step(B, {1, 2, 4, 8}, True, context).reason == "pure decode"
         assert decide_step(B, {1, 2, 8}, True, context).reason == "4 tokens: no program built for this batch size"
@@ -545,7 +546,6 @@ def test_server_compile_step_names_what_stops_the_layer(bf16):
 
 # ---- TP ranks reach the same decisions ----------------------------------------------------------------
 def _tp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
-    from vllm.config import CUDAGraphMode
     from vllm.distributed import get_tp_group
 
     model, vc = build_loaded(None, tp=world, rank=rank, init_method=init_method)
@@ -560,7 +560,7 @@ def _tp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     programs = build_programs(layers, text_config(vc), tp=group.world_size, rank=group.rank_in_group, arch=ARCH,
                               batches=(B,), compile_fn=compile_fn, group=group.cpu_group, progress=_quiet)
     batch = prepare_decode(bind_caches(model, vc))
-    with decode_context(vc, batch, mode=CUDAGraphMode.FULL) as context:
+    with decode_context(vc, batch) as context:  # the V2 runner's FULL capture: mode NONE
         decision = decide_step(B, set(programs.batches), True, context).reason
     shard = layers[1].self_attn.in_proj_qkvgfab.weight.shape
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -607,7 +607,6 @@ def _pp_worker(rank: int, tp: int, pp: int, init_method: str, out_dir: str) -> N
     """One rank of PP x TP: the rewriter's path for its stage (``RewriterDecode.run``, programs on
     vLLM's caches, the TP all-reduces over vLLM's own group) and the bound reference layers, each
     chain fed by its own chain's previous stage through vLLM's PP group."""
-    from vllm.config import CUDAGraphMode
     from vllm.distributed import get_pp_group, get_tp_group
     from vllm.sequence import IntermediateTensors
     from vllm_model import attn_res_in_torch
@@ -632,7 +631,7 @@ def _pp_worker(rank: int, tp: int, pp: int, init_method: str, out_dir: str) -> N
         got_in = IntermediateTensors(stage.recv_tensor_dict())
         ref_in = stage.recv_tensor_dict()
     with attn_res_in_torch():
-        with decode_context(vc, served.batch, mode=CUDAGraphMode.FULL) as context:
+        with decode_context(vc, served.batch) as context:  # the V2 runner's FULL capture: mode NONE
             decision = decide_step(B, set(rewriter.programs.batches), True, context).reason
         with decode_context(vc, served.batch) as context:
             got = rewriter.run(model, tokens if stage.is_first_rank else None, positions, None, got_in)
@@ -778,8 +777,6 @@ def test_a_verify_step_on_vllms_metadata_equals_q_one_token_steps_of_the_referen
     MLA decodes of 4 tokens each), read by ``state_inputs``; the step guard takes it. Outputs and
     every state written equal the reference layers run as 4 one-token steps from the state the
     accepted counts pick (all four accepted lengths, one per request), and nothing else changes."""
-    from vllm.config import CUDAGraphMode
-
     from rewriter.vllm.guard import StepDecision
 
     q, T = VERIFY_Q, B * VERIFY_Q
@@ -796,7 +793,7 @@ def test_a_verify_step_on_vllms_metadata_equals_q_one_token_steps_of_the_referen
                               compile_fn=_no_compile, progress=_quiet)
     assert programs.fallbacks == {} and programs.q == q
     assert sorted(programs.programs) == [(layer.layer_idx, T) for layer in verify.layers]
-    with decode_context(verify.vllm_config, verify.batch, mode=CUDAGraphMode.FULL) as context:
+    with decode_context(verify.vllm_config, verify.batch) as context:  # the V2 runner's FULL capture: mode NONE
         assert decide_step(T, set(programs.token_counts), True, context, q) == \
             StepDecision(True, "uniform verify (4 tokens per request)")
         kda = next(layer for layer in verify.layers if _is_kda(layer))

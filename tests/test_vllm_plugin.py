@@ -229,7 +229,9 @@ def _mla_verify_md(requests=4, q=4, tokens=None, prefills=0):
                              num_prefills=prefills, decode=decode)
 
 
-def _decide(metadata, tokens=4, mode=CUDAGraphMode.FULL, capturing=True, built=(1, 2, 4, 8), q=1):
+def _decide(metadata, tokens=4, mode=CUDAGraphMode.NONE, capturing=True, built=(1, 2, 4, 8), q=1):
+    """The decision inside a capture whose forward context has ``mode``: NONE by default, what
+    vLLM's V2 runner sets while it captures a FULL graph."""
     cfg = _vllm_config()
     with set_forward_context(metadata, cfg, num_tokens=tokens, cudagraph_runtime_mode=mode):
         return decide_step(tokens, set(built), capturing, get_forward_context(), q)
@@ -250,10 +252,27 @@ def test_step_guard_decisions():
     for reason, md in cases.items():
         d = _decide(md)
         assert not d.rewritten and d.reason == reason
+    assert _decide(decode, mode=CUDAGraphMode.FULL).rewritten  # the V1 runner's FULL capture
     assert _decide(decode, mode=CUDAGraphMode.PIECEWISE).reason == "PIECEWISE CUDA graph"
     assert _decide(decode, capturing=False).reason.startswith("not captured as a CUDA graph")
     assert _decide(decode, tokens=5).reason == "5 tokens: no program built for this batch size"
     assert decide_step(4, {4}, True, None).reason == "no forward context"
+
+
+def test_vllms_v2_runner_captures_its_full_graphs_with_the_mode_the_guard_takes():
+    """The guard reads a step being captured with the forward context's mode NONE as a FULL graph:
+    vLLM's V2 runner (the one the plugin builds its programs in) captures a FULL graph by calling
+    its forward inside ``torch.cuda.graph`` with ``CUDAGraphMode.NONE``, and a PIECEWISE one with
+    ``PIECEWISE``. CUDA graphs cannot be captured on a CPU, so this reads the capture loop of the
+    installed vLLM: when it changes, the guard must be checked again."""
+    import inspect
+
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    source = inspect.getsource(CudaGraphManager.capture)
+    graph = source.index("torch.cuda.graph(")
+    assert "forward_fn(CUDAGraphMode.NONE)" in source[graph:graph + 400], source[graph:graph + 400]
+    assert "forward_fn(CUDAGraphMode.PIECEWISE)" in source[:graph]
 
 
 def test_step_guard_on_verify_steps():

@@ -6,7 +6,10 @@
   the kind the programs were built for (pure decode, or with speculative decoding a uniform
   verify step of q = k + 1 tokens per request) of a built size that are being captured as
   FULL CUDA graphs do; the decision is made from the forward context alone, so every TP rank
-  of every pipeline stage makes the same one, and it is baked into the captured graph.
+  of every pipeline stage makes the same one, and it is baked into the captured graph. vLLM's
+  V2 model runner captures a FULL graph with the forward context's mode NONE (its PIECEWISE
+  captures say PIECEWISE: ``vllm/v1/worker/gpu/cudagraph_utils.py``), so a step being captured
+  whose mode is not PIECEWISE is a FULL graph, as vLLM's own specialized decode reads it.
 ``StepLog`` counts the steps each path took, with their reasons, and logs a summary at
 shutdown. With FULL CUDA graphs vLLM replays graphs without calling ``forward``, so the
 counts are of forward calls: captures plus the steps that run outside FULL graphs.
@@ -178,7 +181,8 @@ def decide_step(num_tokens: int, built: frozenset[int] | set[int], capturing: bo
         return StepDecision(False, "not captured as a CUDA graph (eager, warmup or profiling step)")
     if context.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE:
         return StepDecision(False, "PIECEWISE CUDA graph")
-    if context.cudagraph_runtime_mode != CUDAGraphMode.FULL:
+    # NONE while capturing: the V2 runner's FULL capture; FULL: the V1 runner's
+    if context.cudagraph_runtime_mode not in (CUDAGraphMode.NONE, CUDAGraphMode.FULL):
         return StepDecision(False, f"CUDA graph mode {context.cudagraph_runtime_mode}")
     if num_tokens not in built:
         return StepDecision(False, f"{num_tokens} tokens: no program built for this batch size")
