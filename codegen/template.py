@@ -56,6 +56,17 @@ def target_sms(t: torch.Tensor) -> int | None:
     return sm_count(t.device.index) if t.is_cuda else _planned_sms.get()
 
 
+def require_outside_capture(device: torch.device, what: str) -> None:
+    """Memory kernels keep across steps (a workspace, zeroed where it must be) is made and zeroed
+    outside a CUDA graph capture: inside one its zeroing would only be recorded into that graph
+    (and vLLM never replays its profiling captures). ``codegen.templates.make_workspaces`` makes
+    them; the vLLM plugin calls it each time vLLM binds its caches."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what} on {device} is made outside a CUDA graph capture: by "
+                           "codegen.templates.make_workspaces (the vLLM plugin calls it once vLLM has bound its "
+                           "caches) or by one eager step")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPES.get(dtype, str(dtype).removeprefix("torch."))
 

@@ -156,6 +156,29 @@ def test_the_kernel_benchmark_times_a_served_call_at_each_grid_cap():
     assert out.shape == (2, 6 * 128) and torch.isfinite(out).all() and out.abs().max() > 0
 
 
+def test_the_scratch_is_made_and_its_barrier_zeroed_outside_any_capture(monkeypatch):
+    """The server's steps run only inside CUDA graph captures, and vLLM captures its largest FULL
+    graphs once to size its memory, then throws them away: a scratch first made in such a capture
+    would have its barrier word's zeroing recorded into a graph that never runs. So
+    ``make_workspaces`` (the plugin calls it each time vLLM binds its caches) makes the scratch of
+    each spec's shape and zeroes its barrier, every time; inside a capture the launcher refuses to
+    make one."""
+    import codegen.launchers.mla_attend as launcher
+    from codegen.templates import make_workspaces
+
+    monkeypatch.setattr(launcher, "_SCRATCH", {})
+    spec = attend_spec("sm_90a", attend_args(8, 6))
+    assert make_workspaces([spec], "cpu") == 1
+    ((key, (p_acc, p_ml, latent, barrier)),) = launcher._SCRATCH.items()
+    splits = launcher.mla_splits(8, 6)
+    assert p_acc.shape == (8 * splits, 6, 512) and p_ml.shape == (8 * splits, 6, 2) and latent.shape == (8, 6, 512)
+    barrier.fill_(5)  # a word some earlier launch left dirty
+    assert make_workspaces([spec], "cpu") == 1 and barrier.item() == 0 and len(launcher._SCRATCH) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="the scratch of 8 tokens x 6 heads on cuda:0 is made outside a CUDA graph"):
+        launcher._scratch_of(spec, torch.device("cuda", 0))
+
+
 # ---------------------------------------------------------------- compile checks (CuTe DSL, no GPU)
 
 @needs_cutedsl

@@ -335,9 +335,9 @@ def test_specs_at_kimi_k3_shapes(shape):
 
 def test_routing_plan_is_made_before_any_capture(monkeypatch):
     """A served step runs only inside a CUDA graph capture, where the plan (zeroed once, then left
-    zero by every step) could not be zeroed: ``make_workspaces`` (the vLLM plugin calls it once vLLM
-    has bound its caches) makes it from the router stage's spec, once per device and shape; the
-    per-pair op keeps none."""
+    zero by every step) could not be zeroed: ``make_workspaces`` (the vLLM plugin calls it each time
+    vLLM binds its caches) makes it from the router stage's spec, once per device and shape, and
+    zeroes it at every call; the per-pair op keeps none."""
     from codegen.templates import make_workspaces
 
     monkeypatch.setattr(experts_launcher, "_plans", {})
@@ -353,6 +353,9 @@ def test_routing_plan_is_made_before_any_capture(monkeypatch):
     assert not counts.any() and counts.dtype == torch.int32
     (arrivals,) = experts_launcher._arrivals.values()
     assert arrivals.shape == (64, L // 64) and not arrivals.any()
+    counts.fill_(3)  # left dirty by some earlier run: zeroed again at every call (each time vLLM binds its caches)
+    arrivals.fill_(1)
+    assert make_workspaces(specs, "cpu") == 2 and not counts.any() and not arrivals.any()
 
 
 @pytest.mark.parametrize("args,reason", [

@@ -16,7 +16,7 @@ import torch
 
 from codegen.launchers.gemm_specs import gemm_call, gemm_spec
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, check_tensors, shape_is
+from codegen.template import Template, aligned, check_tensors, require_outside_capture, shape_is
 
 EXPERTS_MAX_TOKENS = 64  # decode batches; larger ones want a grouped GEMM
 SHARED_GEMM_TOKENS = (2, 64)  # patterns.moe.SHARED_SMALL_MAX + 1 .. 64; tried before the GEMVs
@@ -429,13 +429,6 @@ _plans: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
 _arrivals: dict[tuple[str, int, int], torch.Tensor] = {}
 
 
-def _outside_capture(device: torch.device, what: str) -> None:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"k3f::routed_moe_mxfp4: {what} on {device} is made outside a CUDA graph capture: by "
-                           "codegen.templates.make_workspaces (the vLLM plugin calls it once vLLM has bound its "
-                           "caches) or by one eager step")
-
-
 def routing_plan(device: torch.device, experts: int, cap: int) -> tuple[torch.Tensor, ...]:
     """The device's routing plan (int32: counts [E + 1], chosen [E], lists [E, cap]), zero where
     the router counts: it is made once and every step leaves it so (``RouterTopkPlan`` fills it,
@@ -443,7 +436,7 @@ def routing_plan(device: torch.device, experts: int, cap: int) -> tuple[torch.Te
     device: the MoE layers of a program run one after another on one stream."""
     key = (str(device), experts, cap)
     if key not in _plans:
-        _outside_capture(device, f"the routing plan for {experts} experts")
+        require_outside_capture(device, f"k3f::routed_moe_mxfp4: the routing plan for {experts} experts")
         _plans[key] = (torch.zeros(experts + 1, dtype=torch.int32, device=device),
                        torch.zeros(experts, dtype=torch.int32, device=device),
                        torch.zeros((experts, cap), dtype=torch.int32, device=device),
@@ -456,20 +449,25 @@ def arrival_counts(device: torch.device, cap: int, tiles: int) -> torch.Tensor:
     between steps (each step's last arrival puts its counter back). One per device and shape."""
     key = (str(device), cap, tiles)
     if key not in _arrivals:
-        _outside_capture(device, f"the arrival counts of {tiles} row tiles")
+        require_outside_capture(device, f"k3f::routed_moe_mxfp4: the arrival counts of {tiles} row tiles")
         _arrivals[key] = torch.zeros((cap, tiles), dtype=torch.int32, device=device)
     return _arrivals[key]
 
 
 def _moe_workspace(spec: KernelSpec, device: Any) -> bool:
     """The router stage's routing plan (``routing_plan``) and the down stage's arrival counts
-    (``arrival_counts``), made before the first captured step."""
+    (``arrival_counts``), made before the first captured step and zeroed at every call (each
+    time vLLM binds its caches): whatever ran before, the captured steps start from zero."""
     p = spec.param_dict
+    device = torch.device(device)
     if spec.kernel == "router_topk" and "plan_cap" in p:
-        routing_plan(torch.device(device), spec.shape_dict["experts"], p["plan_cap"])
+        require_outside_capture(device, "k3f::routed_moe_mxfp4: the routing plan")
+        for t in routing_plan(device, spec.shape_dict["experts"], p["plan_cap"]):
+            t.zero_()
         return True
     if spec.kernel == "expert_down_mxfp4" and "by_expert_max_tokens" in p:
-        arrival_counts(torch.device(device), p["by_expert_max_tokens"], spec.shape_dict["rows"] // 64)
+        require_outside_capture(device, "k3f::routed_moe_mxfp4: the arrival counts")
+        arrival_counts(device, p["by_expert_max_tokens"], spec.shape_dict["rows"] // 64).zero_()
         return True
     return False
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from codegen.spec import KernelSpec
-from codegen.template import Template, aligned, dtype_name, shape_is, target_sms
+from codegen.template import Template, aligned, dtype_name, require_outside_capture, shape_is, target_sms
 from rewriter.ops import cache_is_fp8
 
 MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels/mla_attend.py
@@ -111,14 +111,31 @@ _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
 def _scratch(device: torch.device, pairs: int, heads: int, batch: int) -> tuple[torch.Tensor, ...]:
     """The split partials (a row per (request, split)), the combined latent and the barrier word
     of one shape on one device, made once and shared by every MLA layer (they run one after
-    another; the barrier word's low bits are back at 0 after each barrier)."""
+    another; the barrier word's low bits are back at 0 after each barrier). Made outside any
+    CUDA graph capture (``_mla_attend_workspace``): in one, the barrier's zeroing would only be
+    recorded into that graph, and every later graph would find a word never zeroed."""
     key = (device, pairs, heads, batch)
     if key not in _SCRATCH:
+        require_outside_capture(device, f"k3f::mla_attend: the scratch of {batch} tokens x {heads} heads")
         _SCRATCH[key] = (torch.empty(pairs, heads, MLA_LATENT, dtype=torch.float32, device=device),
                          torch.empty(pairs, heads, 2, dtype=torch.float32, device=device),
                          torch.empty(batch, heads, MLA_LATENT, dtype=torch.bfloat16, device=device),
                          torch.zeros(1, dtype=torch.int32, device=device))
     return _SCRATCH[key]
+
+
+def _scratch_of(spec: KernelSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
+    b, h = spec.shape_dict["batch"], spec.shape_dict["heads"]
+    return _scratch(device, b * mla_splits(b, h, spec.param_dict.get("max_ctas", MLA_MAX_CTAS)), h, b)
+
+
+def _mla_attend_workspace(spec: KernelSpec, device: Any) -> bool:
+    """The scratch of ``spec``'s shape, made before the first captured step, its barrier word
+    zeroed at every call (each time vLLM binds its caches)."""
+    device = torch.device(device)
+    require_outside_capture(device, "k3f::mla_attend: the grid barrier")
+    _scratch_of(spec, device)[3].zero_()
+    return True
 
 
 def _mla_attend_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
@@ -127,12 +144,12 @@ def _mla_attend_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], 
     b, h = spec.shape_dict["batch"], spec.shape_dict["heads"]
     out = out if out is not None else gate.new_empty(b, h * MLA_V_DIM)
     cache = kv_cache.view(torch.float8_e4m3fn) if kv_cache.dtype == torch.uint8 else kv_cache
-    splits = mla_splits(b, h, spec.param_dict.get("max_ctas", MLA_MAX_CTAS))
-    p_acc, p_ml, latent, barrier = _scratch(mqa_q.device, b * splits, h, b)
+    p_acc, p_ml, latent, barrier = _scratch_of(spec, mqa_q.device)
     fn(mqa_q, cache, block_table, seq_lens, kv_scale.reshape(1), kv_b_weight, gate, out, p_acc, p_ml, latent, barrier)
     return out
 
 
 TEMPLATE = Template("mla_attend", ("k3f::mla_attend",), _mla_attend_spec, _mla_attend_runtime, _mla_attend_launch,
                     doc="MLA decode split over the context and head groups of 16 + grid barrier + combine + W_UV "
-                        "+ sigmoid gate; requests x head groups x splits <= 128 CTAs")
+                        "+ sigmoid gate; requests x head groups x splits <= 128 CTAs",
+                    workspace=_mla_attend_workspace)
