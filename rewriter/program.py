@@ -3,9 +3,10 @@ with the schedule's events between streams.
 
 A ``LayerRunner`` interprets the rewritten fx graph node by node (each fused op is one
 kernel launch once its CUDA kernel is registered; views cost nothing). Nodes of an aux
-kernel run on a side stream (made only for a schedule that has one; it forks from the
-caller's stream and the caller's joins it only where the schedule's events do not already
-order them, since each fork and join adds graph edges between layers); before a kernel starts,
+kernel run on the device's side stream (``aux_stream``, used only by a schedule with aux
+kernels; it forks from the caller's stream and the caller's joins it only where the schedule's
+events do not already order them, since each fork and join adds graph edges between layers);
+before a kernel starts,
 its stream waits on the events the schedule recorded after the kernels it depends on, and
 values made on one stream and used on another are marked for the caching allocator. Nothing here synchronizes with the
 host, so a step can be captured in a CUDA graph once every op in it is a device kernel.
@@ -21,6 +22,26 @@ from torch import fx
 
 from rewriter.rewrite import RewriteResult
 from rewriter.schedule import Schedule, build_schedule
+
+
+_AUX_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def aux_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's side stream for aux kernels, one for every runner, created outside torch's
+    stream pool: a pool stream (``torch.cuda.Stream()``) is one of 32 handed out in turn, so one
+    program in 32 would find its side stream to be the stream a capture runs on (vLLM's capture
+    stream comes from the same pool) and lose its overlap."""
+    index = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if index not in _AUX_STREAMS:
+        from cuda.bindings import runtime
+
+        with torch.cuda.device(index):
+            status, handle = runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking)
+        if status != runtime.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaStreamCreateWithFlags failed: {status}")
+        _AUX_STREAMS[index] = torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
+    return _AUX_STREAMS[index]
 
 
 class LayerRunner(fx.Interpreter):
@@ -46,7 +67,7 @@ class LayerRunner(fx.Interpreter):
         if self.device.type == "cuda":  # a side stream only where the schedule puts a kernel on it
             self.streams = {"main": None}
             if aux:
-                self.streams["aux"] = torch.cuda.Stream(device=self.device)
+                self.streams["aux"] = aux_stream(self.device)
         self._events: dict[str, torch.cuda.Event] = {}
         self._started: set[str] = set()
         self._made_on: dict[str, str] = {}
