@@ -200,11 +200,15 @@ def _reference_step(served: Served, refs: list[KimiDecoderLayer], x: torch.Tenso
 
 
 def _reference_layers(served: Served, refs: list[KimiDecoderLayer], prefix: torch.Tensor, blocks: torch.Tensor,
-                      context: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      context: Any, aux: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layers in turn; ``aux`` gets the AttnRes stream (prefix sum + pending MLP output)
+    entering each of the backbone's ``aux_hidden_state_layers`` after the first."""
     hidden = None
     for layer, ref in zip(served.layers, refs):
         hidden, prefix, blocks = ref(hidden if hidden is not None else prefix, prefix, blocks,
                                      *state_inputs(layer, context, prefix.shape[0]))
+        if aux is not None and layer.layer_idx + 1 in served.model.model.aux_hidden_state_layers:
+            aux.append(prefix + hidden)
     return hidden, prefix, blocks
 
 
@@ -295,6 +299,41 @@ def test_decode_step_matches_the_reference_layers(served):
             keep[_inserted(layer, served.batch)] = False
             blocks = _mla_blocks(layer, served.batch)
             assert torch.equal(now[0][blocks][keep[blocks]], was[0][blocks][keep[blocks]]), layer.layer_idx
+
+
+def test_a_step_hands_dspark_the_aux_hidden_states_it_asks_for(bf16, monkeypatch):
+    """DSpark and EAGLE-3 draft from the target's hidden states: vLLM sets the backbone's
+    ``aux_hidden_state_layers``, its forward returns the AttnRes stream entering each of those
+    layers beside the hidden state, and the V2 runner unpacks both from every captured step. The
+    rewritten stage returns the same streams, taken by the backbone's own
+    ``_capture_aux_hidden_stream``: the embeddings for layer 0, the prefix sum plus the pending
+    MLP output after the others; without aux layers, the hidden state alone."""
+    from vllm_model import attn_res_in_torch
+
+    from rewriter.vllm.runtime import run_stage
+
+    backbone, aux = bf16.model.model, (0, 2, 4)
+    _fill_caches(bf16, seed=5)
+    before = _snapshot(bf16)
+    x = _embeddings(seed=8)
+    with attn_res_in_torch(), decode_context(bf16.vllm_config, bf16.batch) as context:
+        plain = run_stage(backbone, bf16.programs, bf16.batch.positions, x.clone(), None, context, last=True)
+        _restore(bf16, before)
+        monkeypatch.setattr(backbone, "aux_hidden_state_layers", aux)
+        out, streams = run_stage(backbone, bf16.programs, bf16.batch.positions, x.clone(), None, context, last=True)
+    assert isinstance(plain, torch.Tensor) and torch.equal(out, plain)
+    _restore(bf16, before)
+    want, hidden, prefix = [x], None, x.clone()
+    blocks = x.new_empty(B, bf16.num_attn_res_blocks, x.shape[1])
+    with decode_context(bf16.vllm_config, bf16.batch) as context:
+        for layer, ref in zip(bf16.layers, bf16.bind()):
+            hidden, prefix, blocks = ref(hidden if hidden is not None else prefix, prefix, blocks,
+                                         *state_inputs(layer, context, B))
+            if layer.layer_idx + 1 in aux:
+                want.append(prefix + hidden)
+    assert len(streams) == len(want) == 3 and torch.equal(streams[0], x)
+    for i, (a, b) in enumerate(zip(streams, want)):
+        assert a.shape == (B, x.shape[1]) and rel_err(a, b) < TOL, (i, rel_err(a, b))
 
 
 def test_a_step_padded_as_for_a_full_cuda_graph_leaves_the_real_rows_and_the_null_block_alone(bf16):
@@ -594,13 +633,14 @@ def _reference_stage(served: Served, refs: list[KimiDecoderLayer], prefix: torch
     blocks = prefix.new_empty(prefix.shape[0], backbone.num_attn_res_blocks, prefix.shape[1])
     if carried is not None:
         blocks[:, :carried.shape[1]] = carried
-    hidden, prefix, blocks = _reference_layers(served, refs, prefix, blocks, context)
+    aux = [prefix] if carried is None and backbone.start_layer in backbone.aux_hidden_state_layers else []
+    hidden, prefix, blocks = _reference_layers(served, refs, prefix, blocks, context, aux)
     if not last:
-        return {"hidden_states": hidden + prefix, "residual": blocks}
+        return {"hidden_states": hidden + prefix, "residual": blocks, **backbone.pack_local_aux_hidden_states(aux)}
     return attn_res_ops.attn_res(prefix, hidden, blocks, backbone.output_attn_res_norm.weight,
                                  backbone.output_attn_res_proj.weight.squeeze(0), None,
                                  num_blocks=backbone.num_attn_res_blocks, block_write_idx=-1,
-                                 eps=backbone.output_attn_res_norm.variance_epsilon, output_norm_eps=0.0)
+                                 eps=backbone.output_attn_res_norm.variance_epsilon, output_norm_eps=0.0), aux
 
 
 def _pp_worker(rank: int, tp: int, pp: int, init_method: str, out_dir: str) -> None:
@@ -617,6 +657,7 @@ def _pp_worker(rank: int, tp: int, pp: int, init_method: str, out_dir: str) -> N
     model, vc = build_loaded(None, tp=tp, pp=pp, rank=rank, init_method=init_method)
     stage, group = get_pp_group(), get_tp_group()
     use_tp_group(group)
+    model.model._set_aux_hidden_state_layers(AUX_LAYERS)  # as vLLM sets them for DSpark (eagle3_utils)
     runner = bind_caches(model, vc)
     served = Served(None, model, vc, text_config(vc), decoder_layers(model), runner, prepare_decode(runner))
     rewriter = RewriterDecode(vc)
@@ -647,25 +688,33 @@ def _pp_worker(rank: int, tp: int, pp: int, init_method: str, out_dir: str) -> N
         empty = model.model.make_empty_intermediate_tensors(B, torch.bfloat16, torch.device("cpu"))
         result["received"] = {k: list(v.shape) for k, v in got_in.tensors.items()}
         result["vllm_expects"] = {k: list(v.shape) for k, v in empty.tensors.items()}
-        result["rel_err"] = {"output": rel_err(got, want)}
-        result["finite"] = bool(torch.isfinite(got).all())
+        (out, streams), (want_out, want_local) = got, want
+        want_streams = model.model.collect_remote_aux_hidden_states(IntermediateTensors(ref_in)) + want_local
+        result["rel_err"] = {"output": rel_err(out, want_out),
+                             **{f"aux {i}": rel_err(a, b) for i, (a, b) in enumerate(zip(streams, want_streams))}}
+        result["aux_streams"] = [len(streams), len(want_streams)]
+        result["finite"] = bool(torch.isfinite(out).all())
     else:
         assert isinstance(got, IntermediateTensors)
         result["sent"] = {k: list(v.shape) for k, v in got.tensors.items()}
-        result["rel_err"] = {"hidden_states": rel_err(got["hidden_states"], want["hidden_states"]),
-                             "residual": rel_err(got["residual"], want["residual"])}  # stage 0 writes both blocks
+        result["rel_err"] = {k: rel_err(got[k], want[k]) for k in want}  # stage 0 writes both blocks
         stage.send_tensor_dict(got.tensors)
         stage.send_tensor_dict(want)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
+AUX_LAYERS = (0, 2, 4)  # the layers whose entering AttnRes stream a DSpark drafter reads (stage 0: 0, 2; stage 1: 4)
+
+
 @pytest.mark.slow
 def test_two_pipeline_stages_of_two_tp_ranks_equal_the_reference_over_all_layers(tmp_path):
     """PP 2 x TP 2 on four gloo processes of vLLM's real tiny model (6 layers: stage 0 holds
-    layers 0..2, stage 1 layers 3..5): each stage's rewritten step takes the previous stage's
+    layers 0..2, stage 1 layers 3..5), with the aux hidden states DSpark drafts from (layers 0,
+    2 and 4, set by vLLM's own setter): each stage's rewritten step takes the previous stage's
     intermediate tensors as vLLM sends them (its PP group) and hands on the names and shapes vLLM's
-    next stage expects; the last stage's output equals the reference layers' over all six."""
+    next stage expects, stage 0's aux streams under vLLM's keys; the last stage's output and its
+    three aux streams (two received, one its own) equal the reference layers' over all six."""
     import torch.multiprocessing as mp
 
     mp.spawn(_pp_worker, args=(2, 2, f"file://{tmp_path}/dist-init", str(tmp_path)), nprocs=4, join=True)
@@ -674,12 +723,15 @@ def test_two_pipeline_stages_of_two_tp_ranks_equal_the_reference_over_all_layers
     assert [r["layers"] for r in ranks] == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
     assert all(r["decision"] == "pure decode" for r in ranks)  # every rank of every stage decides alike
     assert all(r["fallbacks"] == {} for r in ranks)
+    aux = {"aux_hidden_states_0": [B, 64], "aux_hidden_states_1": [B, 64]}  # layers 0 and 2 enter on stage 0
     for r in ranks[:2]:  # stage 0 hands on the AttnRes stream and its 2 blocks (layers 0 and 2 wrote them)
-        assert r["sent"] == {"hidden_states": [B, 64], "residual": [B, 2, 64]}
-        assert all(e < TOL for e in r["rel_err"].values()), r["rel_err"]
-    for r in ranks[2:]:  # stage 1 receives what vLLM's make_empty_intermediate_tensors allocates for it
-        assert r["received"] == r["vllm_expects"] == {"hidden_states": [B, 64], "residual": [B, 2, 64]}
-        assert r["finite"] and r["rel_err"]["output"] < TOL, r["rel_err"]
+        assert r["sent"] == {"hidden_states": [B, 64], "residual": [B, 2, 64], **aux}
+        assert len(r["rel_err"]) == 4 and all(e < TOL for e in r["rel_err"].values()), r["rel_err"]
+    for r in ranks[2:]:  # stage 1 receives what vLLM's make_empty_intermediate_tensors allocates for it, and the aux
+        assert r["vllm_expects"] == {"hidden_states": [B, 64], "residual": [B, 2, 64]}
+        assert r["received"] == {**r["vllm_expects"], **aux}
+        assert r["aux_streams"] == [3, 3] and len(r["rel_err"]) == 4
+        assert r["finite"] and all(e < TOL for e in r["rel_err"].values()), r["rel_err"]
 
 
 # ---- speculative decoding: verify steps of q = k + 1 tokens per request ------------------------------
@@ -949,7 +1001,7 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
     the real one), checks them on the caches as bound, compiling the kernels the bound page size
     needs once. The GPU is an H20 (sm_90, 78 SMs) as far as the plugin can tell; the compile
     steps check the templates without compiling."""
-    from vllm.config import set_current_vllm_config
+    from vllm.config import CUDAGraphMode, set_current_vllm_config
     from vllm.models.kimi_k3.nvidia.model_state import KimiK3ModelState
     from vllm.v1.worker.gpu.model_states import init_model_state
     from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
@@ -986,6 +1038,7 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
 
     runner = bind_caches(model, vc)
     page = cache_tensors(layers[mla[0]])["kv_cache"].shape[1]
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # as resolved on a GPU (a CPU: NONE)
     for _ in range(2):  # vLLM's profiling cache, then the real one
         state.initialize_kv_cache(runner.kv_cache_config, None)
     assert not programs.fallbacks
@@ -993,6 +1046,9 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
         {("mla_attend", page, 78)}
     assert len(compiled) == len({s.shape_dict["batch"] for s in attend})  # once per batch, not per bound cache
     assert len(workspaces) == 2 and set(compiled) <= workspaces[-1]
+    vc.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE  # what vLLM may resolve it to with the caches
+    with pytest.raises(ValueError, match="vLLM resolved its CUDA graphs to no FULL decode CUDA graphs"):
+        state.initialize_kv_cache(runner.kv_cache_config, None)
 
 
 def test_vllms_state_layout_is_taken_and_one_the_kernels_cannot_read_is_refused_when_bound():

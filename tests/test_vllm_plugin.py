@@ -146,6 +146,29 @@ def test_model_dtype_and_graph_mode_refusals():
     reasons = deployment_refusals(cfg, capability=(10, 0))
     assert any("model dtype torch.float16" in r for r in reasons)
     assert any("no FULL decode CUDA graphs" in r for r in reasons)
+    for mode, refused in ((CUDAGraphMode.FULL, True), (CUDAGraphMode.FULL_DECODE_ONLY, False),
+                          (CUDAGraphMode.FULL_AND_PIECEWISE, False)):
+        cfg = _config()
+        cfg.compilation_config.cudagraph_mode = mode
+        reasons = deployment_refusals(cfg, capability=(9, 0))
+        assert any("FULL CUDA graphs of mixed prefill and decode batches" in r for r in reasons) == refused, reasons
+        assert all("CUDA graphs" not in r for r in reasons) or refused, reasons
+
+
+def test_weight_offloading_is_refused():
+    """vLLM's weight offloaders swap a layer's weights in from its forward hooks, which the programs
+    (bound to the parameters once) never run."""
+    for field, value in (("uva.cpu_offload_gb", 4.0), ("prefetch.offload_group_size", 2)):
+        cfg = _config()
+        cfg.offload_config = _vllm_config().offload_config
+        sub, name = field.split(".")
+        setattr(getattr(cfg.offload_config, sub), name, value)
+        reasons = deployment_refusals(cfg, capability=(9, 0))
+        assert reasons == ["weight offloading (--cpu-offload-gb, --offload-group-size): the programs read each "
+                           "layer's weights where the model holds them, not through the offloader's hooks"], reasons
+    cfg = _config()
+    cfg.offload_config = _vllm_config().offload_config
+    assert deployment_refusals(cfg, capability=(9, 0)) == []
 
 
 def _speculative(k):

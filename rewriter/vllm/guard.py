@@ -61,6 +61,20 @@ def tokens_per_request(vllm_config: Any) -> int:
     return 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
 
 
+def cudagraph_mode_refusals(mode: Any) -> list[str]:
+    """Why a CUDA graph mode does not serve the programs: they run only in FULL graphs of decode
+    steps, and a FULL graph of mixed batches would bake a decode program into a graph vLLM also
+    replays for prefills."""
+    from vllm.config import CUDAGraphMode
+
+    if mode is None or mode.decode_mode() != CUDAGraphMode.FULL:
+        return [f"no FULL decode CUDA graphs (cudagraph_mode={mode})"]
+    if mode.mixed_mode() == CUDAGraphMode.FULL:
+        return [f"FULL CUDA graphs of mixed prefill and decode batches (cudagraph_mode={mode}): use "
+                "FULL_AND_PIECEWISE or FULL_DECODE_ONLY"]
+    return []
+
+
 def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = None) -> list[str]:
     """Every setting of this deployment the rewriter does not serve (empty: all served)."""
     from vllm.config import CompilationMode, CUDAGraphMode
@@ -114,9 +128,11 @@ def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = N
     if getattr(model, "enforce_eager", False):
         reasons.append("eager mode (--enforce-eager): the rewritten path runs only in FULL decode CUDA graphs")
     else:
-        mode = comp.cudagraph_mode
-        if mode is None or mode.decode_mode() != CUDAGraphMode.FULL:
-            reasons.append(f"no FULL decode CUDA graphs (cudagraph_mode={mode})")
+        reasons += cudagraph_mode_refusals(comp.cudagraph_mode)
+    offload = getattr(vllm_config, "offload_config", None)
+    if offload is not None and (offload.uva.cpu_offload_gb > 0 or offload.prefetch.offload_group_size > 0):
+        reasons.append("weight offloading (--cpu-offload-gb, --offload-group-size): the programs read each layer's "
+                       "weights where the model holds them, not through the offloader's hooks")
     backend = moe_backend_refusal(vllm_config)
     if backend:
         reasons.append(backend)

@@ -30,8 +30,8 @@ from codegen.template import sm_count
 from codegen.templates import make_workspaces
 from rewriter.config import KimiK3Config
 from rewriter.program_cache import ProgramCache
-from rewriter.vllm.guard import (KV_CACHE_DTYPES, StepDecision, StepLog, arch_of, check_deployment, decide_step,
-                                 tokens_per_request)
+from rewriter.vllm.guard import (KV_CACHE_DTYPES, StepDecision, StepLog, arch_of, check_deployment,
+                                 cudagraph_mode_refusals, decide_step, tokens_per_request)
 from rewriter.vllm.experts import select_moe_backend
 from rewriter.vllm.knob import REWRITER, decode_backend
 from rewriter.vllm.programs import (ProgramSet, build_programs, check_cache_layouts, compile_specs_with_codegen,
@@ -90,6 +90,10 @@ class RewriterDecode:
 
         if self.programs is None:
             return
+        resolved = cudagraph_mode_refusals(self.vllm_config.compilation_config.cudagraph_mode)
+        if resolved:  # vLLM resolves the mode when it binds its caches (it may have changed it since startup)
+            raise ValueError(f"decode_backend=latency_specialized: vLLM resolved its CUDA graphs to {resolved[0]}; "
+                             "no step could take the rewritten programs")
         backbone = model.model
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         check_cache_layouts(self.programs, layers, arch_of(torch.cuda.get_device_capability()),
