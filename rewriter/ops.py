@@ -29,6 +29,7 @@ all-reduce becomes a copy and the gather repeats the local share (shapes right, 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 from contextlib import contextmanager
 
 import torch
@@ -60,9 +61,21 @@ def collectives_excluded() -> Iterator[None]:
         _EXCLUDED[0] = before
 
 
-def register_group(name: str, group: dist.ProcessGroup) -> None:
-    """Make ``group`` reachable from graphs as ``k3::all_reduce(x, name, world_size)``."""
+def register_group(name: str, group: Any) -> None:
+    """Make ``group`` reachable from graphs as ``k3::all_reduce(x, name, world_size)``: a torch
+    process group (the collectives run by ``torch.distributed``, the sum in fp32), or vLLM's
+    ``GroupCoordinator`` (the server's: its own all-reduce and all-gather, the custom all-reduce,
+    symmetric-memory or NCCL path vLLM picks and captures, as its stock forward uses them)."""
     _GROUPS[name] = group
+
+
+def _coordinator(group: Any) -> bool:
+    """Whether a registered group is vLLM's ``GroupCoordinator`` (not a torch process group)."""
+    return hasattr(group, "device_group") and hasattr(group, "all_reduce")
+
+
+def _world_size(group: Any) -> int:
+    return group.world_size if _coordinator(group) else dist.get_world_size(group)
 
 
 def _tokens_per_request(num_tokens: int, num_requests: int, op: str) -> int:
@@ -87,10 +100,13 @@ def all_reduce(x: Tensor, group: str, world_size: int) -> Tensor:
             f"(call rewriter.ops.register_group before running a TP {world_size} layer)"
         )
     pg = _GROUPS[group]
-    if dist.get_world_size(pg) != world_size:
+    if _world_size(pg) != world_size:
         raise RuntimeError(
-            f"k3::all_reduce: group {group!r} has {dist.get_world_size(pg)} ranks, the graph expects {world_size}"
+            f"k3::all_reduce: group {group!r} has {_world_size(pg)} ranks, the graph expects {world_size}"
         )
+    if _coordinator(pg):  # out of place on a GPU; vLLM's CPU communicators reduce in place, so they get a copy
+        out = pg.all_reduce(x if x.is_cuda else x.clone())
+        return out if out is not x else out.clone()
     acc = x.to(torch.float32, copy=True)
     dist.all_reduce(acc, group=pg)
     return acc.to(x.dtype)
@@ -535,6 +551,8 @@ def gather_last_dim(x: Tensor, group: str, world_size: int) -> Tensor:
     if pg is None:
         raise RuntimeError(f"gather_last_dim: no process group registered as {group!r}")
     x = x.contiguous()
+    if _coordinator(pg):
+        return pg.all_gather(x, dim=-1)
     gathered = x.new_empty((world_size * x.shape[0], *x.shape[1:]))  # ranks along dim 0 (gloo takes no stack)
     _ALL_GATHER_SINGLE(gathered, x, group=pg)
     stacked = gathered.view(world_size, *x.shape)

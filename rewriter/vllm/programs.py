@@ -51,12 +51,13 @@ class ProgramError(Exception):
 
 
 def use_tp_group(group: Any) -> None:
-    """vLLM's TP group (its ``GroupCoordinator``) as the programs' ``"tp"`` process group, so the
-    all-reduces and gathers inside a layer's program run over vLLM's own device group (one per
-    pipeline stage: its TP ranks)."""
+    """vLLM's TP group (its ``GroupCoordinator``) as the programs' ``"tp"`` group, so the
+    all-reduces and gathers inside a layer's program are vLLM's own (one group per pipeline
+    stage: its TP ranks): the custom all-reduce, symmetric-memory or NCCL path it picks for the
+    message and captures in its CUDA graphs, as its stock forward's are."""
     from rewriter.ops import register_group
 
-    register_group("tp", group.device_group)
+    register_group("tp", group)
 
 
 def served_batches(capture_sizes: Iterable[int] = (), q: int = 1) -> tuple[int, ...]:
