@@ -159,18 +159,9 @@ def test_ops_dispatch_to_the_kernels_and_capture_in_a_cuda_graph():
     assert bind.stats()["k3f::attn_res_norm"]["kernel"] == before + 1
     assert rel_err(x, ref_x) <= TOL and torch.equal(gpu[2].cpu(), ref_blocks)
 
-    xs, w = torch.randn(2, D, device="cuda").bfloat16(), (torch.randn(3216, D, device="cuda") * 0.02).bfloat16()
-    split = [2304, 768, 128, 6, 10]
-    ref = torch.nn.functional.linear(xs.float(), w.float())[:, :3206]
+    xs, w, split = in_proj_case()
     torch.ops.k3f.kda_in_proj(xs, w, split)  # compiles and loads outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ys = torch.ops.k3f.kda_in_proj(xs, w, split)
-    for y in ys:
-        y.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(torch.cat(ys, dim=1), ref) <= TOL
+    captured_in_proj_matches(xs, w, split)
     assert bind.stats()["k3f::kda_in_proj"]["kernel"] >= 2
 
     logits, bias = router_inputs(5, 896, 16, gen)
@@ -193,20 +184,30 @@ def test_a_kernels_first_call_may_be_inside_a_cuda_graph_capture():
     from codegen.templates import spec_for_call
 
     bind.install_cuda_kernels()
-    xs, w = torch.randn(2, D, device="cuda").bfloat16(), (torch.randn(3216, D, device="cuda") * 0.02).bfloat16()
-    split = [2304, 768, 128, 6, 10]
-    ref = torch.nn.functional.linear(xs.float(), w.float())[:, :3206]
+    xs, w, split = in_proj_case()
     _, specs = spec_for_call("k3f::kda_in_proj", device_arch(), (xs, w, split))
     for spec in specs:
         compiler.compile_kernel(spec)  # compiled (no CUDA call) but not loaded
     bind.forget_loaded()
     compiler._LOADED.clear()  # a fresh load: its library not yet on the device
     for _ in range(2):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ys = torch.ops.k3f.kda_in_proj(xs, w, split)
-        for y in ys:
-            y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(torch.cat(ys, dim=1), ref) <= TOL
+        captured_in_proj_matches(xs, w, split)
+
+
+def in_proj_case() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Fresh random inputs of the TP 16 KDA input projection at 2 tokens, on the GPU."""
+    xs, w = torch.randn(2, D, device="cuda").bfloat16(), (torch.randn(3216, D, device="cuda") * 0.02).bfloat16()
+    return xs, w, [2304, 768, 128, 6, 10]
+
+
+def captured_in_proj_matches(xs: torch.Tensor, w: torch.Tensor, split: list[int]) -> None:
+    """``k3f::kda_in_proj`` captured in a CUDA graph, its outputs poisoned, replayed: the reference."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = torch.ops.k3f.kda_in_proj(xs, w, split)
+    for y in ys:
+        y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.linear(xs.float(), w.float())[:, :sum(split[:-1])]
+    assert rel_err(torch.cat(ys, dim=1), ref) <= TOL
