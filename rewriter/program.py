@@ -6,10 +6,10 @@ kernel launch once its CUDA kernel is registered; views cost nothing). Nodes of 
 kernel run on the device's side stream (``aux_stream``, used only by a schedule with aux
 kernels; it forks from the caller's stream and the caller's joins it only where the schedule's
 events do not already order them, since each fork and join adds graph edges between layers);
-before a kernel starts,
-its stream waits on the events the schedule recorded after the kernels it depends on, and
-values made on one stream and used on another are marked for the caching allocator. Nothing here synchronizes with the
-host, so a step can be captured in a CUDA graph once every op in it is a device kernel.
+before a kernel starts, its stream waits on the events the schedule recorded after the kernels
+it depends on, and values made on one stream and used on another are marked for the caching
+allocator. Nothing here synchronizes with the host, so a step can be captured in a CUDA graph
+once every op in it is a device kernel.
 On a CPU there are no streams and the graph simply runs in order.
 """
 from __future__ import annotations
