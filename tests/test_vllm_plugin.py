@@ -312,8 +312,7 @@ def test_step_guard_on_verify_steps():
     assert d.rewritten and d.reason == "uniform verify (4 tokens per request)"
     padded = step(_kda_verify_md(requests=3, padded=4), _mla_verify_md(requests=4))  # 3 requests in a 4-request graph
     assert _decide(padded, tokens=16, built=built, q=4).rewritten
-    ragged = "non-uniform verify step (requests verify different numbers of tokens, as DSpark's adaptive " \
-             "verification schedules them)"
+    ragged = "non-uniform verify step (requests verify different numbers of tokens)"
     cases = {
         ragged: step(_kda_verify_md(tokens=11), _mla_verify_md(tokens=16)),
         "verify step of 2 tokens per request: the programs verify 4": step(_kda_verify_md(requests=8, q=2),
@@ -409,3 +408,6 @@ def test_served_batches():
     assert served_batches([1, 2, 4, 12, 128], q=4) == (1, 3)
     assert served_batches([1, 2, 4, 8], q=3) == (1, 2)  # 9 tokens would pass the largest capture size
     assert served_batches([], q=4) == (1, 2, 4, 8, 16)  # ahead of a server: the one-token token counts
+    # no graph of more requests than max_num_seqs is captured, so none is built
+    assert served_batches([1, 2, 4, 8, 16, 32, 64], max_requests=8) == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert served_batches([1, 2, 4, 8, 16, 24, 32], q=2, max_requests=8) == (1, 2, 4, 8)

@@ -222,8 +222,7 @@ def decide_step(num_tokens: int, built: frozenset[int] | set[int], capturing: bo
     for md in rows:
         step_q = uniform_verify_q(md, num_tokens)
         if step_q is None:
-            return StepDecision(False, "non-uniform verify step (requests verify different numbers of tokens, "
-                                       "as DSpark's adaptive verification schedules them)")
+            return StepDecision(False, "non-uniform verify step (requests verify different numbers of tokens)")
         if step_q != q:
             return StepDecision(False, f"verify step of {step_q} tokens per request: the programs verify {q}")
     return StepDecision(True, f"uniform verify ({q} tokens per request)")

@@ -73,11 +73,16 @@ class RewriterDecode:
         arch = arch_of(torch.cuda.get_device_capability())
         sms = sm_count(torch.cuda.current_device())
         q = tokens_per_request(self.vllm_config)  # k + 1 with k speculative tokens: every decode step verifies
+        batches = served_batches(capture, q, self.vllm_config.scheduler_config.max_num_seqs)
         self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
-                                       batches=served_batches(capture, q), compile_fn=compile_with_codegen(arch),
+                                       batches=batches, compile_fn=compile_with_codegen(arch),
                                        group=group.cpu_group, conv_layout=get_conv_state_layout(),
                                        kv_cache_dtype=KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype],
                                        program_cache=ProgramCache(), q=q, sms=sms)
+        spec = self.vllm_config.speculative_config
+        if spec is not None and spec.uses_dynamic_speculative_decoding():
+            log.warning("rewriter: dynamic speculative decoding (num_speculative_tokens_per_batch_size): the "
+                        "programs verify %d tokens per request; steps with fewer drafts run the stock forward", q)
         rewritten = len(layers) - len(self.programs.fallbacks)
         log.info("rewriter: %d of %d layers rewritten for batch sizes %s of %d tokens per request; %d keep the "
                  "stock forward", rewritten, len(layers), list(self.programs.batches), q, len(self.programs.fallbacks))

@@ -60,20 +60,25 @@ def use_tp_group(group: Any) -> None:
     register_group("tp", group)
 
 
-def served_batches(capture_sizes: Iterable[int] = (), q: int = 1) -> tuple[int, ...]:
+def served_batches(capture_sizes: Iterable[int] = (), q: int = 1, max_requests: int | None = None
+                   ) -> tuple[int, ...]:
     """Requests a step for which to build programs. One-token steps (q = 1): 1..8, 16, 32, 64 and
     vLLM's CUDA graph capture sizes up to 64. Verify steps of q tokens per request: the request
     counts of the uniform FULL graphs vLLM's V2 runner captures (``CudaGraphManager._init_candidates``:
     each capture size rounded up to whole requests of q tokens, none past the largest capture size),
     up to 64 tokens; no other verify step is ever captured. Without capture sizes (a build ahead
-    of the server, ``compile --all-layers``) the token counts of one-token steps stand for them."""
+    of the server, ``compile --all-layers``) the token counts of one-token steps stand for them.
+    ``max_requests`` (vLLM's ``max_num_seqs``): no step has more requests, so no graph of more is
+    captured and none is built."""
     capture_sizes = [s for s in capture_sizes if s >= 1]
     if q > 1 and not capture_sizes:
         capture_sizes = list(SERVED_BATCHES)
     if q == 1:
-        return tuple(sorted({*SERVED_BATCHES, *(s for s in capture_sizes if s <= MAX_TOKENS)}))
-    ceiling = min(MAX_TOKENS, max(capture_sizes, default=0))
-    return tuple(sorted({-(-s // q) for s in capture_sizes if -(-s // q) * q <= ceiling}))
+        batches = {*SERVED_BATCHES, *(s for s in capture_sizes if s <= MAX_TOKENS)}
+    else:
+        ceiling = min(MAX_TOKENS, max(capture_sizes, default=0))
+        batches = {-(-s // q) for s in capture_sizes if -(-s // q) * q <= ceiling}
+    return tuple(sorted(b for b in batches if max_requests is None or b <= max_requests))
 
 
 def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int, rank: int,
