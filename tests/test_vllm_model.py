@@ -301,17 +301,21 @@ def test_decode_step_matches_the_reference_layers(served):
             assert torch.equal(now[0][blocks][keep[blocks]], was[0][blocks][keep[blocks]]), layer.layer_idx
 
 
-def test_a_step_hands_dspark_the_aux_hidden_states_it_asks_for(bf16, monkeypatch):
+@pytest.mark.parametrize("stream_mode", [False, True], ids=["prefix", "attn_res_stream"])
+def test_a_step_hands_dspark_the_aux_hidden_states_it_asks_for(bf16, monkeypatch, stream_mode):
     """DSpark and EAGLE-3 draft from the target's hidden states: vLLM sets the backbone's
     ``aux_hidden_state_layers``, its forward returns the AttnRes stream entering each of those
     layers beside the hidden state, and the V2 runner unpacks both from every captured step. The
     rewritten stage returns the same streams, taken by the backbone's own
-    ``_capture_aux_hidden_stream``: the embeddings for layer 0, the prefix sum plus the pending
-    MLP output after the others; without aux layers, the hidden state alone."""
+    ``_capture_aux_hidden_stream``: the embeddings for layer 0, then the prefix sum plus the
+    pending MLP output (vLLM's default), or with ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1`` the next
+    layer's AttnRes mix over the blocks written so far; without aux layers, the hidden state
+    alone."""
     from vllm_model import attn_res_in_torch
 
     from rewriter.vllm.runtime import run_stage
 
+    monkeypatch.setenv("VLLM_KIMI_K3_AUX_ATTN_RES_STREAM", str(int(stream_mode)))
     backbone, aux = bf16.model.model, (0, 2, 4)
     _fill_caches(bf16, seed=5)
     before = _snapshot(bf16)
@@ -325,12 +329,13 @@ def test_a_step_hands_dspark_the_aux_hidden_states_it_asks_for(bf16, monkeypatch
     _restore(bf16, before)
     want, hidden, prefix = [x], None, x.clone()
     blocks = x.new_empty(B, bf16.num_attn_res_blocks, x.shape[1])
-    with decode_context(bf16.vllm_config, bf16.batch) as context:
+    with attn_res_in_torch(), decode_context(bf16.vllm_config, bf16.batch) as context:
         for layer, ref in zip(bf16.layers, bf16.bind()):
             hidden, prefix, blocks = ref(hidden if hidden is not None else prefix, prefix, blocks,
                                          *state_inputs(layer, context, B))
-            if layer.layer_idx + 1 in aux:
-                want.append(prefix + hidden)
+            if layer.layer_idx + 1 in aux:  # the stream mode mixes the blocks as the next layer will
+                want.append(backbone._capture_aux_hidden_stream(layer.layer_idx, prefix, hidden, blocks)
+                            if stream_mode else prefix + hidden)
     assert len(streams) == len(want) == 3 and torch.equal(streams[0], x)
     for i, (a, b) in enumerate(zip(streams, want)):
         assert a.shape == (B, x.shape[1]) and rel_err(a, b) < TOL, (i, rel_err(a, b))

@@ -144,20 +144,24 @@ def mla_backend_on_cpu() -> contextlib.AbstractContextManager:
     return _patched(current_platform, "get_attn_backend_cls", get_attn_backend_cls)
 
 
-def attn_res_in_torch() -> contextlib.AbstractContextManager:
-    """Why: vLLM's ``attn_res`` op (the last stage's final AttnRes) is a Triton kernel. Its math in
-    torch: the reference layers' ``attn_res`` (``rewriter/layers/attn_res.py``), with the block
-    write done in place as vLLM's op does it."""
+@contextlib.contextmanager
+def attn_res_in_torch() -> Iterator[None]:
+    """Why: vLLM's ``attn_res`` op (the last stage's final AttnRes, and the backbone's aux stream
+    in ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM`` mode) is a Triton kernel. Its math in torch: the
+    reference layers' ``attn_res`` (``rewriter/layers/attn_res.py``), with the block write done in
+    place as vLLM's op does it; in its module and where the model imported it by name."""
     from rewriter.layers.attn_res import attn_res as reference
 
     module = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module, not the function
+    model = importlib.import_module("vllm.models.kimi_k3.nvidia.model")
 
     def attn_res(prefix, delta, blocks, *args, **kwargs):
         out, _, written = reference(prefix, delta, blocks, *args, **kwargs)
         blocks.copy_(written)
         return out
 
-    return _patched(module, "attn_res", attn_res)
+    with _patched(module, "attn_res", attn_res), _patched(model, "attn_res", attn_res):
+        yield
 
 
 def mla_verify_rows_as_decodes() -> contextlib.AbstractContextManager:
