@@ -32,7 +32,8 @@ def aux_stream(device: torch.device) -> torch.cuda.Stream:
     stream pool: a pool stream (``torch.cuda.Stream()``) is one of 32 handed out in turn, so one
     program in 32 would find its side stream to be the stream a capture runs on (vLLM's capture
     stream comes from the same pool) and lose its overlap."""
-    index = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
     if index not in _AUX_STREAMS:
         from cuda.bindings import runtime
 

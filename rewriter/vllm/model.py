@@ -58,6 +58,7 @@ class RewriterDecode:
     def __init__(self, vllm_config: Any):
         self.vllm_config = vllm_config
         self.programs: ProgramSet | None = None
+        self.sms: int | None = None  # the serving GPU's SMs, read at build: the checks plan for the same
         self.steps = StepLog()
 
     def build(self, model: "RewrittenKimiLinearForCausalLM") -> None:
@@ -71,7 +72,7 @@ class RewriterDecode:
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         capture = self.vllm_config.compilation_config.cudagraph_capture_sizes or ()
         arch = arch_of(torch.cuda.get_device_capability())
-        sms = sm_count(torch.cuda.current_device())
+        sms = self.sms = sm_count(torch.cuda.current_device())
         q = tokens_per_request(self.vllm_config)  # k + 1 with k speculative tokens: every decode step verifies
         batches = served_batches(capture, q, self.vllm_config.scheduler_config.max_num_seqs)
         self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
@@ -102,7 +103,7 @@ class RewriterDecode:
         backbone = model.model
         layers = list(backbone.layers[backbone.start_layer:backbone.end_layer])
         check_cache_layouts(self.programs, layers, arch_of(torch.cuda.get_device_capability()),
-                            group=get_tp_group().cpu_group, sms=sm_count(torch.cuda.current_device()),
+                            group=get_tp_group().cpu_group, sms=self.sms,
                             compile_specs=compile_specs_with_codegen())
         # what kernels keep across steps (the MoE router's plan), zeroed now: every served step is captured
         made = make_workspaces({s for p in self.programs.programs.values() for s in p.kernel_specs},

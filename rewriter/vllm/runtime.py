@@ -20,6 +20,7 @@ the others packed into the intermediate tensors under vLLM's keys.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,8 +30,12 @@ from rewriter.vllm.programs import ProgramSet
 from rewriter.vllm.state import state_inputs
 
 
+AuxHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (layer_idx, prefix, hidden, blocks)
+
+
 def run_layers(layers: list[nn.Module], programs: ProgramSet, positions: torch.Tensor, prefix: torch.Tensor,
-               blocks: torch.Tensor, context: Any, aux: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               blocks: torch.Tensor, context: Any, aux: AuxHook | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(last MLP output, prefix sum, blocks) after every layer, each by program or stock, from
     the stage's first prefix sum and its block buffer; ``aux(layer_idx, prefix, hidden, blocks)``
     is called after each layer (the aux hidden streams)."""
