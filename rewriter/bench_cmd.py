@@ -27,7 +27,8 @@ How it is measured, and what it leaves out:
   back to back: the graph's launch and its first kernel's ramp are shared by those layers
   (with the 3 copies of a one-token step alone they added 2 to 8 us to each, H200,
   BENCHMARKS.md); time per layer = median replay / layers run;
-- medians over ``reps`` timed replays after warm-up, CUDA events around each replay.
+- medians over ``reps`` timed replays, CUDA events around each replay, after ``WARM_UP_S`` of
+  untimed replays (the clocks up after the capture or compile before).
 """
 from __future__ import annotations
 
@@ -198,7 +199,24 @@ def _timed_us(run: Callable[[], Any]) -> float:
     return start.elapsed_time(end) * 1000.0
 
 
+WARM_UP_S = 0.3  # GPU time run before any timed call: the clocks come up from idle in about this
+
+
+def warmed_up(run: Callable[[], Any], seconds: float = WARM_UP_S) -> int:
+    """Call ``run`` until ``seconds`` have passed (at least twice) and return how many times: a
+    GPU idle since the last row (capture, compile) times its first calls at lower clocks. On
+    an H100, layer 3's 20 replays timed straight after capture gave 73.1 us a layer where the
+    profiled replay after them ran a layer every 68 us (BENCHMARKS.md, twenty-seventh session)."""
+    calls, start = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - start < seconds:
+        run()
+        torch.cuda.synchronize()
+        calls += 1
+    return calls
+
+
 def _median_us(run: Callable[[], Any], reps: int) -> float:
+    warmed_up(run)
     return statistics.median(_timed_us(run) for _ in range(reps))
 
 
@@ -258,13 +276,14 @@ def split_events(events: list) -> tuple[list, list]:
 
 
 def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
-                    ) -> tuple[list[tuple[str, float, float, float]] | None, list[tuple[str, float]]]:
+                    ) -> tuple[list[tuple[str, float, float, float]] | None, list[tuple[str, float]], list[float]]:
     """The kernels of one layer (``middle_layer``'s) in one profiled graph replay: (name, start us
     from the layer's first kernel, duration us, us by which its end moved the layer's last end
     so far). The last column sums to the layer's span under replay, so it says which kernels
     the layer waits on (a kernel that ends inside an earlier one adds 0); None where the
     profiler does not see kernels inside a graph replay. Second: the replay's memory
-    operations (name, us), which the layers' spans do not show."""
+    operations (name, us), which the layers' spans do not show. Third: ``layer_gaps`` of the
+    replay (empty where the layers cannot be told apart)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -275,10 +294,20 @@ def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
     memory_ops = [(e.name, e.time_range.elapsed_us()) for e in memory]
     layer = middle_layer(events, per_layer, layers)
     if layer is None:
-        return None, memory_ops
+        return None, memory_ops, []
     spans = [(e.time_range.start, e.time_range.end) for e in layer]
+    gaps = layer_gaps([(e.time_range.start, e.time_range.end) for e in events], per_layer)
     return [(e.name, start - spans[0][0], end - start, added)
-            for e, (start, end), added in zip(layer, spans, span_additions(spans))], memory_ops
+            for e, (start, end), added in zip(layer, spans, span_additions(spans))], memory_ops, gaps
+
+
+def layer_gaps(spans: list[tuple[float, float]], per_layer: int) -> list[float]:
+    """For a replay's kernels in start order, ``per_layer`` a layer: from each layer's latest end to
+    the next layer's first start (negative where the next layer starts early under PDL). What
+    the profiler sees between layers, beside the figure less one layer's span, which also holds
+    what profiling itself moves."""
+    layers = [spans[i:i + per_layer] for i in range(0, len(spans), per_layer)]
+    return [nxt[0][0] - max(end for _, end in prev) for prev, nxt in zip(layers, layers[1:])]
 
 
 def middle_layer(events: list, per_layer: int, layers: int) -> list | None:
@@ -416,7 +445,7 @@ class _Captured:
         profiled replay; printed as progress."""
         kernels = len(self.launched)
         labels = label_kernels(self.launched, specs)
-        timeline, memory_ops = replay_timeline(self.graph.replay, kernels, layers)
+        timeline, memory_ops, gaps = replay_timeline(self.graph.replay, kernels, layers)
         if timeline is not None:
             names = [label for label, _ in label_kernels([(n, d) for n, _, d, _ in timeline], specs)]
             timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for label, (_, t, d, a) in zip(names, timeline)]
@@ -443,6 +472,9 @@ class _Captured:
             progress(f"    {t:7.1f} {d:7.1f} {a:7.1f}  {label}")
         if timeline:
             progress(f"    between layers: {us - sum(a for *_, a in timeline):.1f} us (the figure less the span)")
+        if gaps:
+            progress(f"    between layers, profiled: median {statistics.median(gaps):.1f} us from one layer's last "
+                     f"end to the next's first start (min {min(gaps):.1f}, max {max(gaps):.1f}, {len(gaps)} boundaries)")
         return row
 
 
@@ -481,6 +513,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
             progress(f"  the variant's kernels ({args.variant}), captured on the same weights")
             with kernel_sources_swapped(args.variant):
                 variant = _Captured.of(run_all, run_one, rounds)
+            warmed_up(tree.graph.replay)
             a_us, b_us = alternated_us(tree.graph.replay, variant.graph.replay, args.reps)
             a_us, b_us = [t / layers for t in a_us], [t / layers for t in b_us]
             diff, q1, q3, lower = paired_difference(a_us, b_us)

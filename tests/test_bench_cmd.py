@@ -141,6 +141,29 @@ def test_the_timeline_is_the_middle_layers():
     assert middle_layer(events[:-1], 3, 8) is None
 
 
+def test_layer_gaps_run_from_a_layers_latest_end_to_the_next_layers_first_start():
+    """A layer's latest end need not be its last kernel's (a side stream's kernel may end later);
+    a next layer that starts early under PDL gives a negative gap."""
+    from rewriter.bench_cmd import layer_gaps
+
+    spans = [(0.0, 4.0), (1.0, 9.0), (5.0, 7.0),  # layer 0 ends at 9 (its middle kernel)
+             (12.0, 13.0), (13.0, 14.0), (14.0, 16.0),  # layer 1 starts 3 us later
+             (15.5, 17.0), (17.0, 18.0), (18.0, 19.0)]  # layer 2 starts 0.5 us before layer 1 ends
+    assert layer_gaps(spans, 3) == [3.0, -0.5]
+    assert layer_gaps(spans[:3], 3) == []
+
+
+def test_timed_calls_follow_a_warm_up_of_the_same_call(monkeypatch):
+    """At least two untimed calls, and as many as fill the warm-up time."""
+    import time
+
+    from rewriter import bench_cmd
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert bench_cmd.warmed_up(lambda: None, seconds=0.0) == 2
+    assert bench_cmd.warmed_up(lambda: time.sleep(0.01), seconds=0.05) >= 5
+
+
 def test_memory_operations_are_kept_apart_from_kernels():
     """A profile's memcpy and memset (graph nodes that are not kernels) are not counted as kernels
     nor dropped: the bench names them in its row. CPU events are left out; both lists in start order."""
