@@ -8,6 +8,7 @@ torch's own ``linear`` (cuBLAS) on the same data.
     python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res, kda_core,
                                             # mla_attend)
     python examples/bench_kernels.py --only dense_tiling   # the dense MLP's GEMM at other tilings than the chosen
+    python examples/bench_kernels.py --only mla_attend --tp 16   # one TP shape of the per-TP parts
 
 The dense MLP, output projection, latent tail and router sections time the GEMV and the GEMM at the same batches
 (each forced outside its range for the sweep only), to place the batch where the templates
@@ -402,7 +403,10 @@ def main() -> None:
     parts = ("in_proj", "attn_res", "dense", "dense_tiling", "o_proj", "latent_tail", "router", "kda_core",
              "mla_attend")
     parser.add_argument("--only", nargs="+", choices=parts, default=[p for p in parts if p != "dense_tiling"])
-    only = parser.parse_args().only
+    parser.add_argument("--tp", type=int, nargs="+", choices=(16, 8), default=[16, 8],
+                        help="TP shapes of the per-TP parts (default 16 8)")
+    args = parser.parse_args()
+    only, tps = args.only, args.tp
     print(f"{torch.cuda.get_device_name()}, {device_arch()}")
     if "in_proj" in only:
         for name, split in SPLITS.items():
@@ -415,24 +419,24 @@ def main() -> None:
     if "attn_res" in only:
         bench_attn_res()
     if "dense" in only:
-        for tp in (16, 8):
+        for tp in tps:
             bench_dense(tp)
     if "dense_tiling" in only:
-        for tp in (16, 8):
+        for tp in tps:
             bench_dense_tiling(tp)
     if "o_proj" in only:
-        for tp in (16, 8):
+        for tp in tps:
             bench_o_proj(tp)
     if "latent_tail" in only:
         bench_latent_tail()
     if "router" in only:
-        for tp in (16, 8):
+        for tp in tps:
             bench_router(tp)
     if "kda_core" in only:
-        for tp in (16, 8):
+        for tp in tps:
             bench_kda_core(tp)
     if "mla_attend" in only:
-        for tp in (16, 8):
+        for tp in tps:
             bench_mla_attend(tp)
 
 
