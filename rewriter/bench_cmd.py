@@ -669,7 +669,8 @@ def run_bench(args: argparse.Namespace) -> int:
             for batch in args.batch:
                 rows.extend(bench_shape(cfg, args, tp, batch, arch, log))
                 torch.cuda.empty_cache()  # the shape's layer copies are gone
-    run = {"device": device, "model": args.model, "layer": args.layer, "q": args.q, "experts": args.experts,
+    run = {"device": device, "model": args.model, "layer": args.layer, "attention": cfg.attention_kind(args.layer),
+           "q": args.q, "experts": args.experts,
            "variant": None if args.variant is None else str(args.variant),
            "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
            "floor_tbps": args.floor_tbps, "floor_source": floor_source,
