@@ -53,7 +53,9 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_positive_int, default=1, help="decode requests in the step (default 1)")
     p.add_argument("--q", type=_positive_int, default=1, help="tokens per request (default 1; >1: speculative)")
     p.add_argument("--context", type=int, default=4096, help="tokens already cached per request (default 4096)")
-    p.add_argument("--block-size", type=_positive_int, default=64, help="MLA cache page size (default 64)")
+    p.add_argument("--block-size", type=_positive_int, default=None,
+                   help="MLA cache page size (default 64; compile --all-layers: the page vLLM binds for the "
+                        "model, TP, cache dtype and draft tokens, rewriter/pages.py)")
     p.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
     p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
@@ -76,7 +78,8 @@ def rewritten_layer(args: argparse.Namespace, rules: RuleSet | None = None) -> R
     cfg = KimiK3Config.load(args.model)
     dtype = DTYPES[args.dtype]
     shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
-                        context=args.context, block_size=args.block_size, conv_layout=args.conv_layout,
+                        context=args.context, block_size=args.block_size or DecodeShape.block_size,
+                        conv_layout=args.conv_layout,
                         kv_cache_dtype=args.kv_cache_dtype)
     layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype, experts=args.experts)
     rules = default_rules() if rules is None else rules

@@ -68,6 +68,7 @@ def run_compile_all(args: argparse.Namespace) -> int:
     from rewriter.cli import DTYPES
     from rewriter.config import KimiK3Config
     from rewriter.layers.decoder import layer_structures
+    from rewriter.pages import vllm_block_size
     from rewriter.shape import ShapeError
     from rewriter.vllm.programs import served_batches
 
@@ -85,13 +86,20 @@ def run_compile_all(args: argparse.Namespace) -> int:
             return 2
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     structures = layer_structures(cfg, args.tp, args.rank, args.experts)
+    block_size, block_from = args.block_size, "--block-size"
+    if block_size is None:
+        try:
+            block_size, block_from = vllm_block_size(cfg, args.tp, args.kv_cache_dtype, args.q - 1), "vLLM's"
+        except ValueError as e:
+            raise ShapeError(f"the MLA cache page vLLM would bind: {e}; give --block-size") from None
     base = {"tp": args.tp, "rank": args.rank, "dtype": DTYPES[args.dtype], "arch": args.arch, "q": args.q,
-            "context": args.context, "block_size": args.block_size, "conv_layout": args.conv_layout,
+            "context": args.context, "block_size": block_size, "conv_layout": args.conv_layout,
             "kv_cache_dtype": args.kv_cache_dtype}
     work = [(layers[0], b) for layers in structures.values() for b in batches]
     say(f"{args.model}: {cfg.num_hidden_layers} layers, {len(structures)} structures x {len(batches)} batches "
         f"{list(batches)} = {len(work)} plans, TP {args.tp} rank {args.rank}, {args.arch}"
-        f"{f' ({args.sms} SMs)' if args.sms else ''}, {jobs} processes")
+        f"{f' ({args.sms} SMs)' if args.sms else ''}, {args.kv_cache_dtype} MLA cache in pages of {block_size} "
+        f"({block_from}), {jobs} processes")
     t0 = time.perf_counter()
     plans: dict[tuple[int, int], dict] = {}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
@@ -126,6 +134,7 @@ def run_compile_all(args: argparse.Namespace) -> int:
     failed = [r for r in results if r["status"] == "failed"]
     misses = sum(r.get("cache") == "miss" for r in results)
     summary = {"model": args.model, "tp": args.tp, "rank": args.rank, "arch": args.arch, "sms": args.sms,
+               "block_size": block_size,
                "batches": list(batches),
                "structures": len(structures), "plans": len(work), "kernels": len(specs),
                "compiled": len(results) - len(failed), "cache_misses": misses, "failed": len(failed),

@@ -518,9 +518,10 @@ def test_compile_all_layers_for_verify_steps_plans_the_served_request_counts(cap
     """``--q 4`` without ``--batches``: the request counts whose 4-token verify steps the server
     serves (the one-token token counts rounded up to whole requests, at most 64 tokens)."""
     assert main(["compile", "--all-layers", "--model", "tiny", "--q", "4", "--arch", "sm_90a", "--jobs", "2",
-                 "--cache-dir", str(tmp_path), "--json", "--dry-run"]) == 0
+                 "--cache-dir", str(tmp_path), "--json", "--dry-run", "--block-size", "16"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["batches"] == [1, 2, 4, 8, 16] and report["plans"] == 6 * 5
+    assert report["block_size"] == 16  # as given, not vLLM's
 
 
 def test_compile_for_a_gpu_of_fewer_sms_plans_its_mla_grid(capsys, tmp_path):
@@ -537,6 +538,7 @@ def test_compile_for_a_gpu_of_fewer_sms_plans_its_mla_grid(capsys, tmp_path):
                  "--jobs", "2", "--cache-dir", str(tmp_path), "--json", "--dry-run"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["sms"] == 78 and report["layers_served"] == 69  # the 24 MLA layers cannot take 64 tokens
+    assert report["block_size"] == 1536  # the page vLLM binds at TP 4 with a bf16 cache (rewriter.pages)
     assert "more CTAs than the 78 SMs of the GPU hold" in report["refusals"]["layer 3 batch 64"]
     assert "layer 3 batch 8" not in report["refusals"]
     assert main([*args, "--sms", "0"]) == 2

@@ -998,14 +998,16 @@ def test_the_server_plans_for_its_own_gpus_sms_and_vllms_cache_page_size():
         assert f"block_size={page}" in any_gpu.fallbacks[i] and "max_ctas=78" in any_gpu.fallbacks[i]
 
 
-def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monkeypatch, tmp_path):
+@pytest.mark.parametrize("predicted", ["vLLM's", "another"])
+def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monkeypatch, tmp_path, predicted):
     """The plugin's hooks in vLLM's V2 runner, on vLLM's real model, config and model-state class
     (``KimiK3ModelState``, whose own hooks build vLLM's in-tree path): the state vLLM makes after
-    ``load_model`` (``init_model_state``) builds every layer's programs for the GPU it runs on, and
-    its ``initialize_kv_cache``, which vLLM calls for each cache it binds (the profiling one, then
-    the real one), checks them on the caches as bound, compiling the kernels the bound page size
-    needs once. The GPU is an H20 (sm_90, 78 SMs) as far as the plugin can tell; the compile
-    steps check the templates without compiling."""
+    ``load_model`` (``init_model_state``) builds every layer's programs for the GPU it runs on and
+    the MLA cache page vLLM will bind (``rewriter.pages``, which this config's bound page matches),
+    and its ``initialize_kv_cache``, which vLLM calls for each cache it binds (the profiling one,
+    then the real one), checks them on the caches as bound: nothing to compile where the page was
+    predicted, else the kernels the bound page needs, once. The GPU is an H20 (sm_90, 78 SMs) as
+    far as the plugin can tell; the compile steps check the templates without compiling."""
     from vllm.config import CUDAGraphMode, set_current_vllm_config
     from vllm.models.kimi_k3.nvidia.model_state import KimiK3ModelState
     from vllm.v1.worker.gpu.model_states import init_model_state
@@ -1013,6 +1015,7 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
 
     import rewriter.vllm.model as plugin
     from rewriter.kernel_plan import program_refusal
+    from rewriter.pages import vllm_block_size
 
     def refuse_as_the_server_does(result, rows):  # compile_with_codegen's check, without compiling
         reason = program_refusal(rows)
@@ -1027,6 +1030,8 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
     monkeypatch.setattr(plugin, "compile_with_codegen", lambda arch: refuse_as_the_server_does)
     monkeypatch.setattr(plugin, "compile_specs_with_codegen", lambda: compiled.extend)
     monkeypatch.setattr(plugin, "make_workspaces", lambda specs, device: workspaces.append(set(specs)) or 0)
+    if predicted == "another":  # a page vLLM does not bind (say, the server's own --block-size)
+        monkeypatch.setattr(plugin, "vllm_block_size", lambda *args: 64)
 
     model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
     model.__class__ = plugin.RewrittenKimiLinearForCausalLM  # what vLLM's registry resolves to with the plugin
@@ -1039,14 +1044,19 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
     programs = model.rewriter.programs
     assert not programs.fallbacks and len(programs.programs) == len(layers) * len(programs.batches)
     attend = {s for p in programs.programs.values() for s in p.kernel_specs if s.kernel == "mla_attend"}
-    assert {(s.shape_dict["block_size"], s.param_dict["max_ctas"]) for s in attend} == {(64, 78)}
+    built = 64 if predicted == "another" else vllm_block_size(cfg, 1, "bf16")
+    assert {(s.shape_dict["block_size"], s.param_dict["max_ctas"]) for s in attend} == {(built, 78)}
 
     runner = bind_caches(model, vc)
     page = cache_tensors(layers[mla[0]])["kv_cache"].shape[1]
+    assert (page == built) == (predicted == "vLLM's")
     vc.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # as resolved on a GPU (a CPU: NONE)
     for _ in range(2):  # vLLM's profiling cache, then the real one
         state.initialize_kv_cache(runner.kv_cache_config, None)
     assert not programs.fallbacks
+    if predicted == "vLLM's":
+        assert compiled == [] and len(workspaces) == 2
+        return
     assert {(s.kernel, s.shape_dict["block_size"], s.param_dict["max_ctas"]) for s in compiled} == \
         {("mla_attend", page, 78)}
     assert len(compiled) == len({s.shape_dict["batch"] for s in attend})  # once per batch, not per bound cache

@@ -29,6 +29,7 @@ from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 from codegen.template import sm_count
 from codegen.templates import make_workspaces
 from rewriter.config import KimiK3Config
+from rewriter.pages import vllm_block_size
 from rewriter.program_cache import ProgramCache
 from rewriter.vllm.guard import (KV_CACHE_DTYPES, StepDecision, StepLog, arch_of, check_deployment,
                                  cudagraph_mode_refusals, decide_step, tokens_per_request)
@@ -75,11 +76,14 @@ class RewriterDecode:
         sms = self.sms = sm_count(torch.cuda.current_device())
         q = tokens_per_request(self.vllm_config)  # k + 1 with k speculative tokens: every decode step verifies
         batches = served_batches(capture, q, self.vllm_config.scheduler_config.max_num_seqs)
+        kv_cache_dtype = KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype]
+        # the page vLLM will bind (it fixes it after the model loads), as `compile --all-layers` compiles for
+        block_size = vllm_block_size(cfg, group.world_size, kv_cache_dtype, q - 1)
         self.programs = build_programs(layers, cfg, tp=group.world_size, rank=group.rank_in_group, arch=arch,
                                        batches=batches, compile_fn=compile_with_codegen(arch),
                                        group=group.cpu_group, conv_layout=get_conv_state_layout(),
-                                       kv_cache_dtype=KV_CACHE_DTYPES[self.vllm_config.cache_config.cache_dtype],
-                                       program_cache=ProgramCache(), q=q, sms=sms)
+                                       kv_cache_dtype=kv_cache_dtype, program_cache=ProgramCache(), q=q, sms=sms,
+                                       block_size=block_size)
         spec = self.vllm_config.speculative_config
         if spec is not None and spec.uses_dynamic_speculative_decoding():
             log.warning("rewriter: dynamic speculative decoding (num_speculative_tokens_per_batch_size): the "

@@ -245,14 +245,17 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
                    batches: Iterable[int], compile_fn: CompileFn = require_cuda_kernels,
                    group: Any = None, progress: Callable[[str], None] | None = None,
                    conv_layout: str = "SD", kv_cache_dtype: str = "bf16",
-                   program_cache: ProgramCache | None = None, q: int = 1, sms: int | None = None) -> ProgramSet:
+                   program_cache: ProgramCache | None = None, q: int = 1, sms: int | None = None,
+                   block_size: int = DecodeShape.block_size) -> ProgramSet:
     """Programs for every (layer, batch), traced on KDA state in ``conv_layout`` (vLLM's
     ``get_conv_state_layout()``) and an MLA cache of ``kv_cache_dtype`` (bf16 or fp8), for steps
     of ``q`` tokens per request (q > 1: speculative verify, ``DecodeShape.q``); layers that fail
     on any rank fall back on all. ``program_cache``: rewritten graphs read from (and stored to)
     disk, as a warm server start does; None rewrites every one. ``sms``: the serving GPU's SMs,
     which cap the grids that must be resident at once (None: as many as any grid asks), so the
-    kernels compiled here are the ones its steps launch."""
+    kernels compiled here are the ones its steps launch. ``block_size``: the MLA cache page the
+    programs are traced for (vLLM fixes its own only once the caches are bound, and
+    ``check_cache_layouts`` compiles for that where it differs)."""
     batches = tuple(sorted(set(batches)))
     if not 1 <= q <= MAX_Q or any(b * q > MAX_TOKENS for b in batches):
         raise ValueError(f"programs take 1..{MAX_Q} tokens per request and at most {MAX_TOKENS} tokens a step; "
@@ -267,7 +270,7 @@ def build_programs(vllm_layers: list[nn.Module], cfg: KimiK3Config, *, tp: int, 
             ref = bind_layer(vllm_layer, cfg, idx, tp, rank)
             for b in batches:
                 shape = DecodeShape(batch=b, q=q, tp=tp, rank=rank, arch=arch, conv_layout=conv_layout,
-                                    kv_cache_dtype=kv_cache_dtype)
+                                    kv_cache_dtype=kv_cache_dtype, block_size=block_size)
                 result, schedule, specs = _built(built, ref.structure, ref, shape, compile_fn, program_cache, sms)
                 gm = fx.GraphModule(ref, result.after.graph, class_name=f"K3Layer{idx}Batch{b}Q{q}")
                 rooted = RewriteResult(before=result.before, after=replace(result.after, gm=gm, module=ref))
