@@ -186,7 +186,8 @@ def test_the_scratch_is_made_and_its_barrier_zeroed_outside_any_capture(monkeypa
 @pytest.mark.parametrize("batch, heads, cache, q, block", [(1, 6, torch.bfloat16, 1, 64), (64, 12, torch.bfloat16, 1, 64),
                                                            (1, 12, torch.uint8, 1, 64), (64, 12, torch.uint8, 1, 16),
                                                            (1, 6, torch.bfloat16, 8, 16), (2, 12, torch.uint8, 4, 128),
-                                                           (1, 96, torch.bfloat16, 1, 64), (8, 24, torch.uint8, 1, 64)])
+                                                           (1, 96, torch.bfloat16, 1, 64), (8, 24, torch.uint8, 1, 64),
+                                                           (8, 12, torch.uint8, 1, 1536)])  # vLLM's page: TP 8, fp8
 def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
     from codegen.compiler import compile_kernel
 
@@ -335,12 +336,13 @@ def test_mla_attend(case, shape, fp8):
 
 @on_gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("block_size", [16, 48, 128, 384, 768])
+@pytest.mark.parametrize("block_size", [16, 48, 128, 384, 768, 1536])
 def test_mla_attend_block_sizes(block_size, fp8):
     """Blocks smaller than a tile or not a multiple of it (a lookup per row) and larger ones (a
     tile at an offset inside its block, one lookup a tile); the 64 of every other test is the
-    one-lookup case at offset 0. 384 and 768 are the pages vLLM gives Kimi K3's MLA cache at TP 16
-    (bf16 and fp8): a hybrid model's attention page holds at least a KDA state slot."""
+    one-lookup case at offset 0. 384, 768 and 1536 are the pages vLLM gives Kimi K3's MLA cache
+    (``rewriter.pages``: 384 and 768 at TP 16 with bf16 and fp8, 768 and 1536 at TP 8): a hybrid
+    model's attention page holds at least a KDA state slot."""
     batch, seq = CASES["b8"]
     cpu = attend_inputs(batch, 6, seq, fp8=fp8, block_size=block_size, seed=block_size)
     check_attend(cpu, cuda(cpu), seq, 1)
