@@ -25,6 +25,7 @@ from rewriter.fuzz_cmd import add_fuzz_parser, run_fuzz
 from rewriter.compile_cmd import add_compile_parser, run_compile
 from rewriter.config import PRESETS, ConfigError, KimiK3Config
 from rewriter.cost import H200_COPY_TBPS
+from rewriter.pages import vllm_block_size
 from rewriter.rewrite import RewriteResult
 from rewriter.rules import RuleError, RuleSet, default_rules, load_rules_file
 from rewriter.shape import ARCHES, CONV_LAYOUTS, KV_CACHE_DTYPES, DecodeShape, ShapeError
@@ -54,8 +55,8 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--q", type=_positive_int, default=1, help="tokens per request (default 1; >1: speculative)")
     p.add_argument("--context", type=int, default=4096, help="tokens already cached per request (default 4096)")
     p.add_argument("--block-size", type=_positive_int, default=None,
-                   help="MLA cache page size (default 64; compile --all-layers: the page vLLM binds for the "
-                        "model, TP, cache dtype and draft tokens, rewriter/pages.py)")
+                   help="MLA cache page size (default: the page vLLM binds for the model, TP, cache dtype and "
+                        "draft tokens, rewriter/pages.py; Kimi K3 at TP 16: 384 bf16, 768 fp8)")
     p.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
     p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
@@ -69,6 +70,18 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Python file whose RULES list is added to the built-in rules (repeatable)")
 
 
+def block_size_of(args: argparse.Namespace, cfg: KimiK3Config) -> int:
+    """``--block-size``, else the MLA cache page vLLM binds at the options' TP, cache dtype and
+    draft tokens (``rewriter.pages``): what a server's kernels are compiled for."""
+    if args.block_size is not None:
+        return args.block_size
+    cfg.shard(args.tp)  # a TP size the model cannot take, named by the config
+    try:
+        return vllm_block_size(cfg, args.tp, args.kv_cache_dtype, args.q - 1)
+    except ValueError as e:
+        raise ShapeError(f"the MLA cache page vLLM would bind: {e}; give --block-size") from None
+
+
 def rewritten_layer(args: argparse.Namespace, rules: RuleSet | None = None) -> RewriteResult:
     """The layer the options name, traced at their shape and rewritten (built-in rules plus --rules)."""
     from rewriter.layers import build_layer
@@ -78,8 +91,7 @@ def rewritten_layer(args: argparse.Namespace, rules: RuleSet | None = None) -> R
     cfg = KimiK3Config.load(args.model)
     dtype = DTYPES[args.dtype]
     shape = DecodeShape(batch=args.batch, tp=args.tp, rank=args.rank, dtype=dtype, arch=args.arch, q=args.q,
-                        context=args.context, block_size=args.block_size or DecodeShape.block_size,
-                        conv_layout=args.conv_layout,
+                        context=args.context, block_size=block_size_of(args, cfg), conv_layout=args.conv_layout,
                         kv_cache_dtype=args.kv_cache_dtype)
     layer = build_layer(cfg, args.layer, tp=args.tp, rank=args.rank, dtype=dtype, experts=args.experts)
     rules = default_rules() if rules is None else rules

@@ -65,10 +65,9 @@ def _eta(done: int, total: int, elapsed: float) -> str:
 def run_compile_all(args: argparse.Namespace) -> int:
     from codegen.cache import KernelCache
     from codegen.compiler import available
-    from rewriter.cli import DTYPES
+    from rewriter.cli import DTYPES, block_size_of
     from rewriter.config import KimiK3Config
     from rewriter.layers.decoder import layer_structures
-    from rewriter.pages import vllm_block_size
     from rewriter.shape import ShapeError
     from rewriter.vllm.programs import served_batches
 
@@ -86,12 +85,7 @@ def run_compile_all(args: argparse.Namespace) -> int:
             return 2
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     structures = layer_structures(cfg, args.tp, args.rank, args.experts)
-    block_size, block_from = args.block_size, "--block-size"
-    if block_size is None:
-        try:
-            block_size, block_from = vllm_block_size(cfg, args.tp, args.kv_cache_dtype, args.q - 1), "vLLM's"
-        except ValueError as e:
-            raise ShapeError(f"the MLA cache page vLLM would bind: {e}; give --block-size") from None
+    block_size, block_from = block_size_of(args, cfg), "--block-size" if args.block_size else "vLLM's"
     base = {"tp": args.tp, "rank": args.rank, "dtype": DTYPES[args.dtype], "arch": args.arch, "q": args.q,
             "context": args.context, "block_size": block_size, "conv_layout": args.conv_layout,
             "kv_cache_dtype": args.kv_cache_dtype}
