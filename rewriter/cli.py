@@ -75,11 +75,8 @@ def block_size_of(args: argparse.Namespace, cfg: KimiK3Config) -> int:
     draft tokens (``rewriter.pages``): what a server's kernels are compiled for."""
     if args.block_size is not None:
         return args.block_size
-    cfg.shard(args.tp)  # a TP size the model cannot take, named by the config
-    try:
-        return vllm_block_size(cfg, args.tp, args.kv_cache_dtype, args.q - 1)
-    except ValueError as e:
-        raise ShapeError(f"the MLA cache page vLLM would bind: {e}; give --block-size") from None
+    cfg.shard(args.tp)  # raises ConfigError when tp does not divide the model (argparse checked the dtype)
+    return vllm_block_size(cfg, args.tp, args.kv_cache_dtype, args.q - 1)
 
 
 def rewritten_layer(args: argparse.Namespace, rules: RuleSet | None = None) -> RewriteResult:
