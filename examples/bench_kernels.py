@@ -143,9 +143,9 @@ def bench_dense(tp: int) -> None:
 
 # (gate/up, down) tilings tried beside the chosen one, one stage at a time: ring depth, K split, rows a CTA
 DENSE_TILINGS = {16: ([{"stages": 12}, {"split_k": 8}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 8}],
-                      [{"stages": 12}, {"stages": 6}, {"rows_per_cta": 32}, {"rows_per_cta": 128}]),
+                      [{"stages": 9}, {"stages": 6}, {"rows_per_cta": 32}, {"rows_per_cta": 128}]),
                  8: ([{"stages": 12}, {"split_k": 4}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 4}],
-                     [{"stages": 12}, {"stages": 6}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 1}])}
+                     [{"stages": 9}, {"stages": 6}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 1}])}
 
 
 @contextmanager

@@ -110,6 +110,23 @@ def test_small_grids_hold_their_whole_k_in_the_ring(tokens, weights):
     assert big["stages"] <= 6
 
 
+@pytest.mark.parametrize("tokens", [2, 8, 16])
+@pytest.mark.parametrize("k,rows_per_cta,split", [(2112, 64, 1), (4224, 128, 2)])  # the dense down stage, TP 16 / 8
+def test_one_wave_grids_take_a_ring_for_one_cta_an_sm(tokens, k, rows_per_cta, split):
+    """The dense down stage's 112 CTAs (at most ONE_WAVE_MAX_SHARE of the SMs, clusters of at most
+    2) get an SM each, so their ring is ONE_WAVE_STAGES deep within one CTA's shared memory; a
+    grid of the same size in clusters of 4 keeps the two-CTA ring."""
+    from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA, ONE_WAVE_MAX_SHARE, ONE_WAVE_STAGES
+
+    t = gemm_tiling(tokens, k, D, "sm_90a")
+    assert (t["rows_per_cta"], t["split_k"]) == (rows_per_cta, split)
+    assert 0.55 * 132 < D // rows_per_cta * split <= ONE_WAVE_MAX_SHARE * 132
+    assert t["stages"] == ONE_WAVE_STAGES
+    assert t["stages"] * (rows_per_cta + t["token_tile"]) * 64 * 2 <= GEMM_SMEM_ONE_CTA
+    clustered = gemm_tiling(tokens, D, 28 * 128, "sm_90a")  # 28 tiles x 4 = 112 CTAs
+    assert clustered["split_k"] == 4 and clustered["stages"] <= 6
+
+
 @pytest.mark.parametrize("tokens,groups", [(2, 1), (16, 1), (17, 2), (32, 2), (33, 1), (48, 1), (49, 2), (64, 2)])
 def test_two_token_groups_from_a_32_token_tile(tokens, groups):
     # the output projection at TP 16 (K 768, 112 CTAs): two groups where the tile splits in 16s

@@ -13,6 +13,8 @@ GEMM_TILE_K = 64  # codegen/kernels/gemm.py: K per pipeline stage
 GEMM_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs fit an SM's 228 KB (sm_90a, sm_100a)
 GEMM_SMEM_ONE_CTA = 227 * 1024  # the most one CTA may take (sm_90a, sm_100a)
 WHOLE_K_MAX_SHARE = 0.55  # grids of at most this share of the SMs hold their whole K in the ring
+ONE_WAVE_MAX_SHARE = 0.9  # grids of at most this share (clusters of at most 2) run one CTA an SM: a deeper ring
+ONE_WAVE_STAGES = 12  # that ring's depth (the dense down stage's sweep, BENCHMARKS.md, twenty-fifth session)
 SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
 MAX_SEGMENTS = 4
 GEMM_MAX_TOKENS = 64  # codegen/kernels/gemm.py: the token tile's largest size
@@ -43,7 +45,10 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     of a CTA as far as one CTA's shared memory goes: all its weight tiles are in flight before
     ``griddepcontrol.wait`` and all its x tiles right after it, one round trip instead of three
     (on the H200 the router ends 2.5 to 6 us sooner in a layer's graph replay; BENCHMARKS.md,
-    eighteenth session); two token groups of 4 warps (2 on
+    eighteenth session); grids of at most ``ONE_WAVE_MAX_SHARE`` of the SMs in clusters of at
+    most 2 (the dense down stage's 112 CTAs) get one SM each anyway, so their ring is sized for
+    one CTA an SM (up to ``ONE_WAVE_STAGES``): twice the bytes in flight of the two-CTA ring
+    (3 to 4 us less at TP 16 in the twenty-fifth session's sweep); two token groups of 4 warps (2 on
     32-row tiles) where the token tile is a multiple of 32 and the grid is one CTA an SM at
     most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
     group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a
@@ -70,8 +75,11 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     ctas, rows_per_cta, split = best
     if rows_per_cta > GEMM_ROWS_PER_CTA // 4 and ctas > sms:
         groups = 1  # 8 warps of ~160 registers hold one CTA an SM: a second wave (the input projection)
+    one_cta = GEMM_SMEM_ONE_CTA // stage_bytes(rows_per_cta, token_tile)
     if ctas <= WHOLE_K_MAX_SHARE * sms:
-        stages = max(2, min(k_tiles // split, GEMM_SMEM_ONE_CTA // stage_bytes(rows_per_cta, token_tile)))
+        stages = max(2, min(k_tiles // split, one_cta))
+    elif ctas <= ONE_WAVE_MAX_SHARE * sms and split <= 2:
+        stages = max(2, min(ONE_WAVE_STAGES, k_tiles // split, one_cta))
     else:
         stages = two_cta_stages(rows_per_cta, token_tile, k, split)
     return {"rows_per_cta": rows_per_cta, "split_k": split, "stages": stages, "token_groups": groups,
