@@ -917,42 +917,6 @@ def test_moe_op_in_a_cuda_graph(humming_experts, tokens, monkeypatch):
 
 
 @on_gpu
-def test_one_launch_form_in_a_cuda_graph(humming_experts, monkeypatch):
-    """``expert_mlp_mxfp4`` (one token) through ``install_cuda_kernels``, captured with no eager
-    step before, as vLLM serves it (its arrival counts made by ``make_workspaces``), then replayed
-    on new x, ids and weights three times: each replay against the reference, the counts back at
-    zero after each."""
-    from codegen import bind
-    from codegen.templates import make_workspaces
-
-    bind.install_cuda_kernels()
-    monkeypatch.setattr(experts_launcher, "_arrivals", {})
-    gen = torch.Generator().manual_seed(12)
-    x = torch.randn(1, L, generator=gen).bfloat16().cuda()
-    weights, ids = routing(1, gen)
-    args = humming_experts.args(x, weights, ids)
-    specs = spec_for_call(OP, "sm_90a", args)[1]
-    if len(specs) == 2:
-        pytest.skip(f"{humming_experts.live} live channels: the two-kernel form at one token")
-    assert make_workspaces(specs, x.device) == 1
-    (counts,) = experts_launcher._arrivals.values()
-    assert bind.registered()[OP].prepare(*args) is None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = torch.ops.k3f.routed_experts_mxfp4(*args)
-    for _ in range(3):
-        x.copy_(torch.randn(1, L, generator=gen).bfloat16())
-        new_weights, new_ids = routing(1, gen)
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.isfinite(y).all() and not counts.any()
-        assert rel_err(y, humming_experts.reference(x, weights, ids)[1]) <= TOL
-
-
-@on_gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_stages_with_weights_in_shared_memory(humming_experts, tokens, monkeypatch):
     """Both stages (at one token, where it serves, the one-launch form's up stage) with their
