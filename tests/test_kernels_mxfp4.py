@@ -512,33 +512,25 @@ def test_ptx(compiled, arch, name):
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("smem", [False, True])
-def test_ptx_of_the_one_launch_form(kcache, monkeypatch, arch, smem):
+def test_ptx_of_the_one_launch_form(kcache, arch):
     """``expert_mlp_mxfp4`` at TP 16: after its wait (the ids are the router's) each warp issues
-    its 14 up-stage vectors (into registers, or with ``MXFP4_ONE_LAUNCH_SMEM_WEIGHTS`` by
-    cp.async, one commit group) and the down warps their 12 by cp.async (a second group, which
-    the up stage does not wait for), all before launch_dependents and nothing before the wait;
-    4 MMAs a K block of both stages; the activation's partials pushed to each of the 8 CTAs by
-    st.async (an all-reduce, no peer's shared memory read); one arrival a CTA; no local memory;
-    a CTA of 12 warps within the register file (in shared memory: well within)."""
+    its 14 up-stage vectors into registers and the down warps their 12 by cp.async, all before
+    launch_dependents and nothing before the wait; 4 MMAs a K block of both stages; the
+    activation's partials pushed to each of the 8 CTAs by st.async (an all-reduce, no peer's
+    shared memory read); one arrival a CTA; no local memory, and room for one CTA of 12 warps an
+    SM within the register file."""
     from codegen.compiler import compile_kernel
     from conftest import ptxas_usage
 
-    monkeypatch.setattr(experts_launcher, "MXFP4_ONE_LAUNCH_SMEM_WEIGHTS", smem)
     (spec,) = spec_for_call(OP, arch, mxfp4_args(tokens=1, inter=256, live=192))[1]
-    assert bool(spec.param_dict.get("smem_weights")) == smem
     k = compile_kernel(spec, cache=kcache)
     assert f".target {arch}" in k.ptx and "ld.local" not in k.ptx and "st.local" not in k.ptx
     body = k.ptx[k.ptx.index(".entry"):]
     before, rest = body.split(WAIT)
     between, after = rest.split(LAUNCH)
     assert "ld.global" not in before and "cp.async" not in before
-    assert _count(between, "ld.global.L1::no_allocate.v4.b32") == (0 if smem else 14)
-    assert _count(between, "cp.async.cg.shared.global") == 12 + (14 if smem else 0)
-    # the down warps' group and the other warps' empty one, in two branches; the up stage's first
-    assert _count(between, "cp.async.commit_group;") == 2 + smem and "cp.async.cg" not in after
-    waits = re.findall(r"cp\.async\.wait_group\s+(\d)", after)
-    assert waits == (["1", "0"] if smem else ["0"])  # the up stage's group, then the down stage's
+    assert _count(between, "ld.global.L1::no_allocate.v4.b32") == 14
+    assert _count(between, "cp.async.cg.shared.global") == 12 and "cp.async" not in after.replace("cp.async.wait", "")
     assert body.count(MMA) == 4 * (14 + 12)
     assert _count(body, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 8  # one per peer, unrolled
     assert "ld.shared::cluster" not in body and _count(body, "mbarrier.try_wait") == 2
@@ -546,9 +538,7 @@ def test_ptx_of_the_one_launch_form(kcache, monkeypatch, arch, smem):
     assert pdl_flags(spec) == [1]
     if arch == "sm_90a":
         registers, spilled = ptxas_usage(k.ptx, arch)
-        # in registers: one CTA fills the register file; in shared memory: under 128 a thread, so
-        # about 40% of the file is left to another kernel's CTAs on the SM
-        assert spilled == 0 and registers * 12 * 32 <= 65536 and (registers < 128 or not smem), registers
+        assert spilled == 0 and registers * 12 * 32 <= 65536, registers
 
 
 @needs_cutedsl
@@ -919,9 +909,8 @@ def test_moe_op_in_a_cuda_graph(humming_experts, tokens, monkeypatch):
 @on_gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_stages_with_weights_in_shared_memory(humming_experts, tokens, monkeypatch):
-    """Both stages (at one token, where it serves, the one-launch form's up stage) with their
-    weights staged in shared memory: the same MMAs on the same words, so activations and outputs
-    bit-identical to the register form's."""
+    """Both stages with their weights staged in shared memory: the same MMAs on the same words, so
+    activations and outputs bit-identical to the register form's."""
     gen = torch.Generator().manual_seed(40 + tokens)
     x = torch.randn(tokens, L, generator=gen).bfloat16().cuda()
     weights, ids = routing(tokens, gen)
@@ -929,17 +918,15 @@ def test_stages_with_weights_in_shared_memory(humming_experts, tokens, monkeypat
     outs = []
     for smem in (False, True):
         monkeypatch.setattr(experts_launcher, "MXFP4_SMEM_WEIGHTS_FROM", 1 if smem else None)
-        monkeypatch.setattr(experts_launcher, "MXFP4_ONE_LAUNCH_SMEM_WEIGHTS", smem)
         tpl, specs, fns = gpu_kernels(OP, args)
-        assert [bool(s.param_dict.get("smem_weights")) for s in specs] == [smem] * len(specs)
+        assert [bool(s.param_dict.get("smem_weights")) for s in specs] == [smem, smem]
         y = torch.full((tokens, L), float("nan"), dtype=torch.bfloat16, device="cuda")
         act = torch.full((tokens, K, humming_experts.live), float("nan"), dtype=torch.bfloat16, device="cuda")
         tpl.launch(fns, specs, args, out=(y, act))
         torch.cuda.synchronize()
         outs.append((act, y))
     (act0, y0), (act1, y1) = outs
-    if len(specs) == 2:  # one launch keeps the activation in its cluster
-        assert torch.isfinite(act1).all() and torch.equal(act0, act1)
+    assert torch.isfinite(act1).all() and torch.equal(act0, act1)
     assert torch.isfinite(y1).all() and torch.equal(y0, y1)
     assert rel_err(y1, humming_experts.reference(x, weights, ids)[1]) <= TOL
 

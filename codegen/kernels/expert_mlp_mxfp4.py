@@ -15,11 +15,9 @@ leaves the cluster, and each CTA's down rows are in shared memory before the act
 
 Work split, a cluster of ``cluster`` CTAs per pair (``cluster * 32 * warps`` threads):
 1. the up stage as ``expert_up_mxfp4`` splits it along L, but each CTA takes every live channel
-   tile of both halves (``warps_per_tile`` warps a tile, ``kb_per_warp`` K blocks each; at TP
-   16, L = 3584, I_live = 192: 8 CTAs of 12 warps, 14 blocks a warp), the words held in
-   registers (168 a thread: the CTA fills an SM's register file, so no other kernel's CTA
-   shares its SM) or, with ``smem_weights``, copied into shared memory by ``cp.async`` (about
-   100 registers a thread; 86 KB more shared memory); the warps' sums meet in shared memory;
+   tile of both halves (``warps_per_tile`` warps a tile, ``kb_per_warp`` K blocks each, the
+   words held in registers; at TP 16, L = 3584, I_live = 192: 8 CTAs of 12 warps, 14 blocks a
+   warp); the warps' sums meet in shared memory;
 2. every CTA pushes its partial of every (channel, half) to every CTA of the cluster
    (``common.push_send``: an all-reduce, one round, 2 I_live values a CTA to each peer) and each
    CTA sums the cluster's partials in rank order, so all compute the same activation, which
@@ -56,12 +54,11 @@ MAX_WARPS = 16  # the up stage's words in registers: 16 warps of ~128 registers 
 
 class ExpertMlpMxfp4:
     """Compile-time configuration: experts E, slots k, L, I (padded) and I_live, the activation
-    (``beta`` None: SiLU-and-mul), the nibble order, the cluster (CTAs of a pair), the up
-    stage's warps per channel tile and where its words wait (registers, or shared memory)."""
+    (``beta`` None: SiLU-and-mul), the nibble order, the cluster (CTAs of a pair) and the up
+    stage's warps per channel tile."""
 
     def __init__(self, *, experts: int, top_k: int, latent: int, inter: int, inter_live: int, beta: float | None,
-                 linear_beta: float | None, order: str, cluster: int, warps_per_tile: int, smem_weights: bool = False):
-        self.smem_weights = smem_weights
+                 linear_beta: float | None, order: str, cluster: int, warps_per_tile: int):
         if order not in ORDERS:
             raise ValueError(f"nibble order {order!r}: one of {ORDERS}")
         if inter % TILE or inter_live % TILE or not 0 < inter_live <= inter:
@@ -131,7 +128,7 @@ class ExpertMlpMxfp4:
         rS, acc = warp_registers(NKB)
         rS2, acc2 = warp_registers(KB2)
         smem = SmemAllocator()
-        rW, sW = weight_staging(self.smem_weights, smem, NKB, self.warps)
+        rW, _ = weight_staging(False, smem, NKB, self.warps)
         _, sW2 = weight_staging(True, smem, KB2, self.down_tiles)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((TILE, WPT, 2, self.ctiles)), byte_alignment=16)
         sX = smem.allocate_tensor(Int32, cute.make_layout((self.x_words,)), byte_alignment=16)
@@ -145,14 +142,12 @@ class ExpertMlpMxfp4:
         cute.arch.griddepcontrol_wait()  # the router's ids and weights
         # an id out of range would read past the weights: clamp it
         e = Int64(cutlass.max(cutlass.min(Int32(mIds[token, slot]), Int32(self.experts - 1)), Int32(0)))
-        issue_weights(mW13, rW, sW, e, kb0, NKB, ct + half * self.up_tile0, lane, warp)
+        issue_weights(mW13, rW, None, e, kb0, NKB, ct + half * self.up_tile0, lane, warp)
         load_scales(mS13, rS, e, kb0 // 2, NKB // 2, ct + half * self.up_tile0, r)
         nt2 = rank * self.down_tiles + warp  # the down tile of warp < down_tiles
-        if warp < self.down_tiles:  # one commit group a warp (empty for the others): the up stage waits for its own
+        if warp < self.down_tiles:
             issue_weights(mW2, None, sW2, e, 0, KB2, nt2, lane, warp)
             load_scales(mS2, rS2, e, 0, KB2 // 2, nt2, r)
-        else:
-            cute.arch.cp_async_commit_group()
         # after the loads: ptxas moves no load across it, so they are all in flight at once
         cute.arch.griddepcontrol_launch_dependents()
         weight = Float32(mWeights[token, slot])
@@ -163,8 +158,8 @@ class ExpertMlpMxfp4:
                 sX[i] = mX[token, x0 + i]
         cute.arch.barrier()
         base = (kb0 - rank * WPT * NKB) * 8 + q
-        tile_mma(staged_words(rW, sW, lane, warp, pending=1), rS, lambda i: (sX[base + i * 8], sX[base + i * 8 + 4]),
-                 acc, NKB, self.order)
+        tile_mma(staged_words(rW, None, lane, warp), rS, lambda i: (sX[base + i * 8], sX[base + i * 8 + 4]), acc,
+                 NKB, self.order)
         # every C column is this token: lanes q = 0 hold rows 16 i3 + r (c0) and 16 i3 + 8 + r (c2)
         if q == 0:
             for i3 in cutlass.range_constexpr(4):
@@ -225,7 +220,7 @@ def build(spec) -> tuple[ExpertMlpMxfp4, tuple]:
     e, k, lat, inter, live = s["experts"], s["top_k"], s["latent"], s["inter"], s["inter_live"]
     kernel = ExpertMlpMxfp4(experts=e, top_k=k, latent=lat, inter=inter, inter_live=live, beta=p["beta"],
                             linear_beta=p["linear_beta"], order=p["order"], cluster=p["cluster"],
-                            warps_per_tile=p["warps_per_tile"], smem_weights=bool(p.get("smem_weights")))
+                            warps_per_tile=p["warps_per_tile"])
     t = cute.sym_int32()
     n = 2 * inter
     return kernel, (

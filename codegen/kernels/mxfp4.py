@@ -177,13 +177,13 @@ def issue_x_pairs(x_addr, ring: cute.Tensor, field: int, group, stage, lane, war
                       cute.local_tile(ring[None, field, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
 
-def staged_words(rW, sW, lane, warp, pending: int = 0):
+def staged_words(rW, sW, lane, warp):
     """``words(i)``: K block i's 4 weight words for ``tile_mma``; from shared memory after this
     thread's copies landed (each lane reads back its own words, so no barrier is needed: a thread's
-    cp.async writes are visible to it after its wait), all but the last ``pending`` commit groups."""
+    cp.async writes are visible to it after its wait)."""
     if sW is None:
         return lambda i: [rW[i3, i] for i3 in range(4)]
-    cute.arch.cp_async_wait_group(pending)
+    cute.arch.cp_async_wait_group(0)
 
     def words(i):
         v = cute.make_rmem_tensor((4,), Int32)

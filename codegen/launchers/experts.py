@@ -295,9 +295,6 @@ MXFP4_DOWN_GROUPS_PER_WARP = 12
 # the activation kept in the cluster), where its tiling fits (``mxfp4_mlp_tiling``)
 MXFP4_ONE_LAUNCH_MAX_TOKENS = 1
 MXFP4_ONE_LAUNCH_MAX_WARPS = 16  # codegen/kernels/expert_mlp_mxfp4.py: MAX_WARPS
-# its up stage's words in shared memory rather than registers: its CTA then leaves room on its SM
-# for another kernel's (the shared experts' on the aux stream)
-MXFP4_ONE_LAUNCH_SMEM_WEIGHTS = False
 
 
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
@@ -425,8 +422,8 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
         one = mxfp4_mlp_tiling(latent, inter_live)
         if not isinstance(one, str):
             return (KernelSpec.make("expert_mlp_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
-                                    params={**one, **act, "order": order, "max_tokens": MXFP4_ONE_LAUNCH_MAX_TOKENS,
-                                            **({"smem_weights": True} if MXFP4_ONE_LAUNCH_SMEM_WEIGHTS else {})}),)
+                                    params={**one, **act, "order": order,
+                                            "max_tokens": MXFP4_ONE_LAUNCH_MAX_TOKENS}),)
     if by_expert:
         # 4 warps where L's quarters are whole scale groups (L = 3584: 28 each), else 2 (L % 64 == 0)
         warps = 4 if latent % 128 == 0 else 2
