@@ -292,7 +292,7 @@ def moe_args(tokens=1, inter=256, live=192, experts=E, top_k=K, latent=L, logits
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_specs_at_kimi_k3_shapes(shape):
     inter, live = SHAPES[shape]
-    tpl, specs = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=2, inter=inter, live=live))
+    tpl, specs = spec_for_call(OP, "sm_90a", mxfp4_args(inter=inter, live=live))
     assert tpl.kernel == "routed_experts_mxfp4", specs
     up, down = specs
     assert up.kernel == "expert_up_mxfp4" and down.kernel == "expert_down_mxfp4"
@@ -302,16 +302,6 @@ def test_specs_at_kimi_k3_shapes(shape):
     assert (up.param_dict["cluster"], up.param_dict["warps_per_tile"]) == (8, 2)
     wps = live // 16 // 12
     assert down.param_dict == {"cluster": 4 * wps, "warps_per_slot": wps, "order": "interleaved"}
-    # at one token both stages are one launch where its CTAs' up-stage words fit the registers
-    # (TP 16: 3 channel tiles x 2 halves x 2 warps = 12 warps); TP 8's 24 warps keep the two stages
-    one = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1, inter=inter, live=live))[1]
-    if shape == "tp16":
-        (mlp,) = one
-        assert mlp.kernel == "expert_mlp_mxfp4" and mlp.shape_dict == up.shape_dict
-        assert mlp.param_dict == {**up.param_dict, "max_tokens": 1}
-    else:
-        assert one == specs
-        assert "24 warps a CTA, more than the 16" in experts_launcher.mxfp4_mlp_tiling(L, live)
     # one compile per stage serves every batch below the shared-memory form's token count, one more
     # every batch from it (the token count is a runtime size)
     smem_from = experts_launcher.MXFP4_SMEM_WEIGHTS_FROM
@@ -352,7 +342,7 @@ def test_routing_plan_is_made_before_any_capture(monkeypatch):
 
     monkeypatch.setattr(experts_launcher, "_plans", {})
     monkeypatch.setattr(experts_launcher, "_arrivals", {})
-    assert make_workspaces(spec_for_call(OP, "sm_90a", mxfp4_args(tokens=2))[1], "cpu") == 0
+    assert make_workspaces(spec_for_call(OP, "sm_90a", mxfp4_args(tokens=16))[1], "cpu") == 0
     assert experts_launcher._plans == {} and experts_launcher._arrivals == {}
     specs = spec_for_call(MOE, "sm_90a", moe_args(tokens=16))[1] + spec_for_call(MOE, "sm_90a", moe_args(tokens=64))[1]
     assert make_workspaces(specs, "cpu") == 2  # the router's and the down stage's: one spec each for every batch
@@ -366,36 +356,6 @@ def test_routing_plan_is_made_before_any_capture(monkeypatch):
     counts.fill_(3)  # left dirty by some earlier run: zeroed again at every call (each time vLLM binds its caches)
     arrivals.fill_(1)
     assert make_workspaces(specs, "cpu") == 2 and not counts.any() and not arrivals.any()
-
-
-def test_the_one_launch_form_keeps_its_arrival_counts_from_step_to_step(monkeypatch):
-    """``expert_mlp_mxfp4`` (one token) counts each pair's rows in at a (token, row share)
-    counter that every step leaves at zero: ``make_workspaces`` makes it, [1, cluster] int32,
-    once per device, and zeroes it at every call; no routing plan."""
-    from codegen.templates import make_workspaces
-
-    monkeypatch.setattr(experts_launcher, "_plans", {})
-    monkeypatch.setattr(experts_launcher, "_arrivals", {})
-    specs = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1))[1]
-    assert [s.kernel for s in specs] == ["expert_mlp_mxfp4"]
-    assert make_workspaces(specs, "cpu") == 1 and experts_launcher._plans == {}
-    (arrivals,) = experts_launcher._arrivals.values()
-    assert arrivals.shape == (1, 8) and arrivals.dtype == torch.int32 and not arrivals.any()
-    arrivals.fill_(5)
-    assert make_workspaces(specs, "cpu") == 1 and not arrivals.any()
-    assert len(experts_launcher._arrivals) == 1
-
-
-@pytest.mark.parametrize("latent,live,reason", [
-    (3584, 384, "I_live 384: 24 warps a CTA, more than the 16 whose up-stage words fit the registers"),
-    (224, 192, "L 224 fits one CTA a pair: no cluster to keep the activation in"),
-    (3584 + 32, 192, "L 3616: its 226 K blocks do not split into even runs"),
-])
-def test_the_one_launch_form_says_why_it_does_not_fit(latent, live, reason):
-    """Where ``expert_mlp_mxfp4`` cannot take a shape the two-kernel form serves it (at build,
-    named; never a slower path inside a step)."""
-    why = experts_launcher.mxfp4_mlp_tiling(latent, live)
-    assert isinstance(why, str) and why.startswith(reason), why
 
 
 @pytest.mark.parametrize("args,reason", [
@@ -420,8 +380,8 @@ def test_moe_template_refuses_with_a_reason(args, reason):
     assert tpl is None and reason in why, why
 
 
-COMPILED = {"tp16": mxfp4_args(tokens=2, inter=256, live=192), "tp8": mxfp4_args(inter=384, live=384),
-            "native_tp16": mxfp4_args(tokens=2, inter=256, live=192, layout="humming_native"),
+COMPILED = {"tp16": mxfp4_args(inter=256, live=192), "tp8": mxfp4_args(inter=384, live=384),
+            "native_tp16": mxfp4_args(inter=256, live=192, layout="humming_native"),
             "tp8_by_expert": moe_args(tokens=64, inter=384, live=384),
             "tp16_by_expert_16": moe_args(tokens=16, inter=256, live=192)}
 
@@ -508,37 +468,6 @@ def test_ptx(compiled, arch, name):
         assert "ld.shared::cluster" not in body
         assert re.search(r"\.minnctapersm\s+[2-8]\b", body)  # ptxas keeps room for several CTAs per SM
         assert pdl_flags(k.spec) == [1]
-
-
-@needs_cutedsl
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_ptx_of_the_one_launch_form(kcache, arch):
-    """``expert_mlp_mxfp4`` at TP 16: after its wait (the ids are the router's) each warp issues
-    its 14 up-stage vectors into registers and the down warps their 12 by cp.async, all before
-    launch_dependents and nothing before the wait; 4 MMAs a K block of both stages; the
-    activation's partials pushed to each of the 8 CTAs by st.async (an all-reduce, no peer's
-    shared memory read); one arrival a CTA; no local memory, and room for one CTA of 12 warps an
-    SM within the register file."""
-    from codegen.compiler import compile_kernel
-    from conftest import ptxas_usage
-
-    (spec,) = spec_for_call(OP, arch, mxfp4_args(tokens=1, inter=256, live=192))[1]
-    k = compile_kernel(spec, cache=kcache)
-    assert f".target {arch}" in k.ptx and "ld.local" not in k.ptx and "st.local" not in k.ptx
-    body = k.ptx[k.ptx.index(".entry"):]
-    before, rest = body.split(WAIT)
-    between, after = rest.split(LAUNCH)
-    assert "ld.global" not in before and "cp.async" not in before
-    assert _count(between, "ld.global.L1::no_allocate.v4.b32") == 14
-    assert _count(between, "cp.async.cg.shared.global") == 12 and "cp.async" not in after.replace("cp.async.wait", "")
-    assert body.count(MMA) == 4 * (14 + 12)
-    assert _count(body, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 8  # one per peer, unrolled
-    assert "ld.shared::cluster" not in body and _count(body, "mbarrier.try_wait") == 2
-    assert re.findall(r"atom\.global\.[\w.]+", body) == ["atom.global.acq_rel.add.u32"]
-    assert pdl_flags(spec) == [1]
-    if arch == "sm_90a":
-        registers, spilled = ptxas_usage(k.ptx, arch)
-        assert spilled == 0 and registers * 12 * 32 <= 65536, registers
 
 
 @needs_cutedsl
@@ -650,10 +579,9 @@ def test_tp_32_computes_the_live_channels_in_whole_tiles():
     for tokens in (1, 8, 16, 64):
         op, args = (OP, mxfp4_args(tokens=tokens, inter=256, live=96)) if tokens < 16 else \
             (MOE, moe_args(tokens=tokens, inter=256, live=96))
-        *_, last = specs = spec_for_call(op, "sm_90a", args)[1]
-        assert {s.shape_dict["inter_live"] for s in specs if s.kernel != "router_topk"} == {128}
-        assert (tokens == 1) == (last.kernel == "expert_mlp_mxfp4")  # 2 tiles x 2 halves x 2 warps: one launch
-    up, down = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=2, inter=256, live=96))[1]
+        *_, up, down = spec_for_call(op, "sm_90a", args)[1]
+        assert up.shape_dict["inter_live"] == down.shape_dict["inter_live"] == 128
+    up, down = spec_for_call(OP, "sm_90a", mxfp4_args(inter=256, live=96))[1]
     assert (down.param_dict["cluster"], down.param_dict["warps_per_slot"]) == (4, 1)
 
 
@@ -745,21 +673,10 @@ def check(experts, tokens, gen, crowded=None):
     out = tpl.launch(fns, specs, args, out=(y, act))
     torch.cuda.synchronize()
     ref_act, ref = experts.reference(x, weights, ids)
-    assert out is y and torch.isfinite(y).all()
+    assert out is y and torch.isfinite(act).all() and torch.isfinite(y).all()
+    assert rel_err(experts.live_part(act), ref_act) <= TOL
     assert rel_err(y, ref) <= TOL
     assert "by_expert_max_tokens" not in specs[0].param_dict
-    if len(specs) == 2:
-        assert torch.isfinite(act).all() and rel_err(experts.live_part(act), ref_act) <= TOL
-        return
-    # one launch (one token): the activation never leaves the cluster, every share's counter is
-    # back at zero, and the slots are summed in slot order, so a second step gives the same bits
-    assert specs[0].kernel == "expert_mlp_mxfp4" and torch.isnan(act).all()
-    counts = experts_launcher.mlp_arrival_counts(y.device, 1, specs[0].param_dict["cluster"])
-    assert not counts.any()
-    again = torch.full_like(y, float("nan"))
-    tpl.launch(fns, specs, args, out=(again, act))
-    torch.cuda.synchronize()
-    assert torch.equal(again, y) and not counts.any()
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))

@@ -39,8 +39,8 @@ def test_instructions_are_counted_by_opcode_predicated_ones_too():
 @needs_cutedsl
 @needs_tools
 def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
-    """The MXFP4 up stage at two tokens: one HMMA per ``mma.sync`` of its PTX, and the registers
-    its launch asks ptxas to keep to (four CTAs of 4 warps an SM: at most 128)."""
+    """The one-token MXFP4 up stage: one HMMA per ``mma.sync`` of its PTX, and the registers its
+    launch asks ptxas to keep to (four CTAs of 4 warps an SM: at most 128)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_kernels_mxfp4 import OP, mxfp4_args
 
@@ -48,7 +48,7 @@ def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
     from codegen.sass import summary
     from codegen.templates import spec_for_call
 
-    spec = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=2))[1][0]
+    spec = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1))[1][0]
     k = compile_kernel(spec)
     figures, line = _or_skip(lambda: summary(k.ptx, "sm_90a", top=3))
     assert figures["opcodes"]["HMMA"] == k.ptx.count("mma.sync.aligned.m16n8k16") > 0

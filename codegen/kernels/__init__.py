@@ -27,7 +27,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "mla_attend": ("mla_attend", "warp_mma"),
     "expert_up_mxfp4": ("expert_up_mxfp4", "mxfp4"),
     "expert_down_mxfp4": ("expert_down_mxfp4", "mxfp4"),
-    "expert_mlp_mxfp4": ("expert_mlp_mxfp4", "mxfp4"),
     "mla_q_front": ("mla_q_front", "warp_mma"),
 }
 

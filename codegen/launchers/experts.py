@@ -291,12 +291,6 @@ MXFP4_DOWN_STREAM_STAGES = 3
 MXFP4_DOWN_GROUPS_PER_WARP = 12
 
 
-# up to this many tokens both MXFP4 stages are one launch (``expert_mlp_mxfp4``: a cluster per pair,
-# the activation kept in the cluster), where its tiling fits (``mxfp4_mlp_tiling``)
-MXFP4_ONE_LAUNCH_MAX_TOKENS = 1
-MXFP4_ONE_LAUNCH_MAX_WARPS = 16  # codegen/kernels/expert_mlp_mxfp4.py: MAX_WARPS
-
-
 def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
     """(cluster, warps per tile) of ``expert_up_mxfp4``: the longest even run of K blocks per warp
     up to 14, then the rest of L over a cluster of up to 8 CTAs, each with the fewest warps per
@@ -311,26 +305,6 @@ def mxfp4_up_tiling(latent: int) -> dict[str, int] | str:
             if units % warps == 0 and units // warps in (1, 2, 4, 8):
                 return {"cluster": units // warps, "warps_per_tile": warps}
     return f"L {latent}: its {kb} K blocks do not split into even runs of at most 14 over <= 8 CTAs x 4 warps"
-
-
-def mxfp4_mlp_tiling(latent: int, inter_live: int) -> dict[str, int] | str:
-    """(cluster, warps per tile) of ``expert_mlp_mxfp4``: the up stage's split of L
-    (``mxfp4_up_tiling``) with every live channel tile of both halves in each CTA, at most
-    ``MXFP4_ONE_LAUNCH_MAX_WARPS`` warps (TP 16, I_live 192: 8 CTAs of 12 warps), and the down rows
-    in 64-row tiles, one a warp (L = 3584: 7 a CTA); or why not (TP 8's 384 live channels need
-    24 warps: the two-kernel form)."""
-    up = mxfp4_up_tiling(latent)
-    if isinstance(up, str):
-        return up
-    warps = 2 * (inter_live // 64) * up["warps_per_tile"]
-    if up["cluster"] == 1:
-        return f"L {latent} fits one CTA a pair: no cluster to keep the activation in"
-    if warps > MXFP4_ONE_LAUNCH_MAX_WARPS:
-        return (f"I_live {inter_live}: {warps} warps a CTA, more than the {MXFP4_ONE_LAUNCH_MAX_WARPS} whose "
-                "up-stage words fit the registers")
-    if latent % (up["cluster"] * 64) or latent // up["cluster"] // 64 > warps:
-        return f"L {latent} does not split into at most {warps} down tiles of 64 rows over {up['cluster']} CTAs"
-    return up
 
 
 def kernel_live(inter_live: int) -> int:
@@ -418,12 +392,6 @@ def _mxfp4_specs(op: str, arch: str, args: Sequence[Any], by_expert: bool = Fals
         up, down = {**up, "smem_weights": True}, {**down, "smem_weights": True}
     if k * down["warps_per_slot"] // down["cluster"] > MXFP4_DOWN_REGISTER_FORM_MAX_WARPS:
         down = {**down, "smem_weights": True}  # TP 1: 1024 threads leave 64 registers a thread
-    if not by_expert and t <= MXFP4_ONE_LAUNCH_MAX_TOKENS:
-        one = mxfp4_mlp_tiling(latent, inter_live)
-        if not isinstance(one, str):
-            return (KernelSpec.make("expert_mlp_mxfp4", op, arch, shapes={**shapes, "latent": latent}, dtypes=dtypes,
-                                    params={**one, **act, "order": order,
-                                            "max_tokens": MXFP4_ONE_LAUNCH_MAX_TOKENS}),)
     if by_expert:
         # 4 warps where L's quarters are whole scale groups (L = 3584: 28 each), else 2 (L % 64 == 0)
         warps = 4 if latent % 128 == 0 else 2
@@ -446,18 +414,9 @@ def _mxfp4_runtime(args: Sequence[Any]) -> str | None:
 
 
 def _mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
-    """Per pair: up, then down; or (one spec) both in one launch."""
-    x = args[0]
+    """Per pair: up, then down."""
+    (up, down), x = fns, args[0]
     weights, ids, w13, w13_scale, w2, w2_scale = args[1:7]
-    if len(fns) == 1:
-        y = out[0] if isinstance(out, tuple) else out
-        y = y if y is not None else x.new_empty(x.shape)
-        rows = torch.empty((x.shape[0], ids.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
-        p = specs[0].param_dict
-        fns[0](x.view(torch.int32), ids, weights, w13, w13_scale.view(torch.int32), w2, w2_scale.view(torch.int32),
-               rows, mlp_arrival_counts(x.device, p["max_tokens"], p["cluster"]), y)
-        return y
-    up, down = fns
     live = kernel_live(args[10])
     y, act = expert_outputs(x, x.shape[1], (x.shape[0], ids.shape[1], live), out)
     up(x.view(torch.int32), ids, w13, w13_scale.view(torch.int32), act)
@@ -495,26 +454,12 @@ def arrival_counts(device: torch.device, cap: int, tiles: int) -> torch.Tensor:
     return _arrivals[key]
 
 
-def mlp_arrival_counts(device: torch.device, cap: int, cluster: int) -> torch.Tensor:
-    """``expert_mlp_mxfp4``'s (token, row share) arrival counters, int32 [cap, cluster], zero
-    between steps (each share's last arrival puts its counter back). One per device and shape."""
-    key = (str(device), cap, -cluster)
-    if key not in _arrivals:
-        require_outside_capture(device, f"k3f::routed_experts_mxfp4: the arrival counts of {cluster} row shares")
-        _arrivals[key] = torch.zeros((cap, cluster), dtype=torch.int32, device=device)
-    return _arrivals[key]
-
-
 def _moe_workspace(spec: KernelSpec, device: Any) -> bool:
-    """The router stage's routing plan (``routing_plan``) and the down stages' arrival counts
-    (``arrival_counts``, ``mlp_arrival_counts``), made before the first captured step and zeroed
-    at every call (each time vLLM binds its caches): whatever ran before, the captured steps
-    start from zero."""
+    """The router stage's routing plan (``routing_plan``) and the down stage's arrival counts
+    (``arrival_counts``), made before the first captured step and zeroed at every call (each
+    time vLLM binds its caches): whatever ran before, the captured steps start from zero."""
     p = spec.param_dict
     device = torch.device(device)
-    if spec.kernel == "expert_mlp_mxfp4":
-        mlp_arrival_counts(device, p["max_tokens"], p["cluster"]).zero_()
-        return True
     if spec.kernel == "router_topk" and "plan_cap" in p:
         require_outside_capture(device, "k3f::routed_moe_mxfp4: the routing plan")
         for t in routing_plan(device, spec.shape_dict["experts"], p["plan_cap"]):
@@ -575,9 +520,7 @@ def _moe_mxfp4_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], o
 TEMPLATES = (*TEMPLATES, Template(
     "routed_experts_mxfp4", ("k3f::routed_experts_mxfp4",), _mxfp4_specs, _mxfp4_runtime, _mxfp4_launch,
     doc="routed experts on MXFP4 weights in Humming's layout, 1..64 tokens: dequantized in registers, "
-        "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair (at one token both "
-        "in one launch, the activation kept in the pair's cluster); the padding never read",
-    workspace=_moe_workspace),
+        "m16n8k16 MMAs; gate/up + SiTU, then down + weighted sum, per (token, slot) pair; the padding never read"),
     Template("routed_moe_mxfp4", ("k3f::routed_moe_mxfp4",), _moe_mxfp4_specs, _mxfp4_runtime, _moe_mxfp4_launch,
              doc="the router's top-k filing the pairs by expert, then the MXFP4 up stage per chosen expert (each "
                  "selected expert's w13 read and dequantized once, its K streamed through cp.async stages, its "
