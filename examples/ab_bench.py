@@ -135,15 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("variant", type=Path, help="a directory of replacement files at their paths in the tree")
     r.add_argument("--rounds", type=int, default=2, help="A then B, this many times (default 2)")
     r.add_argument("--min-delta", type=float, default=0.0, help="hide kernels that moved by less (us)")
-    r.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the arguments of `python -m rewriter bench`")
-    args = p.parse_args(argv)
+    r.epilog = "then -- and the arguments of `python -m rewriter bench`"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # ab_bench's options anywhere before "--", bench's after it (a REMAINDER positional would take
+    # every option after the variant as bench's)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, bench_args = p.parse_args(argv[:split]), argv[split + 1:]
     try:
         if args.command == "snapshot":
             snapshot(args.ref, args.files, args.into)
             return 0
         if args.rounds < 1 or args.min_delta < 0:
             p.error(f"--rounds {args.rounds} (at least 1), --min-delta {args.min_delta} (at least 0)")
-        bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
         if "--json" in bench_args:
             p.error("leave --json out of the bench arguments: ab_bench asks for it")
         variant_files(args.variant)  # refused before any run

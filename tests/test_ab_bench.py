@@ -99,6 +99,22 @@ def test_bad_runs_are_refused_before_any_bench(capsys, tmp_path):
     assert "leave --json out" in capsys.readouterr().err
 
 
+def test_its_options_go_before_the_bench_arguments_wherever_the_variant_is(tmp_path, monkeypatch, capsys):
+    """``run VARIANT --rounds 3 -- ...`` (as the docstring shows) and ``run --rounds 3 VARIANT -- ...``
+    both take 3 rounds and hand bench only what follows ``--`` (the twenty-eighth session's first
+    A/B handed bench ``--rounds 2 -- ...`` and every run failed)."""
+    (tmp_path / "codegen").mkdir()
+    (tmp_path / "codegen" / "x.py").write_text("")
+    seen = []
+    monkeypatch.setattr(ab_bench, "alternate", lambda variant, rounds, bench_args: seen.append((rounds, bench_args))
+                        or ([_run({(16, 1): 60.0})], [_run({(16, 1): 59.0})]))
+    for argv in (["run", str(tmp_path), "--rounds", "3", "--", "--layer", "1"],
+                 ["run", "--rounds", "3", str(tmp_path), "--", "--layer", "1"]):
+        assert ab_bench.main(argv) == 0
+    assert seen == [(3, ["--layer", "1"])] * 2
+    assert "B - A, paired: median -1.0 us" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the repository's git history")
 def test_snapshot_writes_a_revisions_files_at_their_paths(tmp_path, capsys):
     assert ab_bench.main(["snapshot", "HEAD", "examples/ab_bench.py", "--into", str(tmp_path / "v")]) == 0
