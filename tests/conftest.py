@@ -1,9 +1,15 @@
 """Shared helpers: the tiny config, seeded layers and inputs, relative error, the CuTe DSL and
-GPU markers, a kernel cache per test module, this GPU's kernels, a kernel's PDL launch flag."""
+GPU markers, a kernel cache per test module, this GPU's kernels, a kernel's PDL launch flag,
+the GPU's large tests one at a time."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +29,27 @@ GPU_MARKS = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     needs_cutedsl,
 ]
+
+
+LARGE_REFERENCE = 4 << 30  # bytes a test's reference holds on the GPU above which the test runs alone
+
+
+@contextlib.contextmanager
+def alone_if_large(nbytes: int) -> Iterator[None]:
+    """Tests whose reference holds more than ``LARGE_REFERENCE`` take turns across the pytest-xdist
+    workers of one machine (a file lock), and give their cached blocks back before the next one
+    runs: an H100's 80 GB held two such references at once, not three (and six workers of the
+    MXFP4 kernels at TP 1 to 3 ran it out of memory, twenty-eighth session)."""
+    if nbytes < LARGE_REFERENCE:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / "k3-large-gpu-reference.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def on_gpu(test):

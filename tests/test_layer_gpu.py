@@ -18,17 +18,12 @@ inputs are redrawn); the KDA states, which come before the router, are compared 
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import gc
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import GPU_MARKS, rel_err
+from conftest import GPU_MARKS, alone_if_large, rel_err
 from rewriter.config import KimiK3Config
 from rewriter.layers import build_layer
 from rewriter.layers.moe import recorded_topk_margins
@@ -44,7 +39,6 @@ pytestmark = GPU_MARKS
 
 MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
-LARGE_REFERENCE = 4 << 30  # bytes of dequantized expert rows above which a test runs alone on the GPU
 
 
 def reference_expert_bytes(tp: int, tokens: int, layer_idx: int) -> int:
@@ -55,23 +49,6 @@ def reference_expert_bytes(tp: int, tokens: int, layer_idx: int) -> int:
     cfg = KimiK3Config.preset("kimi-k3")
     inter = cfg.moe_intermediate_size // tp
     return tokens * cfg.num_experts_per_token * 3 * inter * cfg.routed_expert_hidden_size * 4
-
-
-@contextlib.contextmanager
-def alone_if_large(nbytes: int) -> Iterator[None]:
-    """Tests whose reference holds more than ``LARGE_REFERENCE`` take turns across the pytest-xdist
-    workers of one machine (a file lock), and give their cached blocks back before the next one
-    runs: an H100's 80 GB held two such references at once, not three."""
-    if nbytes < LARGE_REFERENCE:
-        yield
-        return
-    with open(Path(tempfile.gettempdir()) / "k3-large-gpu-reference.lock", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            torch.cuda.empty_cache()
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def _layer(tp: int, experts: str, index: int = 1):
