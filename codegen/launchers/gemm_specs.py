@@ -48,7 +48,7 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     eighteenth session); grids of at most ``ONE_WAVE_MAX_SHARE`` of the SMs in clusters of at
     most 2 (the dense down stage's 112 CTAs) get one SM each anyway, so their ring is sized for
     one CTA an SM (up to ``ONE_WAVE_STAGES``): twice the bytes in flight of the two-CTA ring
-    (3 to 4 us less at TP 16 in the twenty-fifth session's sweep); two token groups of 4 warps (2 on
+    (layer 0 at TP 16, 8 tokens: 4.3 us faster in an A/B, BENCHMARKS.md, twenty-eighth session); two token groups of 4 warps (2 on
     32-row tiles) where the token tile is a multiple of 32 and the grid is one CTA an SM at
     most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
     group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a
