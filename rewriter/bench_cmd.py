@@ -276,14 +276,15 @@ def split_events(events: list) -> tuple[list, list]:
 
 
 def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
-                    ) -> tuple[list[tuple[str, float, float, float]] | None, list[tuple[str, float]], list[float]]:
+                    ) -> tuple[list[tuple[str, float, float, float]] | None, list[tuple[str, float]], list[float],
+                               list[float]]:
     """The kernels of one layer (``middle_layer``'s) in one profiled graph replay: (name, start us
     from the layer's first kernel, duration us, us by which its end moved the layer's last end
     so far). The last column sums to the layer's span under replay, so it says which kernels
     the layer waits on (a kernel that ends inside an earlier one adds 0); None where the
     profiler does not see kernels inside a graph replay. Second: the replay's memory
-    operations (name, us), which the layers' spans do not show. Third: ``layer_gaps`` of the
-    replay (empty where the layers cannot be told apart)."""
+    operations (name, us), which the layers' spans do not show. Third and fourth: ``layer_gaps``
+    and ``layer_periods`` of the replay (empty where the layers cannot be told apart)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -294,11 +295,12 @@ def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
     memory_ops = [(e.name, e.time_range.elapsed_us()) for e in memory]
     layer = middle_layer(events, per_layer, layers)
     if layer is None:
-        return None, memory_ops, []
+        return None, memory_ops, [], []
     spans = [(e.time_range.start, e.time_range.end) for e in layer]
-    gaps = layer_gaps([(e.time_range.start, e.time_range.end) for e in events], per_layer)
-    return [(e.name, start - spans[0][0], end - start, added)
-            for e, (start, end), added in zip(layer, spans, span_additions(spans))], memory_ops, gaps
+    every = [(e.time_range.start, e.time_range.end) for e in events]
+    return ([(e.name, start - spans[0][0], end - start, added)
+             for e, (start, end), added in zip(layer, spans, span_additions(spans))],
+            memory_ops, layer_gaps(every, per_layer), layer_periods(every, per_layer))
 
 
 def layer_gaps(spans: list[tuple[float, float]], per_layer: int) -> list[float]:
@@ -308,6 +310,18 @@ def layer_gaps(spans: list[tuple[float, float]], per_layer: int) -> list[float]:
     what profiling itself moves."""
     layers = [spans[i:i + per_layer] for i in range(0, len(spans), per_layer)]
     return [nxt[0][0] - max(end for _, end in prev) for prev, nxt in zip(layers, layers[1:])]
+
+
+def layer_periods(spans: list[tuple[float, float]], per_layer: int) -> list[float]:
+    """For a replay's kernels in start order, ``per_layer`` a layer: each layer's time from its first
+    start to the next layer's, and the last layer's from its first start to its latest end. Their
+    sum is the replay's span; beside the timed figure a layer, they say whether the middle layer
+    (the span printed) is one like the others, and what the replay spends outside its kernels."""
+    layers = [spans[i:i + per_layer] for i in range(0, len(spans), per_layer)]
+    if len(layers) < 2:
+        return []
+    return ([nxt[0][0] - prev[0][0] for prev, nxt in zip(layers, layers[1:])]
+            + [max(end for _, end in layers[-1]) - layers[-1][0][0]])
 
 
 def middle_layer(events: list, per_layer: int, layers: int) -> list | None:
@@ -445,7 +459,7 @@ class _Captured:
         profiled replay; printed as progress."""
         kernels = len(self.launched)
         labels = label_kernels(self.launched, specs)
-        timeline, memory_ops, gaps = replay_timeline(self.graph.replay, kernels, layers)
+        timeline, memory_ops, gaps, periods = replay_timeline(self.graph.replay, kernels, layers)
         if timeline is not None:
             names = [label for label, _ in label_kernels([(n, d) for n, _, d, _ in timeline], specs)]
             timeline = [(label, round(t, 2), round(d, 2), round(a, 2)) for label, (_, t, d, a) in zip(names, timeline)]
@@ -475,6 +489,11 @@ class _Captured:
         if gaps:
             progress(f"    between layers, profiled: median {statistics.median(gaps):.1f} us from one layer's last "
                      f"end to the next's first start (min {min(gaps):.1f}, max {max(gaps):.1f}, {len(gaps)} boundaries)")
+        if periods:
+            progress(f"    the profiled replay: {sum(periods) / len(periods):.1f} us a layer from its first kernel's start "
+                     f"to its last's end (the figure less it: {us - sum(periods) / len(periods):.1f} us, outside the "
+                     f"kernels); a layer's period: first {periods[0]:.1f}, median {statistics.median(periods):.1f}, "
+                     f"min {min(periods):.1f}, max {max(periods):.1f} us")
         return row
 
 

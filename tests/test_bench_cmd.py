@@ -153,6 +153,19 @@ def test_layer_gaps_run_from_a_layers_latest_end_to_the_next_layers_first_start(
     assert layer_gaps(spans[:3], 3) == []
 
 
+def test_layer_periods_run_first_start_to_first_start_and_sum_to_the_replays_span():
+    """Each layer's period, the last one's to its latest end: together the replay's span, so
+    their mean beside the timed figure says what the timed replays spend outside the kernels."""
+    from rewriter.bench_cmd import layer_periods
+
+    spans = [(0.0, 4.0), (1.0, 9.0), (5.0, 7.0),
+             (12.0, 13.0), (13.0, 14.0), (14.0, 16.0),
+             (15.5, 17.0), (17.0, 20.0), (18.0, 19.0)]  # the last layer's latest end: its middle kernel
+    assert layer_periods(spans, 3) == [12.0, 3.5, 4.5]
+    assert sum(layer_periods(spans, 3)) == max(end for _, end in spans) - spans[0][0]
+    assert layer_periods(spans[:3], 3) == []
+
+
 def test_timed_calls_follow_a_warm_up_of_the_same_call(monkeypatch):
     """At least two untimed calls, and as many as fill the warm-up time."""
     import time
