@@ -490,8 +490,9 @@ class _Captured:
             progress(f"    between layers, profiled: median {statistics.median(gaps):.1f} us from one layer's last "
                      f"end to the next's first start (min {min(gaps):.1f}, max {max(gaps):.1f}, {len(gaps)} boundaries)")
         if periods:
-            progress(f"    the profiled replay: {sum(periods) / len(periods):.1f} us a layer from its first kernel's start "
-                     f"to its last's end (the figure less it: {us - sum(periods) / len(periods):.1f} us, outside the "
+            mean = statistics.fmean(periods)
+            progress(f"    the profiled replay: {mean:.1f} us a layer from its first kernel's start "
+                     f"to its last's end (the figure less it: {us - mean:.1f} us, outside the "
                      f"kernels); a layer's period: first {periods[0]:.1f}, median {statistics.median(periods):.1f}, "
                      f"min {min(periods):.1f}, max {max(periods):.1f} us")
         return row
