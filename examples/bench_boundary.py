@@ -34,6 +34,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from codegen.bind import device_arch
 from codegen.compiler import compile_object, load_object
 from codegen.kernels.common import trap_past_deadline, wait_started
+from rewriter.bench_cmd import timed_replay_us
 
 MODES = ("plain", "pdl", "flag", "flag-entry")
 THREADS = 128
@@ -116,14 +117,9 @@ def chain_us(fn, ctas: int, links: int, reps: int) -> tuple[float, torch.Tensor]
         run()
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for b in bufs[1:]:
             b.fill_(-1.0)  # poisoned: a link that did not wait reads -1
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+        times.append(timed_replay_us(g.replay))
     return statistics.median(times), bufs[-1]
 
 

@@ -28,6 +28,7 @@ import patterns.moe
 import patterns.output_projection  # noqa: F401  (with the three above: defines the k3f ops)
 from codegen.bind import device_arch, load_kernels
 from codegen.compiler import CodegenError
+from rewriter.bench_cmd import timed_replay_us
 
 D = 7168
 SPLITS = {"kda_tp16": [2304, 768, 128, 6, 10], "kda_tp8": [4608, 1536, 128, 12, 4]}
@@ -42,15 +43,8 @@ def graph_us(fn, reps: int = 20) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
+    times = sorted(timed_replay_us(g.replay) for _ in range(reps))
+    return times[len(times) // 2]
 
 
 def kernel(op, args, name=None):

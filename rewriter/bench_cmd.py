@@ -28,7 +28,9 @@ How it is measured, and what it leaves out:
   (with the 3 copies of a one-token step alone they added 2 to 8 us to each, H200,
   BENCHMARKS.md); time per layer = median replay / layers run;
 - medians over ``reps`` timed replays, CUDA events around each replay, after ``WARM_UP_S`` of
-  untimed replays (the clocks up after the capture or compile before).
+  untimed replays (the clocks up after the capture or compile before); each replay queued
+  behind a GPU sleep, so that the host's submission of the graph is not timed (a step graph
+  of a whole model pays it once, not once per 8 layers).
 """
 from __future__ import annotations
 
@@ -190,13 +192,27 @@ def measured_copy_tbps(nbytes: int = 1 << 30, reps: int = 10) -> float:
 
 
 def _timed_us(run: Callable[[], Any]) -> float:
-    """One call, timed with CUDA events around it."""
+    """One call, timed with CUDA events around it (host launches included: the eager path's)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     run()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000.0
+
+
+HEAD_START_CYCLES = 2_000_000  # about 1 ms at Hopper's clocks: longer than the host takes to submit a replay
+HEAD_START_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel, left out of the profiled replays
+
+
+def timed_replay_us(replay: Callable[[], Any]) -> float:
+    """One graph replay, timed with CUDA events around it, queued behind a GPU sleep so that the
+    start event fires after the host has submitted the whole replay. Timed from an idle stream,
+    a replay of 8 or 9 layers counted the host's submission in its first layer (the profiled
+    replays' first layer period was 11 to 17 us longer than the median, H100, BENCHMARKS.md,
+    twenty-ninth session); a model's step graph pays it once for all its layers."""
+    torch.cuda._sleep(HEAD_START_CYCLES)
+    return _timed_us(replay)
 
 
 WARM_UP_S = 0.3  # GPU time run before any timed call: the clocks come up from idle in about this
@@ -215,13 +231,17 @@ def warmed_up(run: Callable[[], Any], seconds: float = WARM_UP_S) -> int:
     return calls
 
 
-def _median_us(run: Callable[[], Any], reps: int) -> float:
+def _median_us(run: Callable[[], Any], reps: int, timed: Callable[[Callable[[], Any]], float] = _timed_us) -> float:
     warmed_up(run)
-    return statistics.median(_timed_us(run) for _ in range(reps))
+    return statistics.median(timed(run) for _ in range(reps))
+
+
+def _median_replay_us(replay: Callable[[], Any], reps: int) -> float:
+    return _median_us(replay, reps, timed_replay_us)
 
 
 def alternated_us(run_a: Callable[[], Any], run_b: Callable[[], Any], reps: int,
-                  timed: Callable[[Callable[[], Any]], float] = _timed_us) -> tuple[list[float], list[float]]:
+                  timed: Callable[[Callable[[], Any]], float] = timed_replay_us) -> tuple[list[float], list[float]]:
     """``reps`` timed calls of each, in pairs, the order turning each pair (A B, B A, A B, ...) so
     that neither always runs right after the other's warm caches or clocks."""
     a, b = [], []
@@ -271,6 +291,7 @@ def split_events(events: list) -> tuple[list, list]:
     memset: graph nodes that are not kernels, which break a PDL chain)."""
     gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)
+    gpu = [e for e in gpu if HEAD_START_KERNEL not in e.name]
     memory = [e for e in gpu if e.name.startswith(("Memcpy", "Memset"))]
     return [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))], memory
 
@@ -289,6 +310,7 @@ def replay_timeline(replay: Callable[[], Any], per_layer: int, layers: int
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        torch.cuda._sleep(HEAD_START_CYCLES)  # as timed: the replay submitted before it starts
         replay()
         torch.cuda.synchronize()
     events, memory = split_events(prof.events())
@@ -528,7 +550,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         shown = dict(tp=tp, batch=batch, floor_us=floor_us, ref_floor_us=ref_floor_us, specs=specs, layers=layers,
                      progress=progress)
         if args.variant is None:
-            rows.append(tree.row("rewritten", _median_us(tree.graph.replay, args.reps) / layers, **shown))
+            rows.append(tree.row("rewritten", _median_replay_us(tree.graph.replay, args.reps) / layers, **shown))
         else:
             progress(f"  the variant's kernels ({args.variant}), captured on the same weights")
             with kernel_sources_swapped(args.variant):
@@ -556,7 +578,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     if "cuda graph" in args.paths:
         g = _graph(repeated(ref, rounds))
         kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
-        rows.append(Row(tp, batch, "cuda graph", kernels, _median_us(g.replay, args.reps) / layers, floor_us,
+        rows.append(Row(tp, batch, "cuda graph", kernels, _median_replay_us(g.replay, args.reps) / layers, floor_us,
                         reference_floor_us=ref_floor_us))
         progress(f"  cuda graph: {rows[-1].us:.1f} us")
         del g
@@ -573,7 +595,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         seconds = time.perf_counter() - t0
         kernels, _ = count_kernels(lambda: compiled[0](*case.inputs[0]))
         g = _graph(repeated(run_compiled, rounds))
-        us = _median_us(g.replay, args.reps) / layers
+        us = _median_replay_us(g.replay, args.reps) / layers
         rows.append(Row(tp, batch, "torch.compile", kernels, us, floor_us,
                         f"{args.compile_mode}, CUDA graph; compiled in {seconds:.0f}s", ref_floor_us))
         del g
@@ -626,7 +648,7 @@ def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: 
     launched = profile_kernels(lambda: compiled[0](*case.inputs[0]))
     kernels = len(launched)
     g = _graph(repeated(run, rounds))
-    us = _median_us(g.replay, reps) / (len(compiled) * rounds)
+    us = _median_replay_us(g.replay, reps) / (len(compiled) * rounds)
     del g
     row = Row(tp, batch, "vllm-stock", kernels, us, floor_us,
               f"Humming MoE, fla Triton KDA, cuBLAS; torch.compile, CUDA graph; compiled in {seconds:.0f}s; "

@@ -192,3 +192,45 @@ def test_memory_operations_are_kept_apart_from_kernels():
     kernels, memory = split_events(events)
     assert [e.name for e in kernels] == ["kernel_a", "kernel_b"]
     assert [e.name for e in memory] == ["Memcpy DtoD (Device -> Device)", "Memset (Device)"]
+
+
+def test_the_head_start_sleep_is_not_a_kernel_of_the_replay():
+    """The GPU sleep queued before a profiled replay (the bench's head start) is left out of its
+    kernels, so that layers are still told apart by counting."""
+    from types import SimpleNamespace
+
+    from rewriter.bench_cmd import split_events
+
+    def event(name, start):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=start + 1))
+
+    sleep = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+    kernels, memory = split_events([event("kernel_a", 2.0), event(sleep, 0.0), event("kernel_b", 3.0)])
+    assert [e.name for e in kernels] == ["kernel_a", "kernel_b"] and memory == []
+
+
+def test_a_timed_replay_starts_its_clock_after_a_head_start(monkeypatch):
+    """The replay is queued behind a GPU sleep, then the start event: the host's submission of the
+    graph falls inside the sleep, not inside the timed span."""
+    from rewriter import bench_cmd
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.name = "start" if not any(c == "event start" for c in calls) else "end"
+            calls.append(f"event {self.name}")
+
+        def record(self):
+            calls.append(f"record {self.name}")
+
+        def elapsed_time(self, other):
+            return 0.25
+
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(f"sleep {cycles}"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    assert bench_cmd.timed_replay_us(lambda: calls.append("replay")) == 250.0
+    assert calls == [f"sleep {bench_cmd.HEAD_START_CYCLES}", "event start", "event end", "record start", "replay",
+                     "record end", "sync"]
