@@ -208,9 +208,9 @@ HEAD_START_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel, left out of the
 def timed_replay_us(replay: Callable[[], Any]) -> float:
     """One graph replay, timed with CUDA events around it, queued behind a GPU sleep so that the
     start event fires after the host has submitted the whole replay. Timed from an idle stream,
-    a replay of 8 or 9 layers counted the host's submission in its first layer (the profiled
-    replays' first layer period was 11 to 17 us longer than the median, H100, BENCHMARKS.md,
-    twenty-ninth session); a model's step graph pays it once for all its layers."""
+    a replay of 8 or 9 layers also timed the host's submission: 2 to 10 us a layer above the
+    layer's profiled span (layer 3, TP 16, one token: 76.5 us a layer, 69.2 with the sleep, H100,
+    BENCHMARKS.md, twenty-ninth session); a model's step graph pays it once for all its layers."""
     torch.cuda._sleep(HEAD_START_CYCLES)
     return _timed_us(replay)
 

@@ -41,14 +41,18 @@ MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
 
 
-def reference_expert_bytes(tp: int, tokens: int, layer_idx: int) -> int:
-    """What the reference MoE holds at once: each (token, slot) pair's expert rows (gate, up and
-    down, fp32), gathered per pair (``rewriter/layers/moe.py:expert_rows``)."""
+def layer_test_bytes(tp: int, tokens: int, layer_idx: int, experts: str | None) -> int:
+    """What a layer test holds on the GPU at once: the layer's routed experts (all of them, MXFP4
+    at 17 bytes a 32-value group, or bf16) and the reference MoE's expert rows of each (token,
+    slot) pair (gate, up and down, fp32, gathered per pair: ``rewriter/layers/moe.py:expert_rows``).
+    Counting the pairs alone left the TP 1 layer (16 GB of MXFP4 experts) beside the large tests,
+    and three of them ran out of memory (H100, twenty-ninth session)."""
     if layer_idx == 0:
         return 0
     cfg = KimiK3Config.preset("kimi-k3")
-    inter = cfg.moe_intermediate_size // tp
-    return tokens * cfg.num_experts_per_token * 3 * inter * cfg.routed_expert_hidden_size * 4
+    values = 3 * (cfg.moe_intermediate_size // tp) * cfg.routed_expert_hidden_size
+    weights = cfg.num_experts * values * (17 / 32 if experts == "mxfp4" else 2)
+    return int(weights) + tokens * cfg.num_experts_per_token * values * 4
 
 
 def _layer(tp: int, experts: str, index: int = 1):
@@ -109,7 +113,7 @@ def test_rewritten_verify_layer_matches_the_reference(layer_idx, tp, batch, q, c
 
 
 def check_layer(layer_idx, tp, batch, experts, cache, q=1):
-    with alone_if_large(reference_expert_bytes(tp, batch * q, layer_idx)):
+    with alone_if_large(layer_test_bytes(tp, batch * q, layer_idx, experts)):
         _check_layer(layer_idx, tp, batch, experts, cache, q)
         gc.collect()  # the layer and its tensors, before the lock lets the next large test in
 
