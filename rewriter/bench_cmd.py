@@ -289,9 +289,8 @@ def profile_kernels(run: Callable[[], Any]) -> list[tuple[str, float]]:
 def split_events(events: list) -> tuple[list, list]:
     """A profile's GPU events in start order, split into kernels and memory operations (memcpy,
     memset: graph nodes that are not kernels, which break a PDL chain)."""
-    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
-    gpu = [e for e in gpu if HEAD_START_KERNEL not in e.name]
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and HEAD_START_KERNEL not in e.name), key=lambda e: e.time_range.start)
     memory = [e for e in gpu if e.name.startswith(("Memcpy", "Memset"))]
     return [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))], memory
 

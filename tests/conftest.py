@@ -31,12 +31,12 @@ GPU_MARKS = [
 ]
 
 
-LARGE_REFERENCE = 4 << 30  # bytes a test's reference holds on the GPU above which the test runs alone
+LARGE_REFERENCE = 4 << 30  # bytes a test holds on the GPU (its layer or weights, its reference) above which it runs alone
 
 
 @contextlib.contextmanager
 def alone_if_large(nbytes: int) -> Iterator[None]:
-    """Tests whose reference holds more than ``LARGE_REFERENCE`` take turns across the pytest-xdist
+    """Tests that hold more than ``LARGE_REFERENCE`` take turns across the pytest-xdist
     workers of one machine (a file lock), and give their cached blocks back before the next one
     runs: an H100's 80 GB held two such references at once, not three (and six workers of the
     MXFP4 kernels at TP 1 to 3 ran it out of memory, twenty-eighth session)."""
