@@ -151,9 +151,9 @@ def forced_tiling(gate_up: dict, down: dict) -> Iterator[None]:
 
     chosen = gemm_specs.gemm_tiling
 
-    def tiling(tokens, k, rows_out, arch, glu=False, weights=()):
+    def tiling(tokens, k, rows_out, arch, glu=False, weights=(), norm=False):
         forced = gate_up if glu else down
-        out = {**chosen(tokens, k, rows_out, arch, glu=glu, weights=weights), **forced}
+        out = {**chosen(tokens, k, rows_out, arch, glu=glu, weights=weights, norm=norm), **forced}
         if forced and "stages" not in forced:
             out["stages"] = gemm_specs.two_cta_stages(out["rows_per_cta"], out["token_tile"], k, out["split_k"])
         return out

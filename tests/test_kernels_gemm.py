@@ -127,6 +127,31 @@ def test_one_wave_grids_take_a_ring_for_one_cta_an_sm(tokens, k, rows_per_cta, s
     assert clustered["split_k"] == 4 and clustered["stages"] <= 6
 
 
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_every_ring_fits_one_cta_beside_its_norm_prologue(tp, tokens):
+    """The dense MLP's two stages and a normed projection over the hidden size, at every TP: the
+    ring, with the norm prologue its weight slice and sums, within the 227 KB one CTA may take.
+    The dense down stage at TP 3 (K 11264, a ring of 12) asked for 64 bytes more and failed at
+    its launch on the H100 (thirtieth session)."""
+    from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA, norm_bytes, stage_bytes
+
+    inter = 33792 // tp  # Kimi K3's dense intermediate size a rank
+    for k, rows, norm in ((inter, D, False), (inter, D, True), (D, 2 * inter, True), (D, 3206, True)):
+        t = gemm_tiling(tokens, k, rows, "sm_90a", norm=norm)
+        ring = t["stages"] * stage_bytes(t["rows_per_cta"], t["token_tile"])
+        assert ring + (norm_bytes(k, t["split_k"], t["token_tile"]) if norm else 0) <= GEMM_SMEM_ONE_CTA, (k, rows, t)
+
+
+@needs_cutedsl
+def test_a_ring_past_one_ctas_shared_memory_is_refused_at_build():
+    from codegen.kernels.gemm import SkinnyGemm
+
+    SkinnyGemm(16, 11264, D, (D,), rows_per_cta=128, split_k=2, stages=12)  # 216 KB: fits
+    with pytest.raises(ValueError, match="12 stages of 18432 bytes and the norm prologue: 232512 bytes"):
+        SkinnyGemm(16, 11264, D, (D,), rows_per_cta=128, split_k=2, stages=12, norm_eps=1e-5)
+
+
 @pytest.mark.parametrize("tokens,groups", [(2, 1), (16, 1), (17, 2), (32, 2), (33, 1), (48, 1), (49, 2), (64, 2)])
 def test_two_token_groups_from_a_32_token_tile(tokens, groups):
     # the output projection at TP 16 (K 768, 112 CTAs): two groups where the tile splits in 16s

@@ -62,6 +62,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import BITS, VEC, gated_act
+from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA, norm_bytes
 
 MAX_TOKENS = 64
 MAX_SEGMENTS = 4
@@ -149,6 +150,11 @@ class SkinnyGemm:
         self.x_stage_bytes = token_tile * TILE_K * 2
         self.partial_bytes = token_tile * (rows_per_cta + PAD) * 4
         self.smem_bytes = max(stages * (self.w_stage_bytes + self.x_stage_bytes), self.partial_bytes)
+        total = self.smem_bytes + (norm_bytes(k, split_k, token_tile) if self.norm else 0)
+        if total > GEMM_SMEM_ONE_CTA:
+            raise ValueError(f"{stages} stages of {self.w_stage_bytes + self.x_stage_bytes} bytes"
+                             f"{' and the norm prologue' if self.norm else ''}: {total} bytes of shared memory, "
+                             f"more than the {GEMM_SMEM_ONE_CTA} one CTA may take")
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
@@ -225,9 +231,10 @@ class SkinnyGemm:
         sP = cute.make_tensor(cute.recast_ptr(base, dtype=Float32),
                               cute.make_layout((BM, self.tile_n), stride=(1, BM + PAD)))
         # norm prologue: this CTA's K slice of the norm weight, and the tokens' sums of squares
-        sNw = smem.allocate_tensor(BFloat16, cute.make_layout((NK * TILE_K,)), byte_alignment=16)
-        sSq = smem.allocate_tensor(Float32, cute.make_layout((self.tile_n,)), byte_alignment=16)
+        sNw = sSq = None
         if const_expr(self.norm):
+            sNw = smem.allocate_tensor(BFloat16, cute.make_layout((NK * TILE_K,)), byte_alignment=16)
+            sSq = smem.allocate_tensor(Float32, cute.make_layout((self.tile_n,)), byte_alignment=16)
             g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                       BFloat16, num_bits_per_copy=BITS)
             gNw = cute.domain_offset((k0,), mNw)

@@ -25,13 +25,19 @@ def stage_bytes(rows_per_cta: int, token_tile: int) -> int:
     return (rows_per_cta + token_tile) * GEMM_TILE_K * 2
 
 
+def norm_bytes(k: int, split: int, token_tile: int) -> int:
+    """Shared memory the RMSNorm prologue takes beside the ring: the CTA's K slice of the norm
+    weight (bf16) and the tokens' sums of squares (fp32), each 16-byte aligned."""
+    return -(-k // split * 2 // 16) * 16 + -(-token_tile * 4 // 16) * 16
+
+
 def two_cta_stages(rows_per_cta: int, token_tile: int, k: int, split: int) -> int:
     """The ring that fits two CTAs an SM: at most 6 stages, and no more than the CTA's K tiles."""
     return max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes(rows_per_cta, token_tile), k // GEMM_TILE_K // split))
 
 
 def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False,
-                weights: Sequence[int] = ()) -> dict[str, Any]:
+                weights: Sequence[int] = (), norm: bool = False) -> dict[str, Any]:
     """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
     128 weight rows per CTA (x then costs at most half the weight bytes in L2 traffic), 64
     where that alone fills more SMs, 32 where even 64 leaves half the SMs idle and the token
@@ -53,7 +59,9 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
     group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a
     CTA's rows are half gate, half up rows, so it writes half as many outputs. ``weights``:
-    the row counts of two weights whose tiles do not mix (``second_weight``)."""
+    the row counts of two weights whose tiles do not mix (``second_weight``). ``norm``: the
+    RMSNorm prologue's shared memory (``norm_bytes``) comes out of the one-CTA ring's (the dense
+    down stage at TP 3 asked for 64 bytes more than a CTA may have, and failed at its launch)."""
     token_tile = -(-tokens // 16) * 16
     groups = 2 if token_tile % 32 == 0 else 1
     k_tiles = k // GEMM_TILE_K
@@ -75,7 +83,8 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     ctas, rows_per_cta, split = best
     if rows_per_cta > GEMM_ROWS_PER_CTA // 4 and ctas > sms:
         groups = 1  # 8 warps of ~160 registers hold one CTA an SM: a second wave (the input projection)
-    one_cta = GEMM_SMEM_ONE_CTA // stage_bytes(rows_per_cta, token_tile)
+    one_cta = (GEMM_SMEM_ONE_CTA - (norm_bytes(k, split, token_tile) if norm else 0)) // stage_bytes(rows_per_cta,
+                                                                                                   token_tile)
     if ctas <= WHOLE_K_MAX_SHARE * sms:
         stages = max(2, min(k_tiles // split, one_cta))
     elif ctas <= ONE_WAVE_MAX_SHARE * sms and split <= 2:
@@ -101,7 +110,8 @@ def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int
         return f"{rows_out} output rows < {smallest} (one CTA tile)"
     if second_weight and len(segments) != 2:
         return f"a second weight writes the second of two segments, got {list(segments)}"
-    tiling = gemm_tiling(tokens, k, rows_out, arch, glu=glu, weights=segments if second_weight else ())
+    tiling = gemm_tiling(tokens, k, rows_out, arch, glu=glu, weights=segments if second_weight else (),
+                         norm=params.get("norm_eps") is not None)
     if glu:
         params["glu"] = True
     if second_weight:
