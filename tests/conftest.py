@@ -1,6 +1,6 @@
 """Shared helpers: the tiny config, seeded layers and inputs, relative error, the CuTe DSL and
 GPU markers, a kernel cache per test module, this GPU's kernels, a kernel's PDL launch flag,
-the GPU's large tests one at a time."""
+the GPU's large tests each with the GPU to itself."""
 from __future__ import annotations
 
 import contextlib
@@ -32,24 +32,48 @@ GPU_MARKS = [
 
 
 LARGE_REFERENCE = 4 << 30  # bytes a test holds on the GPU (its layer or weights, its reference) above which it runs alone
+GPU_TURNS = Path(tempfile.gettempdir()) / "k3-gpu-tests.lock"  # shared by every GPU test, alone by a large one
+_turn: list = []  # this worker's open lock file while one of its GPU tests runs
+
+
+@pytest.fixture(autouse=True)
+def gpu_turn(request) -> Iterator[None]:
+    """Every GPU test holds ``GPU_TURNS`` shared while it runs, so that a large one can have the
+    GPU to itself (``alone_if_large``)."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    with open(GPU_TURNS, "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_SH)
+        _turn.append(lock)
+        try:
+            yield
+        finally:
+            _turn.pop()
+            torch.cuda.empty_cache()  # an idle worker's cached blocks would crowd the next large test
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
 def alone_if_large(nbytes: int) -> Iterator[None]:
-    """Tests that hold more than ``LARGE_REFERENCE`` take turns across the pytest-xdist
-    workers of one machine (a file lock), and give their cached blocks back before the next one
-    runs: an H100's 80 GB held two such references at once, not three (and six workers of the
-    MXFP4 kernels at TP 1 to 3 ran it out of memory, twenty-eighth session)."""
+    """A test that holds more than ``LARGE_REFERENCE`` runs with the GPU to itself: its shared
+    hold on ``GPU_TURNS`` turns exclusive, so it waits until no other pytest-xdist worker of the
+    machine is in a GPU test, and none starts one until it ends; it gives its cached blocks back
+    before the others go on. Taking turns among the large tests alone was not enough: a TP 8
+    layer at 64 tokens held 37 GB while the five other workers held 5 to 9 GB each, and ran out
+    of memory (H100, thirtieth session). Alone, a TP 3 layer (44 GB) still did beside workers
+    holding 28 GB between their tests: every GPU test gives its cached blocks back as it ends."""
     if nbytes < LARGE_REFERENCE:
         yield
         return
-    with open(Path(tempfile.gettempdir()) / "k3-large-gpu-reference.lock", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    with contextlib.ExitStack() as own:
+        lock = _turn[-1] if _turn else own.enter_context(open(GPU_TURNS, "a+b"))
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # a shared hold is given up first, then waited for
         try:
             yield
         finally:
             torch.cuda.empty_cache()
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_SH if _turn else fcntl.LOCK_UN)
 
 
 def on_gpu(test):
