@@ -27,8 +27,9 @@ def stage_bytes(rows_per_cta: int, token_tile: int) -> int:
 
 def norm_bytes(k: int, split: int, token_tile: int) -> int:
     """Shared memory the RMSNorm prologue takes beside the ring: the CTA's K slice of the norm
-    weight (bf16) and the tokens' sums of squares (fp32), each 16-byte aligned."""
-    return -(-k // split * 2 // 16) * 16 + -(-token_tile * 4 // 16) * 16
+    weight (bf16) and the tokens' sums of squares (fp32); both whole 16-byte multiples already
+    (the slice is whole 64-value K tiles, the token tile a multiple of 16)."""
+    return k // split * 2 + token_tile * 4
 
 
 def two_cta_stages(rows_per_cta: int, token_tile: int, k: int, split: int) -> int:
