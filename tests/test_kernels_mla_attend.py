@@ -268,8 +268,9 @@ def test_the_w_uv_stage_loads_its_latents_in_chunks_and_stores_last(batch, heads
 
 def attend_inputs(batch, heads, seq_lens, *, fp8=False, block_size=64, seed=0, kv_scale=0.37, q_len=1):
     """Fresh random inputs on the CPU: a paged cache whose blocks are handed out shuffled (as
-    vLLM's allocator does after a while), spare blocks full of values nobody may read;
-    ``q_len`` tokens per request (a verify step: ``seq_lens`` count the step's own tokens)."""
+    vLLM's allocator does after a while), spare blocks full of values nobody may read, the
+    rows past each request's end in its last block NaN (a kernel that reads them must not let
+    them through); ``q_len`` tokens per request (a verify step: ``seq_lens`` count the step's own tokens)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per = [-(-s // block_size) for s in seq_lens]
     max_blocks = max(max(blocks_per), 1) + 1
@@ -286,6 +287,9 @@ def attend_inputs(batch, heads, seq_lens, *, fp8=False, block_size=64, seed=0, k
         cache = (cache / scale).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
         cache = cache.bfloat16()
+    for b, n in enumerate(seq_lens):  # a last block's rows past the request's end: stale, here NaN
+        if n % block_size:
+            cache[table[b, blocks_per[b] - 1], n % block_size:] = 0x7F if fp8 else float("nan")  # E4M3 NaN
     q = (torch.randn(batch * q_len, heads, E, generator=gen) * 0.5).bfloat16()
     kv_b = (torch.randn(heads * 256, L, generator=gen) * L ** -0.5).bfloat16()
     gate = torch.randn(batch * q_len, GATE_WIDTH, generator=gen).bfloat16()[:, GATE_AT:GATE_AT + heads * 128]
@@ -374,7 +378,7 @@ def check_attend(cpu, gpu, seq, q):
     if 0 in seq:
         r = seq.index(0)
         assert (out[r * q:(r + 1) * q] == 0).all()
-    assert torch.equal(gpu[1], cache_before)
+    assert torch.equal(gpu[1].view(torch.uint8), cache_before.view(torch.uint8))  # bytes: NaN rows equal too
     return out
 
 
@@ -467,7 +471,8 @@ def test_step_inserts_are_read_after_the_wait(requests, q, seq, fp8):
     cache, table = gpu[1], cpu[2]
     block = cache.shape[1]
     rows = [int(table[r, p // block]) * block + p % block for r, n in enumerate(seq) for p in range(max(n - q, 0), n)]
-    fresh = attend_inputs(requests, 6, seq, fp8=fp8, seed=99, q_len=q)[1].flatten(0, 1)[rows]
+    fresh = torch.randn(len(rows), E, generator=torch.Generator().manual_seed(99))
+    fresh = (fresh / cpu[4]).to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else fresh.bfloat16()
     flat = cache.view(torch.uint8).flatten(0, 1)
     src = fresh.view(torch.uint8).reshape(len(rows), -1).cuda()
     idx = torch.tensor(rows, dtype=torch.int32, device="cuda")
