@@ -84,8 +84,8 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     ctas, rows_per_cta, split = best
     if rows_per_cta > GEMM_ROWS_PER_CTA // 4 and ctas > sms:
         groups = 1  # 8 warps of ~160 registers hold one CTA an SM: a second wave (the input projection)
-    one_cta = (GEMM_SMEM_ONE_CTA - (norm_bytes(k, split, token_tile) if norm else 0)) // stage_bytes(rows_per_cta,
-                                                                                                   token_tile)
+    ring_budget = GEMM_SMEM_ONE_CTA - (norm_bytes(k, split, token_tile) if norm else 0)
+    one_cta = ring_budget // stage_bytes(rows_per_cta, token_tile)
     if ctas <= WHOLE_K_MAX_SHARE * sms:
         stages = max(2, min(k_tiles // split, one_cta))
     elif ctas <= ONE_WAVE_MAX_SHARE * sms and split <= 2:
