@@ -518,8 +518,8 @@ def test_ptx_of_the_stages_per_expert(compiled, arch):
 @needs_cutedsl
 def test_stages_keep_their_weights_in_shared_memory_from_a_token_count(kcache):
     """From ``MXFP4_SMEM_WEIGHTS_FROM`` tokens each lane's weight vectors (14 in the up stage, 12 in the down stage
-    at TP 16) go to shared memory by cp.async (no 128-bit register loads of them left), are read
-    back one K block at a time, and ptxas is asked for room for more CTAs (7 of the up stage, 8 of
+    at TP 16) go to shared memory by cp.async (no 128-bit register loads of them left), in a commit group a
+    scale group, are read back one K block at a time once their group landed, and ptxas is asked for room for more CTAs (7 of the up stage, 8 of
     the down stage) with no spill."""
     from codegen.compiler import compile_kernel
     from conftest import ptxas_usage
@@ -537,7 +537,11 @@ def test_stages_keep_their_weights_in_shared_memory_from_a_token_count(kcache):
         received = spec.param_dict["cluster"] * (2 if spec.kernel == "expert_up_mxfp4" else 1) // 4  # owners' sums
         assert _count(body, "cp.async.cg.shared.global") == blocks
         assert _count(body, "ld.shared.v4") == blocks + received
-        assert _count(body, "ld.global.L1::no_allocate.v4.b32") == 0 and _count(body, "cp.async.wait_group") == 1
+        assert _count(body, "ld.global.L1::no_allocate.v4.b32") == 0
+        # a commit group per scale group, each waited for just before its MMAs: the first
+        # group's multiplies run while the later ones land
+        assert _count(body, "cp.async.commit_group") == blocks // 2
+        assert [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", body)] == list(range(blocks // 2))[::-1]
         assert re.search(rf"\.minnctapersm\s+{ctas}\b", body), spec.kernel
         registers, spilled = ptxas_usage(k.ptx, "sm_90a")
         assert registers <= 65536 // (ctas * 4 * 32) and spilled == 0, (registers, spilled)  # CTAs of 4 warps

@@ -138,7 +138,7 @@ class ExpertDownMxfp4:
             if (bidx == 0) & (nt == 0):
                 self.zero_plan(mCount, mChosen, tidx)
         load_b(mA, rB, (token, slot), kb0, NKB, q)
-        tile_mma(staged_words(rW, sW, lane, warp), rS, lambda i: (rB[0, i], rB[1, i]), acc, NKB, self.order)
+        tile_mma(staged_words(rW, sW, lane, warp, NKB), rS, lambda i: (rB[0, i], rB[1, i]), acc, NKB, self.order)
 
         if q == 0:
             for i3 in cutlass.range_constexpr(4):

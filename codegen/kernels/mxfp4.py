@@ -143,7 +143,8 @@ def weight_staging(smem: bool, allocator, nkb: int, warps: int):
 
 def issue_weights(mW: cute.Tensor, rW, sW, e, kb0, nkb: int, nt, lane, warp):
     """The lane's 16 bytes of tile ``nt`` for K blocks ``kb0 ..`` of expert ``e``, into the
-    registers or (``sW`` not None) by ``cp.async`` into shared memory, one commit group."""
+    registers or (``sW`` not None) by ``cp.async`` into shared memory, a commit group per scale
+    group (two K blocks), so that ``staged_words`` can multiply a group while later ones land."""
     if sW is None:
         load_weights(mW, rW, e, kb0, nkb, nt, lane)
         return
@@ -151,7 +152,8 @@ def issue_weights(mW: cute.Tensor, rW, sW, e, kb0, nkb: int, nt, lane, warp):
                                num_bits_per_copy=128)
     for i in range(nkb):
         cute.copy(atom, cute.local_tile(mW[e, kb0 + i, None], (4,), (nt * 32 + lane,)), sW[None, i, lane, warp])
-    cute.arch.cp_async_commit_group()
+        if i % 2 == 1:
+            cute.arch.cp_async_commit_group()
 
 
 def copy_from(addr, words: int, dst: cute.Tensor):
@@ -177,15 +179,17 @@ def issue_x_pairs(x_addr, ring: cute.Tensor, field: int, group, stage, lane, war
                       cute.local_tile(ring[None, field, lane, warp, stage], (1,), (blk * 2 + hi,)))
 
 
-def staged_words(rW, sW, lane, warp):
-    """``words(i)``: K block i's 4 weight words for ``tile_mma``; from shared memory after this
-    thread's copies landed (each lane reads back its own words, so no barrier is needed: a thread's
-    cp.async writes are visible to it after its wait)."""
+def staged_words(rW, sW, lane, warp, nkb: int):
+    """``words(i)``: K block i's 4 weight words for ``tile_mma`` (called in order of i); from
+    shared memory once this thread's copies of its scale group landed (``issue_weights``' groups
+    were the thread's last; each lane reads back its own words, so no barrier is needed: a
+    thread's cp.async writes are visible to it after its wait)."""
     if sW is None:
         return lambda i: [rW[i3, i] for i3 in range(4)]
-    cute.arch.cp_async_wait_group(0)
 
     def words(i):
+        if i % 2 == 0:
+            cute.arch.cp_async_wait_group(nkb // 2 - 1 - i // 2)
         v = cute.make_rmem_tensor((4,), Int32)
         cute.autovec_copy(sW[None, i, lane, warp], v)
         return [v[i3] for i3 in range(4)]
