@@ -167,14 +167,19 @@ def test_layer_periods_run_first_start_to_first_start_and_sum_to_the_replays_spa
 
 
 def test_timed_calls_follow_a_warm_up_of_the_same_call(monkeypatch):
-    """At least two untimed calls, and as many as fill the warm-up time."""
-    import time
-
+    """At least two untimed calls, and as many as fill the warm-up time (on a clock each call
+    moves by 1/64 s, so that a loaded CI machine cannot change the count)."""
     from rewriter import bench_cmd
 
+    clock = [0.0]
+
+    def call():
+        clock[0] += 1 / 64
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    assert bench_cmd.warmed_up(lambda: None, seconds=0.0) == 2
-    assert bench_cmd.warmed_up(lambda: time.sleep(0.01), seconds=0.05) >= 5
+    monkeypatch.setattr(bench_cmd.time, "perf_counter", lambda: clock[0])
+    assert bench_cmd.warmed_up(call, seconds=0.0) == 2
+    assert bench_cmd.warmed_up(call, seconds=5 / 64) == 5
 
 
 def test_memory_operations_are_kept_apart_from_kernels():
