@@ -191,6 +191,8 @@ def run_ptx(body: str, args: dict[str, int | float]) -> tuple[dict[str, int], li
             regs[d] = _prmt(x[0], x[1], x[2])
         elif op == "add.u32":
             regs[d] = _u32(x[0] + x[1])
+        elif op == "mul.lo.u32":
+            regs[d] = _u32(x[0] * x[1])
         elif op == "mad.lo.u32":
             regs[d] = _u32(x[0] * x[1] + x[2])
         elif op == "mul.rn.bf16x2":
