@@ -52,8 +52,8 @@ def _dequant_ptx(order: str) -> str:
         # pair of register j at nibbles p, p + 4 with p = 0, 2, 1, 3 for j = 0..3 (p = 2, 3 from
         # w >> 8 as p = 0, 1). The pair's two nibbles alone, times 2^(12 - 4p) + 2^(6 - 4p): two
         # copies that do not overlap (so the sum is their OR), one with the sign at bit 15 (31),
-        # one with the magnitude at bits 8..6 (24..22); the mask keeps those. Three instructions a
-        # register instead of two shifts, two masks and an OR.
+        # one with the magnitude at bits 8..6 (24..22); the mask keeps those. Three SASS
+        # instructions a register (LOP3, IMAD, LOP3) instead of four (two shifts, two LOP3s).
         out = ["shr.u32 v, w, 8; "]
         for j, (src, p) in enumerate((("w", 0), ("v", 0), ("w", 1), ("v", 1))):
             copies = (1 << 12 - 4 * p) + (1 << 6 - 4 * p)
