@@ -1,12 +1,14 @@
 """Shared helpers: the tiny config, seeded layers and inputs, relative error, the CuTe DSL and
 GPU markers, a kernel cache per test module, this GPU's kernels, a kernel's PDL launch flag,
-the GPU's large tests each with the GPU to itself."""
+the GPU's large tests each with the GPU to itself, the examples loaded as modules."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import importlib.util
+import os
 import re
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,6 +144,28 @@ def kcache(tmp_path_factory):
 
     clear_memory_cache()
     return KernelCache(tmp_path_factory.mktemp("kernel-cache"))
+
+
+def example_module(name: str):
+    """``examples/<name>.py`` loaded as a module (the examples are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def cute_example(name: str):
+    """(an example that imports CuTe DSL, the arch it targets): CUTE_DSL_ARCH, read once at CuTe
+    DSL's first import, set first to this GPU's target (sm_90a without a GPU)."""
+    arch = "sm_90a"
+    if torch.cuda.is_available():
+        from codegen.bind import device_arch
+
+        arch = device_arch()
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    return example_module(name), arch
 
 
 def gpu_arch() -> str:

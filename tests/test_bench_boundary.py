@@ -3,28 +3,14 @@ names (CPU), and on the GPU every way carries each link's value to the next (a l
 before the previous one wrote would break the chain)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import needs_cutedsl, on_gpu
+from conftest import cute_example, needs_cutedsl, on_gpu
 
 
 def _bench():
-    arch = "sm_90a"
-    if torch.cuda.is_available():
-        from codegen.bind import device_arch
-
-        arch = device_arch()
-    os.environ.setdefault("CUTE_DSL_ARCH", arch)  # read once, when CuTe DSL is first imported
-    path = Path(__file__).resolve().parents[1] / "examples" / "bench_boundary.py"
-    spec = importlib.util.spec_from_file_location("bench_boundary", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench, arch
+    return cute_example("bench_boundary")
 
 
 @needs_cutedsl

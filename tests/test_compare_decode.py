@@ -4,18 +4,16 @@ The JSON fixtures in tests/data have the layout of vLLM 0.33's ``vllm bench serv
 --save-result`` output (benchmarks/serve.py), with synthetic timings."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from conftest import example_module
+
 ROOT = pathlib.Path(__file__).parent.parent
-spec = importlib.util.spec_from_file_location("compare_decode", ROOT / "examples" / "compare_decode.py")
-compare = importlib.util.module_from_spec(spec)
-sys.modules["compare_decode"] = compare  # dataclasses look their module up
-spec.loader.exec_module(compare)
+compare = example_module("compare_decode")
 
 
 def test_summary_excludes_prefill_and_failed_requests():

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
+from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 
 import patterns.attention_projection
 import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
@@ -349,16 +349,10 @@ def test_the_dense_tiling_sweep_forces_one_stage_and_restores_the_rule():
     """``examples/bench_kernels.py --only dense_tiling``: inside ``forced_tiling`` the dense MLP's
     specs take the forced choices (gate/up and down apart; a changed split without stages gets
     the two-CTA ring), and the rule is back after it."""
-    import importlib.util
-    from pathlib import Path
-
     from codegen.launchers import gemm_specs
     from codegen.launchers.experts import one_expert_gemm_specs
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = example_module("bench_kernels")
     x, up, down = (torch.empty(*shape, dtype=torch.bfloat16) for shape in ((8, D), (2 * 2112, D), (D, 2112)))
     args = (x, up, down, 4.0, 25.0, "tp", 1)
 

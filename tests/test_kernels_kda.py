@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import GPU_MARKS, gpu_arch, needs_cutedsl, pdl_flags, ptxas_usage, rel_err
+from conftest import GPU_MARKS, example_module, gpu_arch, needs_cutedsl, pdl_flags, ptxas_usage, rel_err
 
 import patterns.attention_projection  # noqa: F401  (defines k3f::kda_core)
 import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
@@ -558,13 +558,7 @@ class TestKdaCoreOnGpu:
 def test_benchmark_inputs_are_a_served_call(tp, requests, persistent):
     """``examples/bench_kernels.py --only kda_core`` times the form the template serves at its
     batch, on inputs the op's reference takes (finite outputs, every request's state moved)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = example_module("bench_kernels")
     args = bench.kda_core_args(tp, requests, torch.Generator().manual_seed(tp), device="cpu")
     assert kda_spec("sm_90a", args).param_dict.get("persistent", False) == persistent
     before = args[10].clone()

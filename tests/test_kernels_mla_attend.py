@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err, spec_of
+from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err, spec_of
 
 import patterns.layer  # noqa: F401  (defines k3f::mla_attend)
 import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
@@ -137,15 +137,9 @@ def test_the_kernel_benchmark_times_a_served_call_at_each_grid_cap():
     """``examples/bench_kernels.py --only mla_attend``: its inputs are a call the template serves and
     the op's reference takes (finite outputs), and inside ``forced_grid_cap`` the spec takes the
     cap (fewer context splits), the launcher's rule back after it."""
-    import importlib.util
-    from pathlib import Path
-
     import codegen.launchers.mla_attend as launcher
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = example_module("bench_kernels")
     args = bench.mla_attend_args(6, 2, 200, torch.Generator().manual_seed(0), device="cpu")
     rule = launcher.grid_cap
     assert "max_ctas" not in attend_spec("sm_90a", args).param_dict

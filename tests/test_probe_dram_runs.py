@@ -2,29 +2,15 @@
 kernel issues every copy before its one wait, and on the GPU it reads exactly its plan's words."""
 from __future__ import annotations
 
-import importlib.util
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import needs_cutedsl, on_gpu
+from conftest import cute_example, needs_cutedsl, on_gpu
 
 
 def _probe():
-    arch = "sm_90a"
-    if torch.cuda.is_available():
-        from codegen.bind import device_arch
-
-        arch = device_arch()
-    os.environ.setdefault("CUTE_DSL_ARCH", arch)  # read once, when CuTe DSL is first imported
-    path = Path(__file__).resolve().parents[1] / "examples" / "probe_dram_runs.py"
-    spec = importlib.util.spec_from_file_location("probe_dram_runs", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe, arch
+    return cute_example("probe_dram_runs")
 
 
 def _words_read(run_bytes, rows):
