@@ -74,6 +74,7 @@ class RunReader:
 
 
 def word(expert: int, kb: int, byte: int) -> int:
+    """The int32 word at byte ``byte`` of K block ``kb``'s row of expert ``expert``."""
     return (expert * KBLOCKS * ROW_BYTES + kb * ROW_BYTES + byte) // 4
 
 
@@ -84,7 +85,8 @@ def plan(pattern: str, experts: list[int], region: int) -> tuple[int, list[list[
     if pattern.startswith("stage"):  # a CTA a (pair, 1/8 of K, tile): each half's 512 B at the row stride
         order = (((t, e, r) for t in range(3) for e in experts for r in range(cluster)) if pattern == "stage"
                  else ((t, e, r) for e in experts for t in range(3) for r in range(cluster)))
-        return 512, [[word(e, kb, off + 512 * t) for off, _ in LIVE_RUNS for kb in range(r * kb_share, (r + 1) * kb_share)]
+        return 512, [[word(e, kb, off + 512 * t) for off, _ in LIVE_RUNS
+                      for kb in range(r * kb_share, (r + 1) * kb_share)]
                      for t, e, r in order]
     if pattern == "live runs":  # a CTA a (pair, 8 K blocks): both halves' whole 1.5 KB
         return 1536, [[word(e, kb, off) for kb in range(c, c + 8) for off, _ in LIVE_RUNS]
@@ -134,7 +136,8 @@ def main() -> None:
     w = w.to(dev)
     draws = [torch.randint(0, EXPERTS, (PAIRS,), generator=gen).tolist() for _ in range(args.sets)]
     print(f"{torch.cuda.get_device_name()}, {arch}: {PAIRS} random experts' live W13 runs (TP 16), "
-          f"{args.reps} reps over {args.sets} draws\n| pattern | CTAs | run B | MB | us | TB/s |\n|---|---|---|---|---|---|")
+          f"{args.reps} reps over {args.sets} draws\n| pattern | CTAs | run B | MB | us | TB/s |\n"
+          "|---|---|---|---|---|---|")
     for pattern in PATTERNS:
         plans = [plan(pattern, d, i) for i, d in enumerate(draws)]
         run_bytes, first = plans[0]

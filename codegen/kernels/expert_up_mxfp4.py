@@ -140,8 +140,8 @@ class ExpertUpMxfp4:
                 sX[i] = mX[token, x0 + i]
         cute.arch.barrier()
         base = (kb0 - rank * self.warps_per_tile * NKB) * 8 + q
-        tile_mma(staged_words(rW, sW, lane, warp, NKB), rS, lambda i: (sX[base + i * 8], sX[base + i * 8 + 4]), acc, NKB,
-                 self.order)
+        tile_mma(staged_words(rW, sW, lane, warp, NKB), rS, lambda i: (sX[base + i * 8], sX[base + i * 8 + 4]),
+                 acc, NKB, self.order)
 
         # every C column is this token: lanes q = 0 hold rows 16 i3 + r (c0) and 16 i3 + 8 + r (c2)
         if q == 0:
