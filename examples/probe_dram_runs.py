@@ -105,14 +105,14 @@ PATTERNS = ("stage", "stage, tiles in turn", "live runs", "whole rows", "contigu
 
 def compiled_reader(runs: int, run_bytes: int, ctas: int, words: int, arch: str):
     """``RunReader``'s kernel for ``ctas`` CTAs over a buffer of ``words`` int32 words, compiled
-    for ``arch`` and loaded: ``fn(buffer, plan, out)``."""
+    for ``arch`` and loaded: (its PTX, ``fn(buffer, plan, out)``)."""
     fake = (make_fake_tensor(Int32, (words,), (1,), assumed_align=16),
             make_fake_tensor(Int32, (ctas, runs), (runs, 1), assumed_align=4),
             make_fake_tensor(Int32, (ctas * THREADS,), (1,), assumed_align=4),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     name = f"probe_runs_{runs}x{run_bytes}_{ctas}"
-    _, obj = compile_object(RunReader(runs, run_bytes), fake, arch, name, f"probe {runs} runs of {run_bytes} B")
-    return load_object(obj, name, arch)
+    ptx, obj = compile_object(RunReader(runs, run_bytes), fake, arch, name, f"probe {runs} runs of {run_bytes} B")
+    return ptx, load_object(obj, name, arch)
 
 
 def expected_out(words: np.ndarray, plan_rows: np.ndarray, run_bytes: int) -> np.ndarray:
@@ -142,7 +142,7 @@ def main() -> None:
         plans = [plan(pattern, d, i) for i, d in enumerate(draws)]
         run_bytes, first = plans[0]
         ctas, runs = len(first), len(first[0])
-        fn = compiled_reader(runs, run_bytes, ctas, w.numel(), arch)
+        _, fn = compiled_reader(runs, run_bytes, ctas, w.numel(), arch)
         tensors = [torch.tensor(p, dtype=torch.int32, device=dev) for _, p in plans]
         out = torch.full((ctas * THREADS,), -1, dtype=torch.int32, device=dev)
         fn(w, tensors[0], out)

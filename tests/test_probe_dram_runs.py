@@ -43,20 +43,10 @@ def test_patterns_read_the_live_bytes_in_runs_of_their_length():
 @needs_cutedsl
 def test_every_copy_is_issued_before_the_one_wait():
     probe, _ = _probe()
-    ptx, _ = probe.compile_object(probe.RunReader(56, 512), _fake(probe, 8, 56), "sm_90a", "probe_t", "probe")
+    ptx, _ = probe.compiled_reader(56, 512, 8, 1 << 20, "sm_90a")
     copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.cg.shared.global", i)]
     assert len(copies) == 56 * 512 // 16 // probe.THREADS
     assert ptx.count("cp.async.wait_group") == 1 and copies[-1] < ptx.index("cp.async.wait_group")
-
-
-def _fake(probe, ctas, runs):
-    from cutlass import Int32
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    return (make_fake_tensor(Int32, (1 << 20,), (1,), assumed_align=16),
-            make_fake_tensor(Int32, (ctas, runs), (runs, 1), assumed_align=4),
-            make_fake_tensor(Int32, (ctas * probe.THREADS,), (1,), assumed_align=4),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 @needs_cutedsl
@@ -82,6 +72,6 @@ def test_the_kernel_reads_its_plans_words(runs, run_bytes):
     w = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32)
     rows = torch.randint(0, (words - run_bytes // 4) // 4, (ctas, runs), dtype=torch.int32) * 4
     out = torch.full((ctas * probe.THREADS,), -1, dtype=torch.int32, device="cuda")  # poisoned
-    fn = probe.compiled_reader(runs, run_bytes, ctas, words, arch)
+    _, fn = probe.compiled_reader(runs, run_bytes, ctas, words, arch)
     fn(w.cuda(), rows.cuda(), out)
     assert np.array_equal(out.cpu().numpy(), probe.expected_out(w.numpy(), rows.numpy(), run_bytes))
