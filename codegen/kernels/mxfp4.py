@@ -29,21 +29,9 @@ UP_WARPS_PER_SM, DOWN_WARPS_PER_SM = 16, 20
 UP_WARPS_PER_SM_SMEM, DOWN_WARPS_PER_SM_SMEM = 28, 32  # with the weights in shared memory (``weight_staging``)
 NO_CARVEOUT_PREFERENCE = -1
 
-# bf16 bits of code nibble c = s e1 e0 m: sign at 15, e1 e0 m at 8..6 (both halves at once)
-_SIGN, _MAG = "0x80008000", "0x01C001C0"
+# bf16 bits of a code pair's nibbles c = s e1 e0 m once spread (``_dequant_ptx``): signs at 15 and
+# 31, e1 e0 m at 8..6 and 24..22
 _SIGN_MAG = "0x81C081C0"
-
-
-def _extract(dst: str, src: str, sign_shift: int, mag_shift: int) -> str:
-    """PTX: ``dst`` = the bf16x2 of the two codes whose sign bits sit ``sign_shift`` below bit 15
-    (and 31) and whose magnitude bits sit ``mag_shift`` from bits 6..8 (negative: above)."""
-    def shift(reg, by):
-        if by == 0:
-            return f"mov.b32 {reg}, {src};"
-        return f"shl.b32 {reg}, {src}, {by};" if by > 0 else f"shr.u32 {reg}, {src}, {-by};"
-
-    return (f"{shift('u', sign_shift)} and.b32 u, u, {_SIGN}; "
-            f"{shift('t', mag_shift)} and.b32 t, t, {_MAG}; or.b32 {dst}, u, t;")
 
 
 def _dequant_ptx(order: str) -> str:
@@ -60,13 +48,16 @@ def _dequant_ptx(order: str) -> str:
             out.append(f"and.b32 t, {src}, {0x000F000F << 4 * p:#010x}; mul.lo.u32 t, t, {copies}; "
                        f"and.b32 a{j}, t, {_SIGN_MAG}; ")
         return "".join(out)
-    # natural: pair of register j in byte b = 0, 2, 1, 3 (low nibble k, high nibble k + 1): the byte
-    # into both halves' high bytes, the low nibble moved up to the top of half 0, then as p = 3
-    out = []
+    # natural: pair of register j in byte b = 0, 2, 1, 3 (low nibble k, high nibble k + 1). The
+    # low nibbles of w (l) and its high nibbles moved down (h), once for the four registers; then
+    # a register's byte of each into halves 0 and 2, bytes 1 and 3 zero (the selector's sign
+    # replication of a byte whose top bit is clear), and the pair on as above with p = 0: three
+    # instructions a register (PRMT, IMAD, LOP3) and three for the word.
+    out = ["and.b32 l, w, 0x0F0F0F0F; shr.u32 h, w, 4; and.b32 h, h, 0x0F0F0F0F; "]
     for j, b in enumerate((0, 2, 1, 3)):
-        out.append(f"prmt.b32 v, w, 0, {0x0404 | (b << 12) | (b << 4):#x}; shl.b32 x, v, 4; "
-                   f"and.b32 x, x, 0x0000F000; and.b32 v, v, 0xF0000000; or.b32 v, v, x; ")
-        out.append(_extract(f"a{j}", "v", 0, -6))
+        select = b | (8 | b) << 4 | (4 + b) << 8 | (12 + b) << 12
+        out.append(f"prmt.b32 t, l, h, {select:#06x}; mul.lo.u32 t, t, {(1 << 12) + (1 << 6)}; "
+                   f"and.b32 a{j}, t, {_SIGN_MAG}; ")
     return "".join(out)
 
 
@@ -80,7 +71,7 @@ def mma_ptx(order: str, half: int) -> str:
     if half not in (0, 1):
         raise ValueError(f"multiplier half {half}: 0 or 1")
     m = ("l5", "l6") if half == 0 else ("h5", "h6")
-    return ("{ .reg .b32 a0, a1, a2, a3, u, t, v, x, w, m5, m6; .reg .b16 l5, h5, l6, h6; "
+    return ("{ .reg .b32 a0, a1, a2, a3, t, v, l, h, w, m5, m6; .reg .b16 l5, h5, l6, h6; "
             f"mov.b32 {{l5, h5}}, $5; mov.b32 {{l6, h6}}, $6; mov.b32 m5, {{{m[0]}, {m[0]}}}; "
             f"mov.b32 m6, {{{m[1]}, {m[1]}}}; mov.b32 w, $4; " + _dequant_ptx(order)
             + " mul.rn.bf16x2 a0, a0, m5; mul.rn.bf16x2 a2, a2, m5;"
