@@ -70,6 +70,19 @@ def test_table_graph_and_dot(capsys, tmp_path):
     assert "k3f.mla_q_front" in after and "k3f" not in before
 
 
+def test_the_readmes_inspect_sample_is_what_inspect_prints(capsys):
+    """The README's table of the KDA+MoE layer at TP 16, batch 1 (its first lines, down to the
+    schedule's last prefetch point) is this program's output, not a stale copy."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    intro = "The KDA+MoE layer at TP 16, batch 1:\n\n```\n"
+    assert intro in readme
+    sample = readme.split(intro, 1)[1].split("```", 1)[0]
+    out = _inspect(capsys, "--model", "kimi-k3", "--layer", "1", "--tp", "16", "--batch", "1")
+    assert out.startswith(sample), "README.md's inspect sample differs from `inspect --layer 1 --tp 16 --batch 1`"
+
+
 def test_batch_outside_the_rules_is_refused_and_stays_stock(capsys):
     report = json.loads(_inspect(capsys, "--layer", "1", "--tp", "8", "--batch", "128", "--json"))
     assert report["matches"] == []
