@@ -16,6 +16,7 @@ pattern's ceiling. (They do not: BENCHMARKS.md, thirty-second session.)
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import cuda.bindings.driver as cuda
@@ -148,7 +149,7 @@ def main() -> None:
         fn(w, tensors[0], out)
         if not np.array_equal(out.cpu().numpy(), expected_out(words, np.array(first), run_bytes)):
             raise SystemExit(f"{pattern}: the words read are not the plan's")
-        turn = iter(range(10**9))
+        turn = itertools.count()
         warmed_up(lambda: fn(w, tensors[next(turn) % len(tensors)], out))
         us = statistics.median(timed_replay_us(lambda i=i: fn(w, tensors[i % len(tensors)], out))
                                for i in range(args.reps))

@@ -26,6 +26,15 @@ from rewriter.shape import DecodeShape
 
 HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
 needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
+
+def _have_sass_tools() -> bool:
+    from codegen.sass import find_tool
+
+    return bool(find_tool("ptxas") and find_tool("nvdisasm"))
+
+
+needs_sass_tools = pytest.mark.skipif(not _have_sass_tools(),
+                                      reason="ptxas and nvdisasm not installed (pip install -e '.[sass]')")
 GPU_MARKS = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -198,14 +207,22 @@ def gpu_kernels(op, args, kernel=None):
     return r
 
 
+def sass_or_skip(make):
+    """``make()`` (something of ``codegen.sass`` that runs ptxas), or the test skipped where the
+    installed ptxas is older than the PTX."""
+    from codegen.sass import SassError
+
+    try:
+        return make()
+    except SassError as e:
+        pytest.skip(str(e))
+
+
 def ptxas_usage(ptx: str, arch: str) -> tuple[int, int]:
     """(registers per thread, spill store bytes) ptxas reports for ``ptx`` (the kernel's,
     ``codegen.sass.assemble``); the test is skipped where no ptxas reads this PTX (none
     installed, or an older one that refuses a newer PTX version)."""
-    from codegen.sass import SassError, assemble
+    from codegen.sass import assemble
 
-    try:
-        res = assemble(ptx, arch)
-    except SassError as e:
-        pytest.skip(str(e))
+    res = sass_or_skip(lambda: assemble(ptx, arch))
     return res.registers, res.spill_bytes

@@ -23,11 +23,11 @@ import re
 
 import pytest
 import torch
-from conftest import alone_if_large, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
+from conftest import (alone_if_large, gpu_kernels, needs_cutedsl, needs_sass_tools, on_gpu, pdl_flags, rel_err,
+                      sass_or_skip)
 
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
 from codegen.launchers import experts as experts_launcher
-from codegen.sass import find_tool
 from codegen.templates import spec_for_call
 from rewriter.config import KimiK3Config
 from rewriter.layers.experts import (GROUP, ExpertFormat, ExpertFormatError, humming_relayout, pack_nibbles,
@@ -474,21 +474,17 @@ def test_ptx(compiled, arch, name):
 
 
 @needs_cutedsl
-@pytest.mark.skipif(not (find_tool("ptxas") and find_tool("nvdisasm")),
-                    reason="ptxas and nvdisasm not installed (pip install -e '.[sass]')")
+@needs_sass_tools
 def test_natural_order_dequantizes_in_about_as_many_instructions_as_interleaved(compiled):
     """On sm_100a (where Humming leaves the natural order), both one-token stages in each nibble
     order: the natural order spends at most 3 SASS instructions an MMA more than the interleaved
     (its word's low and high nibbles split once, then PRMT, IMAD, LOP3 a register, as the
     interleaved's LOP3, IMAD, LOP3), where its old per-register extract spent 15 more and spilled."""
-    from codegen.sass import SassError, summary
+    from codegen.sass import summary
 
     for interleaved, natural in zip(compiled["tp16", "sm_100a"], compiled["native_tp16", "sm_100a"]):
         assert natural.spec.param_dict["order"] == "natural" != interleaved.spec.param_dict["order"]
-        try:
-            ours, theirs = (summary(k.ptx, "sm_100a")[0] for k in (natural, interleaved))
-        except SassError as e:  # an installed ptxas older than the PTX
-            pytest.skip(str(e))
+        ours, theirs = (sass_or_skip(lambda k=k: summary(k.ptx, "sm_100a")[0]) for k in (natural, interleaved))
         mmas = theirs["opcodes"]["HMMA"]
         assert mmas == ours["opcodes"]["HMMA"] > 0 and ours["spill_bytes"] == 0
         assert ours["instructions"] - theirs["instructions"] <= 3 * mmas, (ours["instructions"], theirs["instructions"])

@@ -8,25 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import needs_cutedsl
+from conftest import needs_cutedsl, needs_sass_tools, sass_or_skip
 
-from codegen.sass import find_tool, instruction_mix, read_only_loads_before_wait
+from codegen.sass import instruction_mix, read_only_loads_before_wait
 from rewriter.cli import main
 
 SAMPLE = Path(__file__).parent / "data" / "sass_sample.sass"
-needs_tools = pytest.mark.skipif(not (find_tool("ptxas") and find_tool("nvdisasm")),
-                                 reason="ptxas and nvdisasm not installed (pip install -e '.[sass]')")
-
-
-def _or_skip(make):
-    """``make()``, or the test skipped where the installed ptxas is older than the PTX."""
-    from codegen.sass import SassError
-
-    try:
-        return make()
-    except SassError as e:
-        pytest.skip(str(e))
-
 
 def test_instructions_are_counted_by_opcode_predicated_ones_too():
     mix = instruction_mix(SAMPLE.read_text())
@@ -37,7 +24,7 @@ def test_instructions_are_counted_by_opcode_predicated_ones_too():
 
 
 @needs_cutedsl
-@needs_tools
+@needs_sass_tools
 def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
     """The one-token MXFP4 up stage: one HMMA per ``mma.sync`` of its PTX, and the registers its
     launch asks ptxas to keep to (four CTAs of 4 warps an SM: at most 128)."""
@@ -50,7 +37,7 @@ def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
 
     spec = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1))[1][0]
     k = compile_kernel(spec)
-    figures, line = _or_skip(lambda: summary(k.ptx, "sm_90a", top=3))
+    figures, line = sass_or_skip(lambda: summary(k.ptx, "sm_90a", top=3))
     assert figures["opcodes"]["HMMA"] == k.ptx.count("mma.sync.aligned.m16n8k16") > 0
     assert 0 < figures["registers"] <= 128 and figures["spill_bytes"] == 0
     assert figures["instructions"] == sum(figures["opcodes"].values())
@@ -59,7 +46,7 @@ def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
 
 
 @needs_cutedsl
-@needs_tools
+@needs_sass_tools
 def test_compile_prints_each_kernels_sass_summary_and_writes_its_sass(capsys, tmp_path):
     argv = ["compile", "--model", "tiny", "--layer", "1", "--arch", "sm_90a", "--cache-dir", str(tmp_path / "cache"),
             "--sass", "--sass-dir", str(tmp_path / "sass")]
@@ -90,7 +77,7 @@ def test_a_read_only_load_above_the_wait_is_found():
 
 
 @needs_cutedsl
-@needs_tools
+@needs_sass_tools
 @pytest.mark.parametrize("layer, batches", [(1, (1, 8, 64)), (3, (1, 8, 64)), (0, (1, 8))])
 def test_no_served_kernel_reads_an_activation_before_its_wait(layer, batches, kcache):
     """In SASS, not PTX (where the tests of each kernel look): no ``ld.global.nc`` ahead of
@@ -112,7 +99,7 @@ def test_no_served_kernel_reads_an_activation_before_its_wait(layer, batches, kc
             for spec in row.get("specs", ()):
                 k = compile_kernel(spec, cache=kcache)
                 if k.key not in seen:
-                    sass = _or_skip(lambda: disassemble(assemble(k.ptx, "sm_90a").cubin))
+                    sass = sass_or_skip(lambda: disassemble(assemble(k.ptx, "sm_90a").cubin))
                     seen[k.key] = (spec.label(), read_only_loads_before_wait(sass))
     assert len(seen) >= 2 * len(batches)
     assert [(label, loads) for label, loads in seen.values() if loads] == []
