@@ -22,9 +22,9 @@ phases separated by two grid-wide barriers:
 1. split ``s`` of request ``b`` and head group ``g`` walks its share of the context in tiles of
    64 entries (the groups of a split read the same entries, together, so the L2 serves all but
    the first). A tile's chain (its loads landing, four barriers, the products, the softmax) is
-   bound by its latencies with one CTA of 8 warps an SM, so where the shared memory holds them
-   (``WARPGROUPS``; Kimi K3 at TP 8 and 16) a CTA is two warpgroups of 8 warps, each walking
-   every other tile of the share on its own stage, named barrier, softmax state and
+   bound by its latencies with one CTA of 8 warps an SM, so for an fp8 cache from 4 tokens
+   where the shared memory holds them (``WARPGROUPS``, ``TWO_WARPGROUP_CACHES``; Kimi K3 at
+   TP 8 and 16) a CTA is two warpgroups of 8 warps, each walking every other tile of the share on its own stage, named barrier, softmax state and
    accumulators, the second's merged into the first's at the end. The
    tile's entries (block table lookups; 128-bit loads, 9 of an entry's vectors a thread at fixed
    offsets from its row; with one warpgroup the next tile's loads are issued before the
@@ -97,6 +97,11 @@ WUV_HELD_ROWS = 2  # W_UV rows a warp loads before the wait and holds (TP 8 and 
 # runs two tiles' dependent chains side by side (its W_UV rows wait in shared memory instead of
 # registers: 512 threads leave 128 registers a thread); 1 where the shared memory does not hold both
 WARPGROUPS = 2
+# where the second warpgroup pays (H100 and H200, thirty-fourth session): the fp8 cache (its tiles
+# pass through registers and convert; bf16's cp.async chain is faster with one) from 4 tokens (a
+# split's share at a 4096-entry context is half a tile a token: one token leaves the second idle)
+TWO_WARPGROUP_CACHES = ("fp8_e4m3",)
+TWO_WARPGROUP_MIN_TOKENS = 4
 SMEM_BYTES = 227 * 1024
 LOG2E = 1.0 / math.log(2.0)
 NEG_INF = float("-inf")
@@ -151,7 +156,9 @@ class MlaAttend:
         self.passes = TILE // self.pass_rows  # 2 | 1
         self.rows = heads * V_DIM  # W_UV rows
         self.rows_per_cta = -(-self.rows // self.ctas)
-        self.wgs = WARPGROUPS if self.smem_bytes(WARPGROUPS) <= SMEM_BYTES else 1
+        two = (cache in TWO_WARPGROUP_CACHES and batch >= TWO_WARPGROUP_MIN_TOKENS
+               and self.smem_bytes(WARPGROUPS) <= SMEM_BYTES)
+        self.wgs = WARPGROUPS if two else 1
         # bf16: cp.async into two stages (one a warpgroup where there are two); fp8: via registers
         self.stages = 2 if cache == "bf16" or self.wgs == 2 else 1
         self.threads, self.warps = THREADS * self.wgs, WARPS * self.wgs
