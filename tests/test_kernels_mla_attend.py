@@ -6,6 +6,8 @@ On the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_mla_attend.p
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err, spec_of
@@ -207,15 +209,21 @@ def test_compiles_without_spills(arch, batch, heads, cache, q, block, kcache):
     kernel, _ = build(spec)
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.count("griddepcontrol.wait") == 1
+    from codegen.kernels.mla_attend import WUV_HELD_ROWS
+    # the W_UV rows: two vectors a row held in registers, or with two warpgroups the CTA's rows
+    # copied into shared memory (a vector a thread at a time)
+    held = 2 * min(kernel.rows_per_warp, WUV_HELD_ROWS) if kernel.wgs == 1 else 0
+    staged = -(-kernel.rows_per_cta * 64 // kernel.threads) if kernel.wgs == 2 else 0
     if cache == torch.bfloat16:
-        assert ptx[:wait].count("cp.async.cg.shared.global") == kernel.loads
+        assert ptx[:wait].count("cp.async.cg.shared.global") == kernel.loads + staged
     else:
-        from codegen.kernels.mla_attend import WUV_HELD_ROWS
-        assert ptx[:wait].count("ld.global.L1") == kernel.loads + 2 * min(kernel.rows_per_warp, WUV_HELD_ROWS)
+        assert ptx[:wait].count("ld.global.L1") == kernel.loads + held
+        assert ptx[:wait].count("cp.async.cg.shared.global") == staged
     assert "ld.global.v4" not in ptx[:wait] and "ld.global.v4" in ptx[wait:]
     # before the wait, the 32-bit loads: the request's length and the block table lookups of
-    # the first two tiles (one a tile, or one a row where blocks are not multiples of 64)
-    lookups = 1 if block % 64 == 0 else kernel.loads
+    # the first two tiles (one a tile, or one a pass of a thread's rows where blocks are not
+    # multiples of 64)
+    lookups = 1 if block % 64 == 0 else kernel.passes
     assert ptx[:wait].count("ld.global.b32") == 1 + 2 * lookups
     if arch == "sm_90a" and batch == 1:
         assert pdl_flags(spec) == [1]
@@ -237,6 +245,30 @@ def test_a_capped_grid_compiles_without_spills(monkeypatch, kcache):
 
 
 @needs_cutedsl
+@pytest.mark.parametrize("batch, heads, cache, wgs", [(8, 6, torch.uint8, 2), (4, 12, torch.uint8, 2),
+                                                       (8, 6, torch.bfloat16, 1), (1, 6, torch.uint8, 1),
+                                                       (8, 96, torch.uint8, 1)])
+def test_two_warpgroups_for_fp8_where_the_shared_memory_holds_them(batch, heads, cache, wgs, kcache):
+    """Kimi K3's fp8 cache at TP 16 and 8 (6, 12 heads a rank) from 4 tokens: 512 threads in two
+    warpgroups, each on every other tile with its own named barrier (ids 1 and 2), the second's
+    sums merged into the first's before the partials; a bf16 cache (its cp.async chain measured
+    faster so), one token (a split's one tile would leave the second idle) and TP 1 (96 heads:
+    96 W_UV rows a CTA would not fit beside both tiles) one warpgroup and the CTA's barrier only."""
+    from codegen.compiler import compile_kernel
+    from codegen.kernels.mla_attend import SMEM_BYTES, build
+
+    spec = attend_spec("sm_90a", attend_args(batch, heads, cache_dtype=cache))
+    kernel, _ = build(spec)
+    assert (kernel.wgs, kernel.threads) == (wgs, 256 * wgs)
+    assert (wgs == 2) == (cache == torch.uint8 and batch >= 4 and kernel.smem_bytes(2) <= SMEM_BYTES)
+    ptx = compile_kernel(spec, cache=kcache).ptx
+    named = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+%r\d+,\s*256;", ptx)
+    assert bool(named) == (wgs == 2), named
+    registers, spilled = ptxas_usage(ptx, "sm_90a")
+    assert spilled == 0 and registers <= 65536 // kernel.threads
+
+
+@needs_cutedsl
 @pytest.mark.parametrize("batch, heads, cache", [(8, 6, torch.bfloat16), (64, 12, torch.bfloat16), (64, 12, torch.uint8),
                                                   (3, 6, torch.bfloat16)])
 def test_the_w_uv_stage_loads_its_latents_in_chunks_and_stores_last(batch, heads, cache, kcache):
@@ -244,8 +276,6 @@ def test_the_w_uv_stage_loads_its_latents_in_chunks_and_stores_last(batch, heads
     requests a load), then the latents of ``WUV_CHUNK`` requests at a time (2 vectors each, one
     loop body per 32 requests), then one store a lane per 32 requests: no load behind a store,
     no gate read behind a sum."""
-    import re
-
     from codegen.compiler import compile_kernel
     from codegen.kernels.mla_attend import WUV_CHUNK, MlaAttend
 

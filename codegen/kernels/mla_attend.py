@@ -17,13 +17,18 @@ Work split: a grid of ``B x G x S`` CTAs (G head groups of at most 16 heads, the
 one up to 16 heads a rank, 2 for Kimi K3's 24 or 32 at TP 4 or 3, 6 for its 96 at TP 1; S
 context splits per request and group, ``B x G x S <= 128`` so that the whole grid is resident
 at once on any Hopper or Blackwell part, or at most the SMs of a GPU with fewer: ``max_ctas``,
-which the launcher sets from the SM count), 256 threads, three
+which the launcher sets from the SM count), 256 threads a warpgroup, three
 phases separated by two grid-wide barriers:
 1. split ``s`` of request ``b`` and head group ``g`` walks its share of the context in tiles of
    64 entries (the groups of a split read the same entries, together, so the L2 serves all but
-   the first): the
-   tile's entries (block table lookups, 128-bit loads; the next tile's loads are issued before
-   the current one is computed) go to shared memory as bf16 (fp8 E4M3 converted exactly);
+   the first). A tile's chain (its loads landing, four barriers, the products, the softmax) is
+   bound by its latencies with one CTA of 8 warps an SM, so for an fp8 cache from 4 tokens
+   where the shared memory holds them (``WARPGROUPS``, ``TWO_WARPGROUP_CACHES``; Kimi K3 at
+   TP 8 and 16) a CTA is two warpgroups of 8 warps, each walking every other tile of the share on its own stage, named barrier, softmax state and
+   accumulators, the second's merged into the first's at the end. The
+   tile's entries (block table lookups; 128-bit loads, 9 of an entry's vectors a thread at fixed
+   offsets from its row; with one warpgroup the next tile's loads are issued before the
+   current one is computed) go to shared memory as bf16 (fp8 E4M3 converted exactly);
    both products run on tensor cores (``mma.sync.m16n8k16``, bf16 in, fp32 accumulators;
    ``warp_mma``), the group's heads padded to the MMA's 16 rows. Scores: warp ``w`` multiplies the
    queries' entry values [144 (w % 4), +144) (A fragments by ldmatrix) by entries
@@ -44,7 +49,7 @@ phases separated by two grid-wide barriers:
    dependent round trips a request, 128 at 64 requests.)
 
 Programmatic dependent launch: before ``griddepcontrol.wait`` go the loads no kernel of the
-step writes: the W_UV rows, the sequence lengths and block table, and the first tile's entries
+step writes: the W_UV rows (into registers, or with two warpgroups into shared memory), the sequence lengths and block table, and the first tile's entries
 of earlier steps (the bulk of the cache: at batch 1 every split's whole share). After it: the
 queries and the step's own inserts (the last ``q_len`` entries of the request, which the
 q-front writes). ``griddepcontrol.launch_dependents`` only after the first barrier, when every
@@ -83,10 +88,21 @@ K_WARPS, N_WARPS = 4, 2  # scores: warps along the entry values (144 each) x alo
 K_TILES = E // K_WARPS // 16  # 9 k16 steps per score warp
 N_TILES = TILE // N_WARPS // 8  # 4 n8 tiles per score warp
 O_TILES = L // WARPS // 8  # P x V: 8 n8 tiles of latent values per warp
+ROW_VECS = 9  # 16-byte vectors of an entry a thread loads (72 of a bf16 entry over 8 threads, 36 of fp8 over 4)
 ELEMS = 8  # latent values per combine unit
 LAT_VECS = L // ELEMS  # 64 combine units per (request, head)
 WUV_CHUNK = 8  # requests whose latents a warp loads at once in the W_UV stage (16 x 16 bytes a lane)
 WUV_HELD_ROWS = 2  # W_UV rows a warp loads before the wait and holds (TP 8 and 16 hold all theirs; the rest after the barrier)
+# warpgroups of 8 warps a CTA: with 2, each walks every other tile of the split's share, so an SM
+# runs two tiles' dependent chains side by side (its W_UV rows wait in shared memory instead of
+# registers: 512 threads leave 128 registers a thread); 1 where the shared memory does not hold both
+WARPGROUPS = 2
+# where the second warpgroup pays (H100 and H200, thirty-fourth session): the fp8 cache (its tiles
+# pass through registers and convert; bf16's cp.async chain is faster with one) from 4 tokens (a
+# split's share at a 4096-entry context is half a tile a token: one token leaves the second idle)
+TWO_WARPGROUP_CACHES = ("fp8_e4m3",)
+TWO_WARPGROUP_MIN_TOKENS = 4
+SMEM_BYTES = 227 * 1024
 LOG2E = 1.0 / math.log(2.0)
 NEG_INF = float("-inf")
 
@@ -131,11 +147,22 @@ class MlaAttend:
         self.gate_stride = gate_stride
         self.per_vec = 8 if cache == "bf16" else 16  # cache values per 16-byte load
         self.entry_vecs = E // self.per_vec  # 16-byte vectors per entry (72 | 36)
-        self.loads = TILE * self.entry_vecs // THREADS  # 16-byte tile loads per thread (18 | 9)
-        self.stages = 2 if cache == "bf16" else 1  # bf16: cp.async into two stages; fp8: via registers
+        self.loads = TILE * self.entry_vecs // THREADS  # 16-byte tile loads per thread of a warpgroup (18 | 9)
+        # a thread's loads: ROW_VECS vectors a row, ``row_threads`` threads a row side by side, the
+        # rows in ``passes`` of THREADS / row_threads: an entry position and a block number a pass,
+        # the vectors at constant offsets from it
+        self.row_threads = self.entry_vecs // ROW_VECS  # 8 | 4
+        self.pass_rows = THREADS // self.row_threads  # 32 | 64
+        self.passes = TILE // self.pass_rows  # 2 | 1
         self.rows = heads * V_DIM  # W_UV rows
         self.rows_per_cta = -(-self.rows // self.ctas)
-        self.rows_per_warp = -(-self.rows_per_cta // WARPS)
+        two = (cache in TWO_WARPGROUP_CACHES and batch >= TWO_WARPGROUP_MIN_TOKENS
+               and self.smem_bytes(WARPGROUPS) <= SMEM_BYTES)
+        self.wgs = WARPGROUPS if two else 1
+        # bf16: cp.async into two stages (one a warpgroup where there are two); fp8: via registers
+        self.stages = 2 if cache == "bf16" or self.wgs == 2 else 1
+        self.threads, self.warps = THREADS * self.wgs, WARPS * self.wgs
+        self.rows_per_warp = -(-self.rows_per_cta // self.warps)
         self.units = batch * heads * LAT_VECS  # combine units
         self.combine_lanes = min(32, 1 << (self.splits - 1).bit_length())  # lanes sharing a unit's splits
         self.dtype = BFloat16 if cache == "bf16" else Float8E4M3FN
@@ -145,7 +172,15 @@ class MlaAttend:
         # tiles start at multiples of 64 entries: with blocks of a multiple of 64, a tile lies in
         # one block, one block table lookup a tile (vLLM's MLA caches on Hopper: 64)
         self.one_block = block_size % TILE == 0
-        self.lookups = 1 if self.one_block else self.loads
+        self.lookups = 1 if self.one_block else self.passes
+
+    def smem_bytes(self, wgs: int) -> int:
+        """Shared memory of the form with ``wgs`` warpgroups: the tile stages, the queries, each
+        warpgroup's partial scores, P and statistics, and with two the CTA's W_UV rows."""
+        stages = 2 if self.cache == "bf16" or wgs == 2 else 1
+        per_wg = K_WARPS * MAX_HEADS * PART_ROW * 4 + MAX_HEADS * P_ROW * 2 + 3 * MAX_HEADS * 4
+        rows = self.rows_per_cta * L * 2 if wgs == 2 else 0
+        return stages * TILE * ROW * 2 + MAX_HEADS * ROW * 2 + wgs * per_wg + rows + 6 * 16
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
@@ -153,7 +188,7 @@ class MlaAttend:
                  mPAcc: cute.Tensor, mPML: cute.Tensor, mLat: cute.Tensor, mBar: cute.Tensor,
                  stream: cuda.CUstream):
         self.kernel(mQ, mCache, mBT, mSeq, mKvScale, mW, mGate, mOut, mPAcc, mPML, mLat, mBar).launch(
-            grid=[self.ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True)
+            grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
@@ -164,16 +199,25 @@ class MlaAttend:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         RPW = const_expr(self.rows_per_warp)
-        HELD = const_expr(min(RPW, WUV_HELD_ROWS))
+        HELD = const_expr(min(RPW, WUV_HELD_ROWS) if self.wgs == 1 else 0)
 
-        # 0. before the wait (PDL): this warp's first W_UV rows, 2 vectors per lane and row
-        rW = cute.make_rmem_tensor((VEC, 2, HELD), BFloat16)
+        # 0. before the wait (PDL): this warp's first W_UV rows, 2 vectors per lane and row; with
+        #    two warpgroups the CTA's rows into shared memory instead
+        smem = cutlass.memory.SmemAllocator()
+        rW = cute.make_rmem_tensor((VEC, 2, max(1, HELD)), BFloat16)
         for r in cutlass.range_constexpr(HELD):
             self.load_w_row(mW, rW, r, cutlass.min(self.warp_row(cta, warp, r), self.rows - 1), lane)
+        sW = None
+        if const_expr(self.wgs == 2):
+            sW = smem.allocate_tensor(BFloat16, cute.make_layout((self.rows_per_cta, L), stride=(L, 1)),
+                                      byte_alignment=16)
+            self.stage_w_rows(mW, sW, cta, tidx)
 
         # 1. this split's share of the context (``griddepcontrol.wait`` inside, once the entries
         #    of earlier steps are in flight)
-        self.attend(mQ, mCache, mBT, mSeq, mKvScale, mPAcc, mPML, cta, tidx, lane, warp)
+        self.attend(mQ, mCache, mBT, mSeq, mKvScale, mPAcc, mPML, cta, tidx, lane, warp, smem)
+        if const_expr(self.wgs == 2):
+            cute.arch.cp_async_wait_group(0)  # the W_UV rows (the barrier below shows them to every warp)
         self.grid_sync(mBar, cta, tidx)
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -182,8 +226,8 @@ class MlaAttend:
         if const_expr(self.cache == "fp8_e4m3"):
             kv_scale = mKvScale[0]
         G = const_expr(self.combine_lanes)
-        for first in cutlass.range((cta * WARPS + warp) * (32 // G), self.units, self.ctas * WARPS * (32 // G),
-                                   unroll=1):
+        for first in cutlass.range((cta * self.warps + warp) * (32 // G), self.units,
+                                   self.ctas * self.warps * (32 // G), unroll=1):
             self.combine(mPAcc, mPML, mLat, first + lane // G, lane % G, kv_scale)
         self.grid_sync(mBar, cta, tidx)
 
@@ -196,7 +240,12 @@ class MlaAttend:
                     self.project_row(mLat, mGate, mOut, rW, n, r, lane)
                 else:
                     rW1 = cute.make_rmem_tensor((VEC, 2, 1), BFloat16)
-                    self.load_w_row(mW, rW1, 0, n, lane)
+                    if const_expr(self.wgs == 2):
+                        for u in cutlass.range_constexpr(2):
+                            cute.autovec_copy(cute.local_tile(sW[n - cta * self.rows_per_cta, None], (VEC,),
+                                                              (u * 32 + lane,)), rW1[None, u, 0])
+                    else:
+                        self.load_w_row(mW, rW1, 0, n, lane)
                     self.project_row(mLat, mGate, mOut, rW1, n, 0, lane)
 
     @cute.jit
@@ -205,6 +254,22 @@ class MlaAttend:
         wrow = mW[n // V_DIM * HEAD_ROWS + V_DIM + n % V_DIM, None]
         for u in cutlass.range_constexpr(2):
             cute.copy(g2r_stream_atom(BFloat16), cute.local_tile(wrow, (VEC,), (u * 32 + lane,)), rW[None, u, r])
+
+    @cute.jit
+    def stage_w_rows(self, mW, sW, cta, tidx):
+        """The CTA's W_UV rows into ``sW`` by ``cp.async`` (one commit group, before the tiles'):
+        a 16-byte vector a thread at a time, rows past the last one re-reading it (never used)."""
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        VECS = const_expr(self.rows_per_cta * (L // VEC))
+        for j in cutlass.range_constexpr(-(-VECS // self.threads)):
+            v = tidx + j * self.threads
+            if const_expr((j + 1) * self.threads <= VECS) or v < VECS:
+                n = cutlass.min(cta * self.rows_per_cta + v // (L // VEC), self.rows - 1)
+                wrow = mW[n // V_DIM * HEAD_ROWS + V_DIM + n % V_DIM, None]
+                cute.copy(g2s, cute.local_tile(wrow, (VEC,), (v % (L // VEC),)),
+                          cute.local_tile(sW[v // (L // VEC), None], (VEC,), (v % (L // VEC),)))
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def project_row(self, mLat, mGate, mOut, rW, n, r: cutlass.Constexpr, lane):
@@ -247,10 +312,10 @@ class MlaAttend:
     def warp_row(self, cta, warp, r):
         """W_UV row (head x 128 + v) that warp ``warp`` of CTA ``cta`` takes ``r``-th (past the
         CTA's share when ``r * 8 + warp >= rows_per_cta``: see ``owns``)."""
-        return cta * self.rows_per_cta + r * WARPS + warp
+        return cta * self.rows_per_cta + r * self.warps + warp
 
     def owns(self, warp, r, n):
-        return (r * WARPS + warp < self.rows_per_cta) & (n < self.rows)
+        return (r * self.warps + warp < self.rows_per_cta) & (n < self.rows)
 
     @cute.jit
     def grid_sync(self, mBar: cute.Tensor, cta, tidx):
@@ -278,38 +343,43 @@ class MlaAttend:
         cute.arch.barrier()
 
     @cute.jit
-    def attend(self, mQ, mCache, mBT, mSeq, mKvScale, mPAcc, mPML, cta, tidx, lane, warp):
+    def attend(self, mQ, mCache, mBT, mSeq, mKvScale, mPAcc, mPML, cta, tidx, lane, warp, smem):
         H = const_expr(self.group_heads)  # this CTA's heads h0 .. h0 + H - 1
         TS = const_expr(TILE // 32)
+        WG = const_expr(self.wgs)
         b = cta // (self.groups * self.splits)
         h0 = cta // self.splits % self.groups * H
         split = cta % self.splits
         pair = b * self.splits + split  # the partials' row: the combine reads (request, split)
         g, q = lane // 4, lane % 4  # the MMA fragments' row group and column pair
+        # the warpgroup: its tiles are tiles wg, wg + WG, ... of the split's share; lt / lw its
+        # thread and warp (the whole CTA where WG is 1)
+        wg = warp // WARPS
+        lt = tidx % THREADS
+        lw = warp % WARPS
 
-        smem = cutlass.memory.SmemAllocator()
         ST = const_expr(self.stages)
         sK = smem.allocate_tensor(BFloat16, cute.make_layout((ST, TILE, E), stride=(TILE * ROW, ROW, 1)),
                                   byte_alignment=16)
         sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MAX_HEADS, E), stride=(ROW, 1)), byte_alignment=16)
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((K_WARPS, MAX_HEADS, TILE),
-                                                               stride=(MAX_HEADS * PART_ROW, PART_ROW, 1)),
-                                     byte_alignment=16)
-        sP = smem.allocate_tensor(BFloat16, cute.make_layout((MAX_HEADS, TILE), stride=(P_ROW, 1)), byte_alignment=16)
-        sStat = smem.allocate_tensor(Float32, cute.make_layout((3, MAX_HEADS)), byte_alignment=16)  # max, sum, corr
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((WG, K_WARPS, MAX_HEADS, TILE), stride=(
+            K_WARPS * MAX_HEADS * PART_ROW, MAX_HEADS * PART_ROW, PART_ROW, 1)), byte_alignment=16)
+        sP = smem.allocate_tensor(BFloat16, cute.make_layout((WG, MAX_HEADS, TILE), stride=(MAX_HEADS * P_ROW, P_ROW, 1)),
+                                  byte_alignment=16)
+        sStat = smem.allocate_tensor(Float32, cute.make_layout((WG, 3, MAX_HEADS)), byte_alignment=16)  # max, sum, corr
 
         # before the wait (PDL): P's padding rows, the softmax state, the sequence lengths and
         # block table (no kernel of the step writes them) and the first tile's entries of earlier
         # steps; this step's inserts (the last q_len entries of the request, written by the
         # q-front) and the queries only after it
-        if tidx < MAX_HEADS * TILE // VEC:
+        if lt < MAX_HEADS * TILE // VEC:
             rZ = cute.make_rmem_tensor((VEC,), BFloat16)
             rZ.fill(0.0)
-            cute.autovec_copy(rZ, cute.local_tile(sP[tidx // (TILE // VEC), None], (VEC,), (tidx % (TILE // VEC),)))
-        if tidx < MAX_HEADS:
-            sStat[0, tidx] = Float32(NEG_INF)
-            sStat[1, tidx] = Float32(0.0)
-            sStat[2, tidx] = Float32(0.0)
+            cute.autovec_copy(rZ, cute.local_tile(sP[wg, lt // (TILE // VEC), None], (VEC,), (lt % (TILE // VEC),)))
+        if lt < MAX_HEADS:
+            sStat[wg, 0, lt] = Float32(NEG_INF)
+            sStat[wg, 1, lt] = Float32(0.0)
+            sStat[wg, 2, lt] = Float32(0.0)
         req = b // self.q_len  # the token's request: its sequence length and block table row
         n = mSeq[req]
         old_end = cutlass.max(n - self.q_len, Int32(0))  # entries written before this step
@@ -320,47 +390,53 @@ class MlaAttend:
         start = cutlass.min(split * per, n)
         end = cutlass.min(start + per, n)
         tiles = (end - start + TILE - 1) // TILE
+        first = start + wg * TILE  # the warpgroup's first tile
+        first_stage = wg if const_expr(WG == 2) else 0
 
-        # the first tile's loads: bf16 by cp.async into stage 0, fp8 into registers; the block
+        # the first tile's loads: bf16 by cp.async into its stage, fp8 into registers; the block
         # table lookups of a tile are made one tile ahead of its loads (rBlk), so that no load
         # waits on one at the top of an iteration
         rNext = cute.make_rmem_tensor((self.per_vec, self.loads if const_expr(self.cache != "bf16") else 1),
                                       self.dtype)
         rBlk0 = cute.make_rmem_tensor((self.lookups,), Int32)
         rBlk = cute.make_rmem_tensor((self.lookups,), Int32)
-        if tiles > 0:
-            self.lookup(mBT, rBlk0, req, start, end, tidx)
-            self.load_tile(mCache, rBlk0, rNext, sK, 0, start, end, tidx, old_end, "old")
-        if tiles > 1:
-            self.lookup(mBT, rBlk, req, start + TILE, end, tidx)
+        if tiles > wg:
+            self.lookup(mBT, rBlk0, req, first, end, lt)
+            self.load_tile(mCache, rBlk0, rNext, sK, first_stage, first, end, lt, old_end, "old")
+        if tiles > wg + WG:
+            self.lookup(mBT, rBlk, req, first + WG * TILE, end, lt)
         cute.arch.griddepcontrol_wait()
-        if tiles > 0 and start + TILE > old_end:  # the tile holds entries of this step
-            self.load_tile(mCache, rBlk0, rNext, sK, 0, start, end, tidx, old_end, "new")
+        if tiles > wg and first + TILE > old_end:  # the tile holds entries of this step
+            self.load_tile(mCache, rBlk0, rNext, sK, first_stage, first, end, lt, old_end, "new")
         cute.arch.cp_async_commit_group()
 
         # the queries as given (bf16; the scale multiplies the fp32 sums), rows past H zero
         QV = const_expr(MAX_HEADS * E // VEC)
-        rQv = cute.make_rmem_tensor((VEC, -(-QV // THREADS)), BFloat16)
-        for j in cutlass.range_constexpr(-(-QV // THREADS)):  # every load in flight at once
-            i = cutlass.min(tidx + j * THREADS, QV - 1)
+        QJ = const_expr(-(-QV // self.threads))
+        rQv = cute.make_rmem_tensor((VEC, QJ), BFloat16)
+        for j in cutlass.range_constexpr(QJ):  # every load in flight at once
+            i = cutlass.min(tidx + j * self.threads, QV - 1)
             h = i // (E // VEC)
             rQv[None, j].fill(0.0)
             if h < H:
                 cute.copy(g2r_atom(BFloat16, invariant=False),
                           cute.local_tile(mQ[b, h0 + h, None], (VEC,), (i % (E // VEC),)), rQv[None, j])
-        for j in cutlass.range_constexpr(-(-QV // THREADS)):
-            i = tidx + j * THREADS
-            if const_expr((j + 1) * THREADS <= QV) or i < QV:
+        if const_expr(WG == 2 and self.cache != "bf16"):  # the first fp8 tile stored while the queries fly
+            if tiles > wg:
+                self.store_tile(sK, first_stage, rNext, lt)
+        for j in cutlass.range_constexpr(QJ):
+            i = tidx + j * self.threads
+            if const_expr((j + 1) * self.threads <= QV) or i < QV:
                 cute.autovec_copy(rQv[None, j], cute.local_tile(sQ[i // (E // VEC), None], (VEC,), (i % (E // VEC),)))
         s_scale = Float32(self.scale * LOG2E)
         if const_expr(self.cache == "fp8_e4m3"):
             s_scale = s_scale * mKvScale[0]
         cute.arch.barrier()  # sQ, sP, sStat written
 
-        kq, nh = warp % K_WARPS, warp // K_WARPS  # scores: entry values [144 kq, +144), entries [32 nh, +32)
+        kq, nh = lw % K_WARPS, lw // K_WARPS  # scores: entry values [144 kq, +144), entries [32 nh, +32)
         sK_addr = sK.iterator.toint()
         sQ_addr = sQ.iterator.toint()
-        sP_addr = sP.iterator.toint()
+        sP_addr = sP.iterator.toint() + wg * (MAX_HEADS * P_ROW * 2)
         a_row = lane % 8 + 8 * ((lane // 8) % 2)
         a_col = 8 * (lane // 16)
         m_row = lane % 8  # ldmatrix: the row this lane addresses in matrix lane // 8
@@ -369,25 +445,38 @@ class MlaAttend:
 
         rO = cute.make_rmem_tensor((4, O_TILES), Float32)
         rO.fill(0.0)
-        for tile in cutlass.range(tiles, unroll=1):
+        for tile in cutlass.range(wg, tiles, WG, unroll=1):
             base = start + tile * TILE
-            stage = tile % ST
-            cute.arch.barrier()  # the previous tile's sK stage, sP and corrections are no longer read
-            if const_expr(self.cache == "bf16"):
-                if tile + 1 < tiles:  # the next tile into the other stage, in flight during this one
-                    self.load_tile(mCache, rBlk, rNext, sK, 1 - stage, base + TILE, end, tidx, end, "all")
-                    if tile + 2 < tiles:  # its block numbers, needed next iteration
-                        self.lookup(mBT, rBlk, req, base + 2 * TILE, end, tidx)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)  # this tile's copies (this thread's) landed
-            else:
-                self.store_tile(sK, rNext, tidx)
-            cute.arch.barrier()
-            if const_expr(self.cache != "bf16"):
+            if const_expr(WG == 1):
+                stage = tile % ST
+                cute.arch.barrier()  # the previous tile's sK stage, sP and corrections are no longer read
+                if const_expr(self.cache == "bf16"):
+                    if tile + 1 < tiles:  # the next tile into the other stage, in flight during this one
+                        self.load_tile(mCache, rBlk, rNext, sK, 1 - stage, base + TILE, end, lt, end, "all")
+                        if tile + 2 < tiles:  # its block numbers, needed next iteration
+                            self.lookup(mBT, rBlk, req, base + 2 * TILE, end, lt)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)  # this tile's copies (this thread's) landed
+                else:
+                    self.store_tile(sK, 0, rNext, lt)
+            else:  # one stage a warpgroup, loaded at the top: the other warpgroup's tile runs meanwhile
+                stage = wg
+                self.wg_barrier(wg)  # the previous tile's sK stage, sP and corrections are no longer read
+                if tile != wg:  # (the first tile was issued, and fp8's stored, before the loop)
+                    self.load_tile(mCache, rBlk, rNext, sK, stage, base, end, lt, end, "all")
+                    if tile + WG < tiles:  # the next tile's block numbers
+                        self.lookup(mBT, rBlk, req, base + WG * TILE, end, lt)
+                    if const_expr(self.cache != "bf16"):  # no registers held across the tile's products
+                        self.store_tile(sK, stage, rNext, lt)
+                if const_expr(self.cache == "bf16"):
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)  # this tile's copies (this thread's) landed
+            self.wg_barrier(wg)
+            if const_expr(self.cache != "bf16" and WG == 1):  # fp8: the next tile in registers meanwhile
                 if tile + 1 < tiles:
-                    self.load_tile(mCache, rBlk, rNext, sK, 0, base + TILE, end, tidx, end, "all")
+                    self.load_tile(mCache, rBlk, rNext, sK, 0, base + TILE, end, lt, end, "all")
                     if tile + 2 < tiles:
-                        self.lookup(mBT, rBlk, req, base + 2 * TILE, end, tidx)
+                        self.lookup(mBT, rBlk, req, base + 2 * TILE, end, lt)
             k_addr = sK_addr + stage * (TILE * ROW * 2)
 
             # scores: (16 heads) x (entries [32 nh, +32)) over entry values [144 kq, +144)
@@ -404,13 +493,13 @@ class MlaAttend:
             for nt in cutlass.range_constexpr(N_TILES):
                 col = nh * (TILE // N_WARPS) + nt * 8 + 2 * q
                 for hh in cutlass.range_constexpr(2):
-                    sPart[kq, g + 8 * hh, col] = acc[nt][2 * hh]
-                    sPart[kq, g + 8 * hh, col + 1] = acc[nt][2 * hh + 1]
-            cute.arch.barrier()
+                    sPart[wg, kq, g + 8 * hh, col] = acc[nt][2 * hh]
+                    sPart[wg, kq, g + 8 * hh, col + 1] = acc[nt][2 * hh + 1]
+            self.wg_barrier(wg)
 
             # online softmax (base 2), warp w takes heads w, w + 8
             for hh in cutlass.range_constexpr(-(-H // WARPS)):
-                h = warp + hh * WARPS
+                h = lw + hh * WARPS
                 if h < H:
                     rT = cute.make_rmem_tensor((TS,), Float32)
                     tmax = Float32(NEG_INF)
@@ -418,28 +507,28 @@ class MlaAttend:
                         j = lane + 32 * s
                         tot = Float32(0.0)
                         for w in cutlass.range_constexpr(K_WARPS):
-                            tot = tot + sPart[w, h, j]
+                            tot = tot + sPart[wg, w, h, j]
                         rT[s] = Float32(cutlass.select_(base + j < end, tot * s_scale, Float32(NEG_INF)))
                         tmax = cutlass.max(tmax, rT[s])
                     tmax = cute.arch.warp_reduction(tmax, cutlass.max)
-                    old = sStat[0, h]
+                    old = sStat[wg, 0, h]
                     new = cutlass.max(old, tmax)
                     psum = Float32(0.0)
                     for s in cutlass.range_constexpr(TS):
                         p = cute.math.exp2(rT[s] - new)
-                        sP[h, lane + 32 * s] = p.to(BFloat16)
+                        sP[wg, h, lane + 32 * s] = p.to(BFloat16)
                         psum = psum + p
                     psum = cute.arch.warp_reduction(psum, operator.add)
                     cute.arch.sync_warp()
                     if lane == 0:
                         corr = cute.math.exp2(old - new)
-                        sStat[0, h] = new
-                        sStat[1, h] = sStat[1, h] * corr + psum
-                        sStat[2, h] = corr
-            cute.arch.barrier()
+                        sStat[wg, 0, h] = new
+                        sStat[wg, 1, h] = sStat[wg, 1, h] * corr + psum
+                        sStat[wg, 2, h] = corr
+            self.wg_barrier(wg)
 
             # P x V: (16 heads) x (latent values [64 w, +64)) over the tile's 64 entries
-            corr = [sStat[2, g], sStat[2, g + 8]]
+            corr = [sStat[wg, 2, g], sStat[wg, 2, g + 8]]
             for nt in cutlass.range_constexpr(O_TILES):
                 for i in cutlass.range_constexpr(4):
                     rO[i, nt] = rO[i, nt] * corr[i // 2]
@@ -447,81 +536,136 @@ class MlaAttend:
                 pa = ldmatrix_x4(sP_addr + (a_row * P_ROW + kt * 16 + a_col) * 2, False)
                 entry = kt * 16 + m_lo + m_row
                 for np in cutlass.range_constexpr(O_TILES // 2):
-                    bw = ldmatrix_x4(k_addr + (entry * ROW + warp * (L // WARPS) + np * 16 + m_hi) * 2, True)
+                    bw = ldmatrix_x4(k_addr + (entry * ROW + lw * (L // WARPS) + np * 16 + m_hi) * 2, True)
                     for half in cutlass.range_constexpr(2):
                         nt = 2 * np + half
                         c = mma_bf16(pa, bw[2 * half], bw[2 * half + 1], [rO[i, nt] for i in range(4)])
                         for i in cutlass.range_constexpr(4):
                             rO[i, nt] = c[i]
 
-        # the split's partials: unnormalized latent, max and sum per head
-        cute.arch.barrier()
-        for hh in cutlass.range_constexpr(2):
-            h = g + 8 * hh
-            if h < H:
+        # the split's partials: unnormalized latent, max and sum per head (with two warpgroups,
+        # the second's handed to the first through its tile stage and merged there)
+        if const_expr(WG == 2):
+            self.merge_warpgroups(sK, sStat, rO, wg, lt, g)
+        else:
+            cute.arch.barrier()
+        if wg == 0:
+            for hh in cutlass.range_constexpr(2):
+                h = g + 8 * hh
+                if h < H:
+                    for nt in cutlass.range_constexpr(O_TILES):
+                        col = lw * (L // WARPS) + nt * 8 + 2 * q
+                        mPAcc[pair, h0 + h, col] = rO[2 * hh, nt]
+                        mPAcc[pair, h0 + h, col + 1] = rO[2 * hh + 1, nt]
+            if lt < H:
+                mPML[pair, h0 + lt, 0] = sStat[0, 0, lt]
+                mPML[pair, h0 + lt, 1] = sStat[0, 1, lt]
+
+    @cute.jit
+    def wg_barrier(self, wg):
+        """The CTA barrier, or with two warpgroups the named barrier of warpgroup ``wg`` (1 + wg;
+        0 stays the CTA's)."""
+        if const_expr(self.wgs == 1):
+            cute.arch.barrier()
+        else:
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=THREADS)
+
+    @cute.jit
+    def merge_warpgroups(self, sK, sStat, rO, wg, lt, g):
+        """The second warpgroup's accumulators (through its tile stage, a thread's 32 values at
+        stride THREADS) and statistics into the first's: both rescaled to the larger max (a
+        warpgroup that saw no entry has max -inf and weighs 0); the first's ``sStat[0]`` ends
+        with the merged max and sum."""
+        sX = cute.make_tensor(cute.recast_ptr(sK[1, None, None].iterator, dtype=Float32),
+                              cute.make_layout((4, O_TILES, THREADS), stride=(O_TILES * THREADS, THREADS, 1)))
+        cute.arch.barrier()  # every warpgroup's loop done: stage 1 and the statistics final
+        if wg == 1:
+            for i in cutlass.range_constexpr(4):
                 for nt in cutlass.range_constexpr(O_TILES):
-                    col = warp * (L // WARPS) + nt * 8 + 2 * q
-                    mPAcc[pair, h0 + h, col] = rO[2 * hh, nt]
-                    mPAcc[pair, h0 + h, col + 1] = rO[2 * hh + 1, nt]
-        if tidx < H:
-            mPML[pair, h0 + tidx, 0] = sStat[0, tidx]
-            mPML[pair, h0 + tidx, 1] = sStat[1, tidx]
+                    sX[i, nt, lt] = rO[i, nt]
+        cute.arch.barrier()
+        if wg == 0:
+            for hh in cutlass.range_constexpr(2):
+                h = g + 8 * hh
+                m0, m1 = sStat[0, 0, h], sStat[1, 0, h]
+                top = cutlass.max(m0, m1)
+                safe = Float32(cutlass.select_(top > Float32(NEG_INF), top, Float32(0.0)))
+                c0, c1 = cute.math.exp2(m0 - safe), cute.math.exp2(m1 - safe)
+                for i in cutlass.range_constexpr(2):
+                    for nt in cutlass.range_constexpr(O_TILES):
+                        rO[2 * hh + i, nt] = rO[2 * hh + i, nt] * c0 + sX[2 * hh + i, nt, lt] * c1
+            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # every (first) thread read sStat
+            if lt < MAX_HEADS:
+                m0, m1 = sStat[0, 0, lt], sStat[1, 0, lt]
+                top = cutlass.max(m0, m1)
+                safe = Float32(cutlass.select_(top > Float32(NEG_INF), top, Float32(0.0)))
+                sStat[0, 1, lt] = sStat[0, 1, lt] * cute.math.exp2(m0 - safe) + sStat[1, 1, lt] * cute.math.exp2(m1 - safe)
+                sStat[0, 0, lt] = top
+            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
 
     @cute.jit
     def lookup(self, mBT, rBlk, b, first, end, tidx):
         """The block numbers of this thread's rows of the tile of entries ``first ..`` into
         ``rBlk`` (loads issued, not waited on: ``load_tile`` is the first to read them): one
-        where a tile lies in one block, else one a row."""
-        NV = const_expr(self.entry_vecs)
+        where a tile lies in one block, else one a pass."""
         BS = const_expr(self.block_size)
         if const_expr(self.one_block):
             rBlk[0] = mBT[b, first // BS]
         else:
-            for i in cutlass.range_constexpr(self.loads):
-                pos = cutlass.min(first + (tidx + i * THREADS) // NV, end - 1)
-                rBlk[i] = mBT[b, pos // BS]
+            for k in cutlass.range_constexpr(self.passes):
+                rBlk[k] = mBT[b, self.position(first, end, tidx, k) // BS]
+
+    def position(self, first, end, tidx, k):
+        """The entry of this thread's row in pass ``k`` of the tile at ``first`` (past ``end - 1``:
+        ``end - 1``, masked out of the softmax)."""
+        return cutlass.min(first + tidx // self.row_threads + k * self.pass_rows, end - 1)
+
+    def slot(self, tidx, i):
+        """(row in the tile, 16-byte vector of the entry) of this thread's ``i``-th load."""
+        k, j = divmod(i, ROW_VECS)
+        return tidx // self.row_threads + k * self.pass_rows, tidx % self.row_threads + j * self.row_threads
 
     @cute.jit
     def load_tile(self, mCache, rBlk, rNext, sK, stage, first, end, tidx, old_end, part: cutlass.Constexpr):
         """Issue the loads of the tile of entries ``first ..`` (block numbers in ``rBlk``), 16
         bytes each: bf16 by cp.async straight into ``sK[stage]``, fp8 into registers
-        (``store_tile`` converts them). Entries at or past ``end`` re-read entry ``end - 1``
-        (masked out of the softmax). ``part``: "all" the tile's rows, "old" those of entries
+        (``store_tile`` converts them). ``part``: "all" the tile's rows, "old" those of entries
         before ``old_end`` (earlier steps'), "new" the others; the two parts load each row once."""
-        NV = const_expr(self.entry_vecs)
-        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
-        for i in cutlass.range_constexpr(self.loads):
-            flat = tidx + i * THREADS
-            pos = cutlass.min(first + flat // NV, end - 1)
+        for k in cutlass.range_constexpr(self.passes):
+            pos = self.position(first, end, tidx, k)
             if const_expr(part == "all"):
-                self.load_row(mCache, rBlk, rNext, sK, stage, pos, flat, i, g2s)
+                self.load_pass(mCache, rBlk, rNext, sK, stage, pos, tidx, k)
             elif const_expr(part == "old"):
                 if pos < old_end:
-                    self.load_row(mCache, rBlk, rNext, sK, stage, pos, flat, i, g2s)
+                    self.load_pass(mCache, rBlk, rNext, sK, stage, pos, tidx, k)
             else:
                 if pos >= old_end:
-                    self.load_row(mCache, rBlk, rNext, sK, stage, pos, flat, i, g2s)
+                    self.load_pass(mCache, rBlk, rNext, sK, stage, pos, tidx, k)
 
     @cute.jit
-    def load_row(self, mCache, rBlk, rNext, sK, stage, pos, flat, i: cutlass.Constexpr, g2s):
-        """One 16-byte load of tile row ``flat // entry_vecs`` (entry ``pos``, in block ``rBlk[i]``,
-        or ``rBlk[0]`` where the tile lies in one block)."""
-        NV = const_expr(self.entry_vecs)
-        blk = rBlk[0] if const_expr(self.one_block) else rBlk[i]
-        src = cute.local_tile(mCache[blk, pos % self.block_size, None], (self.per_vec,), (flat % NV,))
-        if const_expr(self.cache == "bf16"):
-            cute.copy(g2s, src, cute.local_tile(sK[stage, flat // NV, None], (self.per_vec,), (flat % NV,)))
-        else:
-            cute.copy(g2r_stream_atom(self.dtype), src, rNext[None, i])
+    def load_pass(self, mCache, rBlk, rNext, sK, stage, pos, tidx, k: cutlass.Constexpr):
+        """This thread's ROW_VECS loads of its row in pass ``k`` (entry ``pos``, in block
+        ``rBlk[k]``, or ``rBlk[0]`` where the tile lies in one block)."""
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        blk = rBlk[0] if const_expr(self.one_block) else rBlk[k]
+        src_row = mCache[blk, pos % self.block_size, None]
+        for j in cutlass.range_constexpr(ROW_VECS):
+            i = k * ROW_VECS + j
+            row, vec = self.slot(tidx, i)
+            src = cute.local_tile(src_row, (self.per_vec,), (vec,))
+            if const_expr(self.cache == "bf16"):
+                cute.copy(g2s, src, cute.local_tile(sK[stage, row, None], (self.per_vec,), (vec,)))
+            else:
+                cute.copy(g2r_stream_atom(self.dtype), src, rNext[None, i])
 
     @cute.jit
-    def store_tile(self, sK, rNext, tidx):
-        """The fp8 tile loaded into registers, into shared memory as bf16 (E4M3 converts exactly)."""
-        NV = const_expr(self.entry_vecs)
+    def store_tile(self, sK, stage, rNext, tidx):
+        """The fp8 tile loaded into registers, into shared memory stage ``stage`` as bf16 (E4M3
+        converts exactly)."""
         for i in cutlass.range_constexpr(self.loads):
-            flat = tidx + i * THREADS
-            dst = cute.local_tile(sK[0, flat // NV, None], (self.per_vec,), (flat % NV,))
+            row, vec = self.slot(tidx, i)
+            dst = cute.local_tile(sK[stage, row, None], (self.per_vec,), (vec,))
             dst.store(rNext[None, i].load().to(Float32).to(BFloat16))
 
     @cute.jit
