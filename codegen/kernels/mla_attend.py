@@ -23,12 +23,13 @@ phases separated by two grid-wide barriers:
    64 entries (the groups of a split read the same entries, together, so the L2 serves all but
    the first). A tile's chain (its loads landing, four barriers, the products, the softmax) is
    bound by its latencies with one CTA of 8 warps an SM, so for an fp8 cache from 4 tokens
-   where the shared memory holds them (``WARPGROUPS``, ``TWO_WARPGROUP_CACHES``; Kimi K3 at
-   TP 8 and 16) a CTA is two warpgroups of 8 warps, each walking every other tile of the share on its own stage, named barrier, softmax state and
-   accumulators, the second's merged into the first's at the end. The
-   tile's entries (block table lookups; 128-bit loads, 9 of an entry's vectors a thread at fixed
-   offsets from its row; with one warpgroup the next tile's loads are issued before the
-   current one is computed) go to shared memory as bf16 (fp8 E4M3 converted exactly);
+   where the shared memory holds them (``WARPGROUPS``, ``TWO_WARPGROUP_CACHES``,
+   ``TWO_WARPGROUP_MIN_TOKENS``; Kimi K3 at TP 8 and 16) a CTA is two warpgroups of 8 warps,
+   each walking every other tile of the share on its own stage, named barrier, softmax state
+   and accumulators, the second's merged into the first's at the end. The tile's entries
+   (block table lookups; 128-bit loads, 9 of an entry's vectors a thread at fixed offsets
+   from its row; with one warpgroup the next tile's loads are issued before the current one
+   is computed) go to shared memory as bf16 (fp8 E4M3 converted exactly);
    both products run on tensor cores (``mma.sync.m16n8k16``, bf16 in, fp32 accumulators;
    ``warp_mma``), the group's heads padded to the MMA's 16 rows. Scores: warp ``w`` multiplies the
    queries' entry values [144 (w % 4), +144) (A fragments by ldmatrix) by entries
@@ -48,15 +49,15 @@ phases separated by two grid-wide barriers:
    request's loads waited behind the previous store, and each store behind a gate load: two
    dependent round trips a request, 128 at 64 requests.)
 
-Programmatic dependent launch: before ``griddepcontrol.wait`` go the loads no kernel of the
-step writes: the W_UV rows (into registers, or with two warpgroups into shared memory), the sequence lengths and block table, and the first tile's entries
-of earlier steps (the bulk of the cache: at batch 1 every split's whole share). After it: the
-queries and the step's own inserts (the last ``q_len`` entries of the request, which the
-q-front writes). ``griddepcontrol.launch_dependents`` only after the first barrier, when every
-CTA is resident; a dependent launched earlier could take the SMs some CTAs still wait for.
-The barrier is one int32 word whose top bit flips as the last CTA arrives and whose low bits
-are back at 0 after each barrier, so the scratch serves every launch (and every MLA layer,
-which run in turn).
+Programmatic dependent launch: before ``griddepcontrol.wait`` go the loads no kernel of the step
+writes: the W_UV rows (into registers, or with two warpgroups into shared memory), the sequence
+lengths and block table, and the first tile's entries of earlier steps (the bulk of the cache:
+at batch 1 every split's whole share). After it: the queries and the step's own inserts (the
+last ``q_len`` entries of the request, which the q-front writes).
+``griddepcontrol.launch_dependents`` only after the first barrier, when every CTA is resident; a
+dependent launched earlier could take the SMs some CTAs still wait for. The barrier is one int32
+word whose top bit flips as the last CTA arrives and whose low bits are back at 0 after each
+barrier, so the scratch serves every launch (and every MLA layer, which run in turn).
 """
 from __future__ import annotations
 
