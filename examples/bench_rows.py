@@ -58,7 +58,9 @@ class Piece:
 
     @property
     def name(self) -> str:
-        return f"l{self.layer}_tp{self.tp}_{self.cache}_{'+'.join(self.paths).replace(' ', '-')}"
+        """The stem of its files: letters, digits, ``._-`` only (a file named with ``+`` does not
+        come back from the device tool's ``$OUT``)."""
+        return f"l{self.layer}_tp{self.tp}_{self.cache}_{'_'.join(self.paths).replace(' ', '-')}"
 
     def bench_args(self, batches: list[int], context: int, reps: int, compile_mode: str) -> list[str]:
         return ["--layer", str(self.layer), "--tp", str(self.tp), "--batch", *map(str, batches),

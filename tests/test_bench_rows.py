@@ -4,6 +4,7 @@ made of ``bench_cmd.Row`` rows as ``run_bench`` writes them."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +26,8 @@ def test_a_piece_names_its_layer_tp_cache_and_paths():
     assert args[args.index("--paths") + 1:args.index("--compile-mode")] == ["rewritten", "torch.compile"]
     assert args[args.index("--batch") + 1:args.index("--context")] == ["1", "8"]
     assert bench_rows.Piece.parse("0:8:bf16:cuda graph").name == "l0_tp8_bf16_cuda-graph"
+    assert piece.name == "l3_tp16_fp8_rewritten_torch.compile"
+    assert re.fullmatch(r"[\w.-]+", bench_rows.Piece.parse("3:8:bf16:rewritten+vllm-stock+cuda graph").name)
 
 
 @pytest.mark.parametrize("text, says", [
