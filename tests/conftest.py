@@ -27,6 +27,7 @@ from rewriter.shape import DecodeShape
 HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
 needs_cutedsl = pytest.mark.skipif(not HAVE_CUTEDSL, reason="CuTe DSL not installed (pip install -e '.[cutedsl]')")
 
+
 def _have_sass_tools() -> bool:
     from codegen.sass import find_tool
 
@@ -35,6 +36,7 @@ def _have_sass_tools() -> bool:
 
 needs_sass_tools = pytest.mark.skipif(not _have_sass_tools(),
                                       reason="ptxas and nvdisasm not installed (pip install -e '.[sass]')")
+
 GPU_MARKS = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

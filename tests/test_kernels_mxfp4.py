@@ -537,10 +537,11 @@ def test_ptx_of_the_stages_per_expert(compiled, arch):
 
 @needs_cutedsl
 def test_stages_keep_their_weights_in_shared_memory_from_a_token_count(kcache):
-    """From ``MXFP4_SMEM_WEIGHTS_FROM`` tokens each lane's weight vectors (14 in the up stage, 12 in the down stage
-    at TP 16) go to shared memory by cp.async (no 128-bit register loads of them left), in a commit group a
-    scale group, are read back one K block at a time once their group landed, and ptxas is asked for room for more CTAs (7 of the up stage, 8 of
-    the down stage) with no spill."""
+    """From ``MXFP4_SMEM_WEIGHTS_FROM`` tokens each lane's weight vectors (14 in the up stage, 12
+    in the down stage at TP 16) go to shared memory by cp.async (no 128-bit register loads of them
+    left), in a commit group a scale group, are read back one K block at a time once their group
+    landed, and ptxas is asked for room for more CTAs (7 of the up stage, 8 of the down stage)
+    with no spill."""
     from codegen.compiler import compile_kernel
     from conftest import ptxas_usage
 

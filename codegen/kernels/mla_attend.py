@@ -23,8 +23,8 @@ phases separated by two grid-wide barriers:
    64 entries (the groups of a split read the same entries, together, so the L2 serves all but
    the first). A tile's chain (its loads landing, four barriers, the products, the softmax) is
    bound by its latencies with one CTA of 8 warps an SM, so for an fp8 cache from 4 tokens
-   where the shared memory holds them (``WARPGROUPS``, ``TWO_WARPGROUP_CACHES``,
-   ``TWO_WARPGROUP_MIN_TOKENS``; Kimi K3 at TP 8 and 16) a CTA is two warpgroups of 8 warps,
+   where the shared memory holds them (``WARPGROUPS``, ``TWO_WARPGROUP_MIN_TOKENS``; Kimi K3
+   at TP 8 and 16) a CTA is two warpgroups of 8 warps,
    each walking every other tile of the share on its own stage, named barrier, softmax state
    and accumulators, the second's merged into the first's at the end. The tile's entries
    (block table lookups; 128-bit loads, 9 of an entry's vectors a thread at fixed offsets
@@ -98,10 +98,10 @@ WUV_HELD_ROWS = 2  # W_UV rows a warp loads before the wait and holds (TP 8 and 
 # runs two tiles' dependent chains side by side (its W_UV rows wait in shared memory instead of
 # registers: 512 threads leave 128 registers a thread); 1 where the shared memory does not hold both
 WARPGROUPS = 2
-# where the second warpgroup pays (H100 and H200, thirty-fourth session): the fp8 cache (its tiles
-# pass through registers and convert; bf16's cp.async chain is faster with one) from 4 tokens (a
-# split's share at a 4096-entry context is half a tile a token: one token leaves the second idle)
-TWO_WARPGROUP_CACHES = ("fp8_e4m3",)
+# where the second warpgroup pays (H100 and H200, thirty-fourth session), and so the only form
+# built: the fp8 cache (its tiles pass through registers and convert; bf16's cp.async chain
+# measured faster with one) from 4 tokens (a split's share at a 4096-entry context is half a
+# tile a token: one token leaves the second idle)
 TWO_WARPGROUP_MIN_TOKENS = 4
 SMEM_BYTES = 227 * 1024
 LOG2E = 1.0 / math.log(2.0)
@@ -157,10 +157,10 @@ class MlaAttend:
         self.passes = TILE // self.pass_rows  # 2 | 1
         self.rows = heads * V_DIM  # W_UV rows
         self.rows_per_cta = -(-self.rows // self.ctas)
-        two = (cache in TWO_WARPGROUP_CACHES and batch >= TWO_WARPGROUP_MIN_TOKENS
+        two = (cache == "fp8_e4m3" and batch >= TWO_WARPGROUP_MIN_TOKENS
                and self.smem_bytes(WARPGROUPS) <= SMEM_BYTES)
         self.wgs = WARPGROUPS if two else 1
-        # bf16: cp.async into two stages (one a warpgroup where there are two); fp8: via registers
+        # bf16: cp.async into two stages; fp8: via registers, one stage a warpgroup where there are two
         self.stages = 2 if cache == "bf16" or self.wgs == 2 else 1
         self.threads, self.warps = THREADS * self.wgs, WARPS * self.wgs
         self.rows_per_warp = -(-self.rows_per_cta // self.warps)
@@ -422,7 +422,7 @@ class MlaAttend:
             if h < H:
                 cute.copy(g2r_atom(BFloat16, invariant=False),
                           cute.local_tile(mQ[b, h0 + h, None], (VEC,), (i % (E // VEC),)), rQv[None, j])
-        if const_expr(WG == 2 and self.cache != "bf16"):  # the first fp8 tile stored while the queries fly
+        if const_expr(WG == 2):  # the first (fp8) tile stored while the queries fly
             if tiles > wg:
                 self.store_tile(sK, first_stage, rNext, lt)
         for j in cutlass.range_constexpr(QJ):
@@ -460,18 +460,14 @@ class MlaAttend:
                     cute.arch.cp_async_wait_group(1)  # this tile's copies (this thread's) landed
                 else:
                     self.store_tile(sK, 0, rNext, lt)
-            else:  # one stage a warpgroup, loaded at the top: the other warpgroup's tile runs meanwhile
+            else:  # fp8, one stage a warpgroup, loaded at the top: the other warpgroup's tile runs meanwhile
                 stage = wg
                 self.wg_barrier(wg)  # the previous tile's sK stage, sP and corrections are no longer read
-                if tile != wg:  # (the first tile was issued, and fp8's stored, before the loop)
+                if tile != wg:  # (the first tile was loaded and stored before the loop)
                     self.load_tile(mCache, rBlk, rNext, sK, stage, base, end, lt, end, "all")
                     if tile + WG < tiles:  # the next tile's block numbers
                         self.lookup(mBT, rBlk, req, base + WG * TILE, end, lt)
-                    if const_expr(self.cache != "bf16"):  # no registers held across the tile's products
-                        self.store_tile(sK, stage, rNext, lt)
-                if const_expr(self.cache == "bf16"):
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(0)  # this tile's copies (this thread's) landed
+                    self.store_tile(sK, stage, rNext, lt)  # no registers held across the tile's products
             self.wg_barrier(wg)
             if const_expr(self.cache != "bf16" and WG == 1):  # fp8: the next tile in registers meanwhile
                 if tile + 1 < tiles:
@@ -587,22 +583,25 @@ class MlaAttend:
         cute.arch.barrier()
         if wg == 0:
             for hh in cutlass.range_constexpr(2):
-                h = g + 8 * hh
-                m0, m1 = sStat[0, 0, h], sStat[1, 0, h]
-                top = cutlass.max(m0, m1)
-                safe = Float32(cutlass.select_(top > Float32(NEG_INF), top, Float32(0.0)))
-                c0, c1 = cute.math.exp2(m0 - safe), cute.math.exp2(m1 - safe)
+                _, c0, c1 = self.merge_weights(sStat, g + 8 * hh)
                 for i in cutlass.range_constexpr(2):
                     for nt in cutlass.range_constexpr(O_TILES):
                         rO[2 * hh + i, nt] = rO[2 * hh + i, nt] * c0 + sX[2 * hh + i, nt, lt] * c1
             cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # every (first) thread read sStat
             if lt < MAX_HEADS:
-                m0, m1 = sStat[0, 0, lt], sStat[1, 0, lt]
-                top = cutlass.max(m0, m1)
-                safe = Float32(cutlass.select_(top > Float32(NEG_INF), top, Float32(0.0)))
-                sStat[0, 1, lt] = sStat[0, 1, lt] * cute.math.exp2(m0 - safe) + sStat[1, 1, lt] * cute.math.exp2(m1 - safe)
+                top, c0, c1 = self.merge_weights(sStat, lt)
+                sStat[0, 1, lt] = sStat[0, 1, lt] * c0 + sStat[1, 1, lt] * c1
                 sStat[0, 0, lt] = top
             cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+
+    @cute.jit
+    def merge_weights(self, sStat, h):
+        """(the larger max, each warpgroup's weight) of head ``h``: exp2 of its max less the larger
+        (0 where both maxima are -inf, no entry seen)."""
+        m0, m1 = sStat[0, 0, h], sStat[1, 0, h]
+        top = cutlass.max(m0, m1)
+        safe = Float32(cutlass.select_(top > Float32(NEG_INF), top, Float32(0.0)))
+        return top, cute.math.exp2(m0 - safe), cute.math.exp2(m1 - safe)
 
     @cute.jit
     def lookup(self, mBT, rBlk, b, first, end, tidx):
