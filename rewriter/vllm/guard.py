@@ -77,7 +77,7 @@ def cudagraph_mode_refusals(mode: Any) -> list[str]:
 
 def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = None) -> list[str]:
     """Every setting of this deployment the rewriter does not serve (empty: all served)."""
-    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.config import CompilationMode
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
 
     capability = capability if capability is not None else _device_capability()
