@@ -187,7 +187,6 @@ def measured_copy_tbps(nbytes: int = 1 << 30, reps: int = 10) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = sorted(_timed_us(lambda: dst.copy_(src)) for _ in range(reps))
-    del src, dst
     return 2 * nbytes / (times[len(times) // 2] * 1e-6) / 1e12
 
 
