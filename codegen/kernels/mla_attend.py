@@ -160,8 +160,7 @@ class MlaAttend:
         two = (cache == "fp8_e4m3" and batch >= TWO_WARPGROUP_MIN_TOKENS
                and self.smem_bytes(WARPGROUPS) <= SMEM_BYTES)
         self.wgs = WARPGROUPS if two else 1
-        # bf16: cp.async into two stages; fp8: via registers, one stage a warpgroup where there are two
-        self.stages = 2 if cache == "bf16" or self.wgs == 2 else 1
+        self.stages = self.stages_of(self.wgs)
         self.threads, self.warps = THREADS * self.wgs, WARPS * self.wgs
         self.rows_per_warp = -(-self.rows_per_cta // self.warps)
         self.units = batch * heads * LAT_VECS  # combine units
@@ -175,10 +174,15 @@ class MlaAttend:
         self.one_block = block_size % TILE == 0
         self.lookups = 1 if self.one_block else self.passes
 
+    def stages_of(self, wgs: int) -> int:
+        """Tile stages in shared memory: bf16 by cp.async into two; fp8 via registers, one stage a
+        warpgroup."""
+        return 2 if self.cache == "bf16" or wgs == 2 else 1
+
     def smem_bytes(self, wgs: int) -> int:
         """Shared memory of the form with ``wgs`` warpgroups: the tile stages, the queries, each
         warpgroup's partial scores, P and statistics, and with two the CTA's W_UV rows."""
-        stages = 2 if self.cache == "bf16" or wgs == 2 else 1
+        stages = self.stages_of(wgs)
         per_wg = K_WARPS * MAX_HEADS * PART_ROW * 4 + MAX_HEADS * P_ROW * 2 + 3 * MAX_HEADS * 4
         rows = self.rows_per_cta * L * 2 if wgs == 2 else 0
         return stages * TILE * ROW * 2 + MAX_HEADS * ROW * 2 + wgs * per_wg + rows + 6 * 16
