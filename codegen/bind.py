@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from codegen.targets import arch_of
 from codegen.template import Specs, Template
 from codegen.templates import TEMPLATES, spec_for_call, template
 
@@ -105,8 +106,7 @@ def stats() -> dict[str, dict[str, int]]:
 
 def device_arch(device: torch.device | int | None = None) -> str | None:
     """The CuTe DSL architecture of a CUDA device (sm_90a, sm_100a, sm_103a), or None."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}.get((major, minor))
+    return arch_of(torch.cuda.get_device_capability(device))
 
 
 def load_kernels(op: str, arch: str, args: Sequence[Any], kernel: str | None = None
@@ -221,7 +221,7 @@ class TemplateLauncher:
 
 def forget_loaded() -> None:
     """Every launcher's loaded kernels dropped: its next call resolves them again (after this
-    process's kernel sources changed: ``rewriter.variant``)."""
+    process's kernel sources changed: ``rewriter.commands.variant``)."""
     for launcher in list(_launchers.values()):
         if isinstance(launcher, TemplateLauncher):
             launcher.forget()
@@ -231,13 +231,11 @@ def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = 
                          strict: bool = False) -> list[str]:
     """Register a ``TemplateLauncher`` for every fused op some template serves; returns the ops.
 
-    Imports ``patterns`` (which defines the ``k3f`` ops). Ops without a template keep
+    Imports the built-in ``patterns`` (which define the ``k3f`` ops). Ops without a template keep
     running their reference on the GPU; ``strict`` launchers raise for calls no template takes."""
-    import patterns.attention_projection
-    import patterns.layer
-    import patterns.moe
-    import patterns.output_projection
-    import patterns.router  # noqa: F401  (with the four above: defines every k3f op)
+    from patterns import builtin_modules
+
+    builtin_modules()
 
     ops = sorted({op for t in TEMPLATES.values() for op in t.ops})
     for op in ops:

@@ -7,7 +7,8 @@ with torch tensors directly, on torch's current stream) and kept with its PTX in
 caches: a dict in this process, and the disk cache (``codegen.cache``) shared by every
 process. The disk key is the sha256 of the template's source files, the CuTe DSL and
 TVM-FFI versions, this module's recipe version and the spec's canonical text: editing a
-kernel, upgrading CuTe DSL or changing a spec misses; nothing else does.
+kernel (or a codegen module it imports), upgrading CuTe DSL or changing a spec misses;
+nothing else does.
 
 A hit on disk needs no CuTe DSL import (a new process gets its kernels in milliseconds);
 only compiling and loading import it.
@@ -28,7 +29,7 @@ from typing import Any
 
 from codegen.cache import Entry, KernelCache
 from codegen.spec import KernelSpec
-from codegen.kernels import module_of, source_files
+from codegen.kernels import CODEGEN_DIR, module_path, source_files
 
 RECIPE = 1  # bump when how a kernel is compiled or exported changes (options, export format)
 CUTLASS_DIST = "nvidia-cutlass-dsl"
@@ -60,18 +61,17 @@ def available() -> str | None:
 
 
 def _module_of(spec: KernelSpec) -> str:
-    module = module_of(spec.kernel)
-    if module is None:
-        raise CodegenError(f"no CuTe DSL kernel named {spec.kernel!r} (codegen.kernels.KERNELS)")
-    return module
+    if not module_path(spec.module).is_file():
+        raise CodegenError(f"{spec.label()}: no CuTe DSL kernel module codegen/kernels/{spec.module}.py")
+    return f"codegen.kernels.{spec.module}"
 
 
 def cache_key(spec: KernelSpec) -> str:
     """sha256 of (template source, CuTe DSL + TVM-FFI versions, recipe, spec)."""
     h = hashlib.sha256()
     _module_of(spec)
-    for path in source_files(spec.kernel):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in source_files(spec.module):
+        h.update(path.relative_to(CODEGEN_DIR).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     v = versions()
     h.update(f"cutlass_dsl={v['cutlass_dsl']}\0tvm_ffi={v['tvm_ffi']}\0recipe={RECIPE}\0".encode())
     h.update(spec.canonical().encode())

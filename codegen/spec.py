@@ -1,7 +1,8 @@
 """KernelSpec: what one compiled kernel is specialized to, without any tensor.
 
-A spec names the kernel template, the fused op it implements, the GPU architecture, and
-its compile-time configuration as plain values: shapes (ints), dtypes (names such as
+A spec names the kernel template, the fused op it implements, the GPU architecture, the
+module of ``codegen/kernels/`` that builds it (its name, unless said otherwise) and its
+compile-time configuration as plain values: shapes (ints), dtypes (names such as
 ``"bf16"``) and parameters (ints, floats, bools, strings, tuples of those). It is frozen
 and hashable (the in-memory cache key) and has one canonical text form (part of the disk
 cache key), so two processes that build the same spec share one compiled kernel.
@@ -13,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ARCHES = ("sm_90a", "sm_100a", "sm_103a")
+from codegen.targets import ARCHES
+
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 _QUIET = {"eps", "rows_per_warp", "warps_per_cta", "unroll", "stream_weights", "pipeline"}  # left out of labels
 
@@ -43,8 +45,13 @@ class KernelSpec:
     shapes: tuple[tuple[str, int], ...] = ()
     dtypes: tuple[tuple[str, str], ...] = ()
     params: tuple[tuple[str, Any], ...] = ()
+    module: str = ""  # codegen/kernels/<module>.py builds it; "" means the kernel's own name
 
     def __post_init__(self) -> None:
+        if not self.module:
+            object.__setattr__(self, "module", self.kernel)
+        if not self.module.isidentifier():
+            raise SpecError(f"kernel module {self.module!r} is not a module name")
         if self.arch not in ARCHES:
             raise SpecError(f"arch {self.arch!r} not supported (supported: {', '.join(ARCHES)})")
         for name, v in self.shapes:
@@ -56,9 +63,11 @@ class KernelSpec:
 
     @classmethod
     def make(cls, kernel: str, op: str, arch: str, *, shapes: Mapping[str, int] | None = None,
-             dtypes: Mapping[str, str] | None = None, params: Mapping[str, Any] | None = None) -> KernelSpec:
+             dtypes: Mapping[str, str] | None = None, params: Mapping[str, Any] | None = None,
+             module: str = "") -> KernelSpec:
         """Build a spec from dicts (sorted and frozen; lists become tuples)."""
-        return cls(kernel, op, arch, _items(shapes, "shapes"), _items(dtypes, "dtypes"), _items(params, "params"))
+        return cls(kernel, op, arch, _items(shapes, "shapes"), _items(dtypes, "dtypes"), _items(params, "params"),
+                   module)
 
     @property
     def shape_dict(self) -> dict[str, int]:
@@ -73,11 +82,17 @@ class KernelSpec:
         return dict(self.params)
 
     def with_arch(self, arch: str) -> KernelSpec:
-        return KernelSpec(self.kernel, self.op, arch, self.shapes, self.dtypes, self.params)
+        return KernelSpec(self.kernel, self.op, arch, self.shapes, self.dtypes, self.params, self.module)
 
     def to_json(self) -> dict[str, Any]:
-        return {"kernel": self.kernel, "op": self.op, "arch": self.arch, "shapes": dict(self.shapes),
-                "dtypes": dict(self.dtypes), "params": dict(self.params)}
+        return {"kernel": self.kernel, "op": self.op, "arch": self.arch, "module": self.module,
+                "shapes": dict(self.shapes), "dtypes": dict(self.dtypes), "params": dict(self.params)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> KernelSpec:
+        """The spec ``to_json`` wrote."""
+        return cls.make(d["kernel"], d["op"], d["arch"], shapes=d["shapes"], dtypes=d["dtypes"], params=d["params"],
+                        module=d.get("module", ""))
 
     def canonical(self) -> str:
         """One text per spec (sorted keys, no whitespace): what the disk cache key hashes."""

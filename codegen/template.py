@@ -6,8 +6,8 @@ values of a traced graph) become the ``KernelSpec`` of each kernel it launches (
 *stages*: most templates launch one kernel, some two when a dependency across the whole
 output sits between them), or a refusal that says why, and how the compiled functions are
 called from torch. The CuTe DSL half (a kernel class and its fake compile arguments per
-stage) lives in ``codegen/kernels/`` (``codegen.kernels.KERNELS`` maps a spec's kernel name
-to its module), imported only to compile. Each template lives in ``codegen/launchers/``.
+stage) lives in ``codegen/kernels/`` (each spec names its module), imported only to compile.
+Each template lives in ``codegen/launchers/``, where ``codegen.templates`` finds it.
 """
 from __future__ import annotations
 

@@ -1,29 +1,40 @@
 """The templates that exist, and how a fused op's call finds one (no CuTe import here).
 
-Each template lives in ``codegen/launchers/<name>.py`` (see ``codegen.template``); this
-module only collects them. A fused op that no template serves, or a call every template
-refuses, runs the op's CPU reference (plain torch, which runs on the GPU too): see
-``codegen.bind``.
+Each module of ``codegen/launchers/`` that defines ``TEMPLATE`` (or ``TEMPLATES``, tried in
+their order) contributes its templates; nothing else lists them. Every template of one fused
+op lives in one module, so the order in which a call tries them is written in one place. A
+fused op that no template serves, or a call every template refuses, runs the op's CPU
+reference (plain torch, which runs on the GPU too): see ``codegen.bind``.
 """
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import codegen.launchers
 from codegen.template import Specs, Template
 
-LAUNCHERS = ("attn_res_norm", "in_proj_gemm", "in_proj_gemv", "router_topk", "kda_core",
-             "router_down", "latent_tail", "o_proj", "experts", "dense_mlp", "mla_attend", "mla_q_front")
+
+def _discover() -> dict[str, Template]:
+    templates: dict[str, Template] = {}
+    home: dict[str, str] = {}  # fused op -> the module of its templates
+    for info in sorted(pkgutil.iter_modules(codegen.launchers.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"codegen.launchers.{info.name}")
+        found = getattr(module, "TEMPLATES", None) or ((module.TEMPLATE,) if hasattr(module, "TEMPLATE") else ())
+        for t in found:
+            if t.kernel in templates:
+                raise ValueError(f"two templates named {t.kernel!r} (codegen/launchers/{info.name}.py)")
+            for op in t.ops:
+                if home.setdefault(op, info.name) != info.name:
+                    raise ValueError(f"{op} has templates in codegen/launchers/{home[op]}.py and {info.name}.py: "
+                                     "keep them in one module, in the order a call tries them")
+            templates[t.kernel] = t
+    return templates
 
 
-def _templates_of(name: str) -> tuple[Template, ...]:
-    """A launcher module's ``TEMPLATE``, or its ``TEMPLATES`` when it holds several."""
-    module = importlib.import_module(f"codegen.launchers.{name}")
-    return getattr(module, "TEMPLATES", None) or (module.TEMPLATE,)
-
-
-TEMPLATES: dict[str, Template] = {t.kernel: t for name in LAUNCHERS for t in _templates_of(name)}
+TEMPLATES: dict[str, Template] = _discover()
 
 
 def template(kernel: str) -> Template | None:

@@ -2,15 +2,14 @@
 some files replaced (B), each run a fresh ``python -m rewriter bench --json`` process, A B A B...
 
 A layer's figure can move between runs of one command by more than the 2 to 4 us a kernel change
-makes (BENCHMARKS.md, twenty-first session: 15 us between two runs on one machine, within 1 us on
-another), so one run per variant decides nothing. Alternating, and pairing each B run with the A
+makes (15 us between two runs on one H200, within 1 us on another: BENCHMARKS.md, method), so one run per variant decides nothing. Alternating, and pairing each B run with the A
 run just before it, does: the report gives the median of those paired differences.
 
     python examples/ab_bench.py snapshot main codegen/kernels/kda_core.py --into .ab/main   # needs git
     python examples/ab_bench.py run .ab/main --rounds 3 -- --layer 1 --tp 16 --batch 1 64 --paths rewritten
 
 B is the directory's files at the same paths below the repository (another commit's snapshot, or
-edited copies; ``rewriter.variant``); the tree's own files are put back however the run ends.
+edited copies; ``rewriter.commands.variant``); the tree's own files are put back however the run ends.
 Where B changes only kernel sources (``codegen/kernels/*.py``), ``python -m rewriter bench
 --variant DIR`` is the finer tool: one process, the same weights, replays alternating. Each variant's kernels
 compile once (the kernel cache keys on their source), so later rounds start fast. The report,
@@ -29,8 +28,8 @@ from pathlib import Path
 
 from compare_bench import SAME, CompareError, keyed_kernels
 
-from rewriter.bench_cmd import paired_difference
-from rewriter.variant import VariantError, swapped_in, variant_files
+from rewriter.commands.bench import paired_difference
+from rewriter.commands.variant import VariantError, swapped_in, variant_files
 
 ROOT = Path(__file__).resolve().parents[1]
 

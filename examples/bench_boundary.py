@@ -34,7 +34,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from codegen.bind import device_arch
 from codegen.compiler import compile_object, load_object
 from codegen.kernels.common import trap_past_deadline, wait_started
-from rewriter.bench_cmd import timed_replay_us
+from rewriter.commands.bench import timed_replay_us
 
 MODES = ("plain", "pdl", "flag", "flag-entry")
 THREADS = 128

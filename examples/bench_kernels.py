@@ -22,13 +22,16 @@ from contextlib import contextmanager
 
 import torch
 
-import patterns.attention_projection
-import patterns.layer
+import patterns.attn_res
+import patterns.dense_mlp
+import patterns.input_projection
+import patterns.kda
+import patterns.mla
 import patterns.moe
-import patterns.output_projection  # noqa: F401  (with the three above: defines the k3f ops)
+import patterns.output_projection  # noqa: F401  (defines the k3f ops used here)
 from codegen.bind import device_arch, load_kernels
 from codegen.compiler import CodegenError
-from rewriter.bench_cmd import timed_replay_us
+from rewriter.commands.bench import timed_replay_us
 
 D = 7168
 SPLITS = {"kda_tp16": [2304, 768, 128, 6, 10], "kda_tp8": [4608, 1536, 128, 12, 4]}
@@ -106,7 +109,7 @@ def bench_attn_res() -> None:
 def bench_dense(tp: int) -> None:
     """Layer 0's dense MLP at one rank's I: both templates on the same rotated weights."""
     from codegen.launchers import dense_mlp
-    from rewriter.config import KimiK3Config
+    from rewriter.model.config import KimiK3Config
 
     cfg = KimiK3Config.preset("kimi-k3")
     inter = cfg.shard(tp).dense_intermediate
@@ -168,7 +171,7 @@ def forced_tiling(gate_up: dict, down: dict) -> Iterator[None]:
 def bench_dense_tiling(tp: int) -> None:
     """Layer 0's dense MLP on the GEMM (``dense_mlp_gemm``) at 2, 8 and 16 tokens: the chosen
     tiling, then each stage at another (the other stage as chosen); both stages per call."""
-    from rewriter.config import KimiK3Config
+    from rewriter.model.config import KimiK3Config
 
     cfg = KimiK3Config.preset("kimi-k3")
     inter = cfg.shard(tp).dense_intermediate
@@ -279,8 +282,8 @@ def kda_core_args(tp: int, requests: int, gen: torch.Generator, device: str = "c
     """``k3f::kda_core``'s arguments for one rank of Kimi K3 at ``requests`` one-token requests:
     random activations and weights at realistic magnitudes, distinct slots, the states in
     vLLM's pages (SD)."""
-    from rewriter.config import KimiK3Config
-    from rewriter.layers.state import kda_state_pages
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers.state import kda_state_pages
 
     cfg = KimiK3Config.preset("kimi-k3")
     h, d = cfg.shard(tp).kda_heads, cfg.kda_head_dim
@@ -357,7 +360,7 @@ def bench_mla_attend(tp: int) -> None:
     the cache's bytes, the splits' combine and the two grid barriers. Per launch: with a one-element
     torch kernel between launches (no overlap), and back to back (PDL: the next launch's cache loads
     overlap this one's tail); the caches rotated past the L2."""
-    from rewriter.bench_cmd import measured_copy_tbps
+    from rewriter.commands.bench import measured_copy_tbps
 
     heads, tbps = 96 // tp, measured_copy_tbps()
     gen = torch.Generator().manual_seed(tp)

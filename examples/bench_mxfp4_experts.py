@@ -4,7 +4,7 @@ humming-kernels (the GPU machine gets its wheel from ``.whl/``).
 
 All 896 experts of one rank (TP 16: I = 256 held, 192 live; TP 8: 384) are drawn in the
 checkpoint's layout and laid out by Humming's own transform, as vLLM does after loading. Each
-timed CUDA graph replays ``ROUTINGS`` launches (Humming's: ``rewriter.stock_path.HummingMoE``, its
+timed CUDA graph replays ``ROUTINGS`` launches (Humming's: ``rewriter.commands.stock_path.HummingMoE``, its
 routing alignment made before the graph) with different random routings, so the experts
 one launch reads are not in the L2 from the last (20 x 16 experts x 1.1 MB > 50 MB). Effective
 bandwidth = the MXFP4 bytes a step must read (the selected experts' live rows: codes and
@@ -40,11 +40,11 @@ import patterns.router  # noqa: F401  (defines k3f::router_topk)
 from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
 from codegen.bind import device_arch
 from codegen.launchers import experts as experts_launcher
-from rewriter.bench_cmd import profile_kernels, short_name
-from rewriter.cost import H200_COPY_TBPS
-from rewriter.layers.experts import GROUP, humming_relayout, random_mxfp4
-from rewriter.layers.moe import route
-from rewriter.stock_path import HummingMoE
+from rewriter.commands.bench import profile_kernels, short_name
+from rewriter.compiler.cost import H200_COPY_TBPS
+from rewriter.model.layers.experts import GROUP, humming_relayout, random_mxfp4
+from rewriter.model.layers.moe import route
+from rewriter.commands.stock_path import HummingMoE
 
 E, K, L = 896, 16, 3584
 BETA, LINEAR_BETA = 4.0, 25.0

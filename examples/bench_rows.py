@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewriter.bench_cmd import PATHS
+from rewriter.commands.bench import PATHS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,8 +58,8 @@ class Piece:
 
     @property
     def name(self) -> str:
-        """The stem of its files: letters, digits, ``._-`` only (a file named with ``+`` does not
-        come back from the device tool's ``$OUT``)."""
+        """The stem of its files: letters, digits, ``._-`` only (so that every file system and copy tool
+        takes it: a ``+`` is not safe everywhere)."""
         return f"l{self.layer}_tp{self.tp}_{self.cache}_{'_'.join(self.paths).replace(' ', '-')}"
 
     def bench_args(self, batches: list[int], context: int, reps: int, compile_mode: str) -> list[str]:

@@ -9,7 +9,7 @@ kernels, from the profile every row carries (one un-captured call).
 
 Rows are matched by (TP, batch, path), kernels by name and occurrence (a layer's second
 ``attn_res_norm`` against the other run's second). A layer's total varies by a few us between
-device sessions (the routed experts alone by 5 to 10 us), so a kernel's own delta is the
+runs on different machines (the routed experts alone by 5 to 10 us), so a kernel's own delta is the
 sharper evidence. Runs of different layers, models or expert formats are refused.
 """
 from __future__ import annotations

@@ -6,8 +6,8 @@
 import torch
 from torch import Tensor
 
-from rewriter.layers.moe import experts_down, experts_up, route
-from rewriter.rules import Rule, common_guard, fused_op
+from rewriter.model.layers.moe import experts_down, experts_up, route
+from rewriter.compiler.rules import Rule, common_guard, fused_op
 
 
 @fused_op("topk_routed_experts")  # the fused op: its CPU reference is the math it replaces
@@ -41,13 +41,15 @@ def variants(ctx):
 RULES = [Rule("topk_routed_experts", "moe", variants, common_guard, kernel="topk_routed_experts", launches=2)]
 
 if __name__ == "__main__":
-    from rewriter import KimiK3Config, layers, rewrite, rules, schedule, shape, trace
+    from patterns import default_rules
+    from rewriter import KimiK3Config
+    from rewriter.compiler.pipeline import decode_shape, rewritten_layer
+    from rewriter.compiler.schedule import build_schedule
 
-    layer = layers.build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16, experts="mxfp4")
-    lg = trace.trace(layer, shape.DecodeShape(1, tp=16))
+    cfg = KimiK3Config.preset("kimi-k3")
     for extra in ([], RULES):
-        rs = rules.default_rules()
+        rs = default_rules()
         for r in extra:
             rs.add(r)
-        kernels = schedule.build_schedule(rewrite.rewrite(lg, rs).after).kernels
+        kernels = build_schedule(rewritten_layer(cfg, 1, decode_shape(cfg, batch=1, tp=16), rs).after).kernels
         print(f"{len(rs)} rules:", sum(k.launches for k in kernels), "kernels")

@@ -1,6 +1,6 @@
 """A saved ``python -m rewriter bench --json`` run drawn as pictures: for each rewritten row, one
 layer of a graph replay as a Gantt chart (each kernel at its start and duration), the layer's
-span laid out kernel by kernel, and its HBM floor as served (``rewriter/timeline_svg.py``).
+span laid out kernel by kernel, and its HBM floor as served (``rewriter/commands/timeline_svg.py``).
 No GPU needed, so a run saved on the GPU machine can be looked at anywhere.
 
     python -m rewriter bench --layer 1 --tp 16 --batch 1 64 --paths rewritten --json > run.json    # on the GPU
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rewriter.timeline_svg import TimelineError, panels_of, render, title_of  # noqa: E402
+from rewriter.commands.timeline_svg import TimelineError, panels_of, render, title_of  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """How fast the DRAM serves the routed up stage's bytes when read in runs of different lengths.
 
 The MXFP4 up stage at 8 tokens (layer 3, TP 16) streams at about 2.2 TB/s, 66% of the DRAM's
-peak, with every sector it asks for used (BENCHMARKS.md, thirty-first session); neither more
+peak, with every sector it asks for used (Nsight Compute: docs/FEWER_STEPS.md); neither more
 bytes in flight nor resident CTAs walking items raised it. What it reads is fixed by vLLM's
 Humming layout: W13 int32 [E, L/16, 4I], so one 16-wide K block of an expert is a 4 KB row
 (TP 16: I = 256) whose live channels are two 1.5 KB runs (gate tiles 0-2, up tiles 4-6), and
@@ -9,7 +9,7 @@ each CTA of the stage reads 512-byte runs (one 64-channel tile) at the row strid
 reads the same bytes (128 random experts' live runs, 88 MB) the stage's way and in longer runs,
 plus the same amount contiguous, with CTAs like the stage's (4 warps, 28 KB by ``cp.async``
 into shared memory, 7 an SM): if the short runs alone cost the third, the stage is at its
-pattern's ceiling. (They do not: BENCHMARKS.md, thirty-second session.)
+pattern's ceiling. (They do not: docs/FEWER_STEPS.md.)
 
     python examples/probe_dram_runs.py              # a table: pattern, MB, us, TB/s
 """
@@ -30,7 +30,7 @@ from cutlass.memory import SmemAllocator
 from codegen.bind import device_arch
 from codegen.compiler import compile_object, load_object
 from codegen.kernels.mxfp4 import copy_from
-from rewriter.bench_cmd import timed_replay_us, warmed_up
+from rewriter.commands.bench import timed_replay_us, warmed_up
 
 THREADS = 128
 EXPERTS, KBLOCKS, ROW_BYTES = 896, 224, 4096  # W13 at TP 16: [896, 3584 / 16, 4 x 256] int32

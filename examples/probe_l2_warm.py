@@ -1,7 +1,7 @@
 """How much faster the one-token input projection runs when part of its weight is already in the L2.
 
 vLLM's Blackwell path prefetches the next layer's attention weights into the L2 while the MoE
-runs (docs/FEWER_STEPS.md). Tried here in the eighteenth session, pulling the first 24 MiB of
+runs (docs/FEWER_STEPS.md). Tried here (docs/FEWER_STEPS.md), pulling the first 24 MiB of
 the input projection's rows, it saved 1.4 of 14.1 us: the GEMV ended with its CTAs whose rows
 still came from HBM. The GEMV's warps each stream their rows along K in order
 (``codegen/kernels/in_proj_gemv.py``), so a prefetch of the first ``f`` of every row's K warms
@@ -20,7 +20,9 @@ import argparse
 
 import torch
 
-import patterns.attention_projection  # noqa: F401  (defines the k3f ops)
+import patterns.input_projection
+import patterns.kda
+import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
 
 D = 7168

@@ -39,16 +39,16 @@ import torch
 
 
 def profile(args: argparse.Namespace) -> None:
-    from codegen import bind
     from codegen.bind import device_arch
-    from rewriter.bench_cmd import _Case, _rewritten
-    from rewriter.config import KimiK3Config
-    from rewriter.ops import collectives_excluded
-    from rewriter.shape import DecodeShape
+    from rewriter.commands.bench import _Case, _rewritten
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.ops import collectives_excluded
+    from rewriter.compiler.plan import install_kernels
+    from rewriter.model.shape import DecodeShape
 
     cfg = KimiK3Config.load(args.model)
     arch = device_arch()
-    bind.install_cuda_kernels(arch)
+    install_kernels(arch)
     with torch.no_grad(), collectives_excluded():
         for batch in args.batch:
             shape = DecodeShape(batch=batch, tp=args.tp, rank=0, arch=arch, context=args.context,

@@ -1,5 +1,5 @@
 import sys
 
-from rewriter.cli import main
+from rewriter.commands.cli import main
 
 sys.exit(main())

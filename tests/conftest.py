@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import rewriter.ops  # noqa: F401
-from rewriter.config import KimiK3Config
-from rewriter.layers import build_layer
-from rewriter.layers.state import decode_inputs
-from rewriter.layers.weights import init_random_
-from rewriter.shape import DecodeShape
+import rewriter.model.ops  # noqa: F401
+from rewriter.compiler.plan import install_host
+from rewriter.model.config import KimiK3Config
+from rewriter.model.layers import build_layer
+from rewriter.model.layers.state import decode_inputs
+from rewriter.model.layers.weights import init_random_
+from rewriter.model.shape import DecodeShape
+
+install_host()  # the templates read the model's collectives and state layouts from it, as the compiler's plan does
 
 
 HAVE_CUTEDSL = all(importlib.util.find_spec(m) is not None for m in ("cutlass", "tvm_ffi"))
@@ -74,7 +77,7 @@ def alone_if_large(nbytes: int) -> Iterator[None]:
     machine is in a GPU test, and none starts one until it ends; it gives its cached blocks back
     before the others go on. Taking turns among the large tests alone was not enough: a TP 8
     layer at 64 tokens held 37 GB while the five other workers held 5 to 9 GB each, and ran out
-    of memory (H100, thirtieth session). Alone, a TP 3 layer (44 GB) still did beside workers
+    of memory (on an H100). Alone, a TP 3 layer (44 GB) still did beside workers
     holding 28 GB between their tests: every GPU test gives its cached blocks back as it ends."""
     if nbytes < LARGE_REFERENCE:
         yield
@@ -132,9 +135,7 @@ def pdl_flags(spec) -> list[int]:
 
     from cutlass import cute
 
-    from codegen.kernels import module_of
-
-    kernel, args = importlib.import_module(module_of(spec.kernel)).build(spec)
+    kernel, args = importlib.import_module(f"codegen.kernels.{spec.module}").build(spec)
     ir = str(cute.compile(kernel, *args, options=f"--gpu-arch {spec.arch} --enable-tvm-ffi").ir_module)
     flags = []
     for func in ir.split("llvm.func ")[1:]:

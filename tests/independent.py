@@ -1,6 +1,6 @@
 """Straightforward float64 implementations of Kimi K3's decode math, written from the
 equations (per token, per head, per expert loops) and sharing no code with
-``rewriter.layers``: the oracle the reference layers are tested against.
+``rewriter.model.layers``: the oracle the reference layers are tested against.
 
 Every function takes the layer's parameters by their vLLM names (a state dict) and
 returns float64 tensors; state tensors passed in are updated in place.

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import ab_bench  # noqa: E402
 from compare_bench import CompareError  # noqa: E402
 
-from rewriter.variant import VariantError  # noqa: E402
+from rewriter.commands.variant import VariantError  # noqa: E402
 
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
@@ -101,8 +101,8 @@ def test_bad_runs_are_refused_before_any_bench(capsys, tmp_path):
 
 def test_its_options_go_before_the_bench_arguments_wherever_the_variant_is(tmp_path, monkeypatch, capsys):
     """``run VARIANT --rounds 3 -- ...`` (as the docstring shows) and ``run --rounds 3 VARIANT -- ...``
-    both take 3 rounds and hand bench only what follows ``--`` (the twenty-eighth session's first
-    A/B handed bench ``--rounds 2 -- ...`` and every run failed)."""
+    both take 3 rounds and hand bench only what follows ``--`` (an A/B that handed bench
+    ``--rounds 2 -- ...`` failed every run)."""
     (tmp_path / "codegen").mkdir()
     (tmp_path / "codegen" / "x.py").write_text("")
     seen = []

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import on_gpu
 
-from rewriter.bench_cmd import L2_BYTES, Row, copies_for, floor_bandwidth, render, repeated, rounds_for
-from rewriter.cli import main
+from rewriter.commands.bench import L2_BYTES, Row, copies_for, floor_bandwidth, render, repeated, rounds_for
+from rewriter.commands.cli import main
 
 
 def test_copies_rotate_weights_past_the_l2():
@@ -50,7 +50,7 @@ def test_floors_are_at_the_bandwidth_of_the_gpu_that_runs():
 @on_gpu
 def test_a_measured_copy_is_a_plausible_hbm_bandwidth():
     """The copy moves 2 GiB (read and written) past the L2: between 1 and 10 TB/s on any HBM GPU."""
-    from rewriter.bench_cmd import measured_copy_tbps
+    from rewriter.commands.bench import measured_copy_tbps
 
     assert 1.0 < measured_copy_tbps() < 10.0
 
@@ -90,14 +90,13 @@ def test_profiled_kernels_are_named_by_their_specs():
     """The KDA+MoE layer at TP 16, 64 tokens: five of its kernels are the one ``SkinnyGemm`` class
     (and ``gemv`` would be three); each profiled kernel gets its spec's name, in launch order, the
     torch kernels between them keep theirs, and ``expert_up`` does not take ``expert_up_mxfp4``'s."""
-    from codegen.kernels import KERNELS
-    from rewriter.bench_cmd import label_kernels
-    from rewriter.config import KimiK3Config
-    from rewriter.kernel_plan import plan
-    from rewriter.layers import build_layer
-    from rewriter.rewrite import rewrite
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from rewriter.commands.bench import label_kernels
+    from rewriter.model.config import KimiK3Config
+    from rewriter.compiler.plan import plan
+    from rewriter.model.layers import build_layer
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.model.shape import DecodeShape
+    from rewriter.compiler.trace import trace
 
     layer = build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16, experts="mxfp4")
     result = rewrite(trace(layer, DecodeShape(batch=64, tp=16, arch="sm_90a")))
@@ -106,7 +105,7 @@ def test_profiled_kernels_are_named_by_their_specs():
     assert kernels.count("router_down_gemm") == 1 and "expert_up_mxfp4" in kernels
     launched = []
     for i, s in enumerate(specs):  # as the profiler names a CuTe DSL kernel: module, then class
-        launched.append((f"kernel_cutlass_kernel_codegenkernels{KERNELS[s.kernel][0]}Cls{i}_object_at__0", 1.0 + i))
+        launched.append((f"kernel_cutlass_kernel_codegenkernels{s.module}Cls{i}_object_at__0", 1.0 + i))
         if i == 2:
             launched.append(("void at::native::elementwise_kernel<128, 2>", 0.5))
     labels = label_kernels(launched, specs)
@@ -121,7 +120,7 @@ def test_profiled_kernels_are_named_by_their_specs():
 
 
 def test_span_additions_say_what_each_kernel_adds_to_the_layer():
-    from rewriter.bench_cmd import span_additions
+    from rewriter.commands.bench import span_additions
 
     # a kernel inside the previous one adds nothing; an early start (PDL) adds only its tail; a gap counts
     spans = [(0.0, 3.0), (1.0, 2.5), (2.0, 5.0), (7.0, 8.0)]
@@ -133,7 +132,7 @@ def test_span_additions_say_what_each_kernel_adds_to_the_layer():
 def test_the_timeline_is_the_middle_layers():
     """Of a replay's layers the middle one is profiled (the chain ramped by those before it);
     a replay whose kernel count is not the layers' is not sliced at all."""
-    from rewriter.bench_cmd import middle_layer
+    from rewriter.commands.bench import middle_layer
 
     events = [f"layer{i}.k{j}" for i in range(8) for j in range(3)]
     assert middle_layer(events, 3, 8) == ["layer4.k0", "layer4.k1", "layer4.k2"]
@@ -144,7 +143,7 @@ def test_the_timeline_is_the_middle_layers():
 def test_layer_gaps_run_from_a_layers_latest_end_to_the_next_layers_first_start():
     """A layer's latest end need not be its last kernel's (a side stream's kernel may end later);
     a next layer that starts early under PDL gives a negative gap."""
-    from rewriter.bench_cmd import layer_gaps
+    from rewriter.commands.bench import layer_gaps
 
     spans = [(0.0, 4.0), (1.0, 9.0), (5.0, 7.0),  # layer 0 ends at 9 (its middle kernel)
              (12.0, 13.0), (13.0, 14.0), (14.0, 16.0),  # layer 1 starts 3 us later
@@ -156,7 +155,7 @@ def test_layer_gaps_run_from_a_layers_latest_end_to_the_next_layers_first_start(
 def test_layer_periods_run_first_start_to_first_start_and_sum_to_the_replays_span():
     """Each layer's period, the last one's to its latest end: together the replay's span, so
     their mean beside the timed figure says what the timed replays spend outside the kernels."""
-    from rewriter.bench_cmd import layer_periods
+    from rewriter.commands.bench import layer_periods
 
     spans = [(0.0, 4.0), (1.0, 9.0), (5.0, 7.0),
              (12.0, 13.0), (13.0, 14.0), (14.0, 16.0),
@@ -169,7 +168,7 @@ def test_layer_periods_run_first_start_to_first_start_and_sum_to_the_replays_spa
 def test_timed_calls_follow_a_warm_up_of_the_same_call(monkeypatch):
     """At least two untimed calls, and as many as fill the warm-up time (on a clock each call
     moves by 1/64 s, so that a loaded CI machine cannot change the count)."""
-    from rewriter import bench_cmd
+    from rewriter.commands import bench as bench_cmd
 
     clock = [0.0]
 
@@ -187,7 +186,7 @@ def test_memory_operations_are_kept_apart_from_kernels():
     nor dropped: the bench names them in its row. CPU events are left out; both lists in start order."""
     from types import SimpleNamespace
 
-    from rewriter.bench_cmd import split_events
+    from rewriter.commands.bench import split_events
 
     def event(name, start, device=torch.autograd.DeviceType.CUDA):
         return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=start + 1))
@@ -204,7 +203,7 @@ def test_the_head_start_sleep_is_not_a_kernel_of_the_replay():
     kernels, so that layers are still told apart by counting."""
     from types import SimpleNamespace
 
-    from rewriter.bench_cmd import split_events
+    from rewriter.commands.bench import split_events
 
     def event(name, start):
         return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
@@ -218,7 +217,7 @@ def test_the_head_start_sleep_is_not_a_kernel_of_the_replay():
 def test_a_timed_replay_starts_its_clock_after_a_head_start(monkeypatch):
     """The replay is queued behind a GPU sleep, then the start event: the host's submission of the
     graph falls inside the sleep, not inside the timed span."""
-    from rewriter import bench_cmd
+    from rewriter.commands import bench as bench_cmd
 
     calls = []
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import bench_rows  # noqa: E402
 
-from rewriter.bench_cmd import Row  # noqa: E402
+from rewriter.commands.bench import Row  # noqa: E402
 
 
 def test_a_piece_names_its_layer_tp_cache_and_paths():

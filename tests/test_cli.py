@@ -9,11 +9,13 @@ import sys
 
 import pytest
 
-import patterns.layer
-import patterns.moe
-from rewriter.cli import main
-from rewriter.config import KimiK3Config
-from rewriter.stock_kernels import layer_kernels
+import patterns.attn_res
+import patterns.dense_mlp
+import patterns.mla
+import patterns.moe  # noqa: F401  (defines the k3f ops used here)
+from rewriter.commands.cli import main
+from rewriter.model.config import KimiK3Config
+from rewriter.compiler.stock_kernels import layer_kernels
 
 CONTRACT = {"model", "layer", "layer_kind", "tp", "batch", "default_kernels", "rewritten_kernels", "matches",
             "refusals", "schedule", "hbm_floor_us"}
@@ -40,7 +42,7 @@ def test_inspect_json_contract(capsys, layer, kind, tp, batch):
     # the only refusals: the rules for the other batch range (their twins matched): the input
     # projection's, the dense MLP's and the shared experts' at 1 token (the dense MLP's GEMM at one
     # token too where a rank's intermediate is too long for its GEMVs: TP 4 and below)
-    gemv_dense = KimiK3Config.preset("kimi-k3").shard(tp).dense_intermediate <= patterns.layer.DENSE_GEMV_MAX_INTER
+    gemv_dense = KimiK3Config.preset("kimi-k3").shard(tp).dense_intermediate <= patterns.dense_mlp.DENSE_GEMV_MAX_INTER
     small = {"attn_in_proj": batch <= 1, "dense_mlp": batch <= 1 and gemv_dense, "shared_experts": batch <= 1}
     twins = {f"{family}.{'small' if s else 'large'}" for family, s in small.items()}
     others = {f"{family}.{'large' if s else 'small'}" for family, s in small.items()}
@@ -51,7 +53,7 @@ def test_inspect_json_contract(capsys, layer, kind, tp, batch):
     assert {t for t in twins if t.split(".")[0] in present} <= {m["rule"] for m in report["matches"]}
     families = {m["family"] for m in report["matches"]}
     if kind != "dense":
-        assert {"attention_projection", "output_projection", "router", "moe"} <= families
+        assert {"attn_res", "input_projection", kind, "output_projection", "router", "moe"} <= families
     assert all({"kernel", "stream", "bytes"} <= row.keys() for row in report["schedule"])
     assert all({"rule", "nodes"} <= m.keys() for m in report["matches"])
     assert report["hbm_floor_us"] > 0
@@ -144,7 +146,7 @@ def test_custom_rule_example(capsys, tmp_path):
     import pathlib
     example = pathlib.Path(__file__).parent.parent / "examples" / "custom_rule.py"
     out = subprocess.run([sys.executable, str(example)], check=True, capture_output=True, text=True).stdout
-    from rewriter.rules import default_rules
+    from patterns import default_rules
     n = len(default_rules())
     assert f"{n} rules: 12 kernels" in out and f"{n + 1} rules: 11 kernels" in out
     report = json.loads(_inspect(capsys, "--layer", "1", "--tp", "16", "--rules", str(example), "--json"))
@@ -153,7 +155,7 @@ def test_custom_rule_example(capsys, tmp_path):
     bad = tmp_path / "bad_rules.py"
     bad.write_text("RULES = 3\n")
     assert main(["inspect", "--rules", str(bad)]) == 2
-    assert "must define RULES, a list of rewriter.rules.Rule" in capsys.readouterr().err
+    assert "must define RULES, a list of rewriter.compiler.rules.Rule" in capsys.readouterr().err
     assert main(["inspect", "--rules", str(tmp_path / "missing.py")]) == 2
     assert "rules file not found" in capsys.readouterr().err
 

@@ -19,16 +19,19 @@ import pytest
 import torch
 from conftest import HAVE_CUTEDSL, needs_cutedsl, pdl_flags, spec_of
 
-import patterns.attention_projection
-import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
-import patterns.moe
+import patterns.attn_res
+import patterns.dense_mlp
+import patterns.input_projection
+import patterns.kda
+import patterns.mla
+import patterns.moe  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
 from codegen.cache import Entry, KernelCache
-from codegen.kernels import KERNELS, source_files
+from codegen.kernels import source_files
 from codegen.spec import KernelSpec, SpecError
 from codegen.templates import spec_for_call, template
-from rewriter.cli import main
-from rewriter.rules import fused_op
+from rewriter.commands.cli import main
+from rewriter.compiler.rules import fused_op
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("sm_90a", "sm_100a")
@@ -128,9 +131,19 @@ def test_templates_refuse_with_a_reason(op, args, reason):
     assert tpl is None and reason in why
 
 
-def test_templates_name_their_sources():
-    for name in KERNELS:
-        assert all(p.is_file() for p in source_files(name)), name
+def test_kernel_sources_found_from_the_module():
+    """What a kernel's cache key hashes is found from its imports: the module, every codegen module
+    it imports (mla_attend: warp_mma; gemm: the spec helpers it shares with its launchers, and
+    what they import), nothing else; a spec naming no kernel module is a compile error by name."""
+    names = {p.relative_to(ROOT).as_posix() for p in source_files("mla_attend")}
+    assert {"codegen/kernels/mla_attend.py", "codegen/kernels/warp_mma.py", "codegen/kernels/common.py"} <= names
+    assert not any("launchers" in n or "gemm" in n for n in names)
+    assert "codegen/launchers/gemm_specs.py" in {p.relative_to(ROOT).as_posix() for p in source_files("gemm")}
+    from codegen.compiler import CodegenError, cache_key
+
+    bad = KernelSpec.make("attn_res_norm", "k3f::attn_res_norm", "sm_90a", module="no_such_kernel")
+    with pytest.raises(CodegenError, match="no CuTe DSL kernel module codegen/kernels/no_such_kernel.py"):
+        cache_key(bad)
     assert template("no_such_kernel") is None and template("attn_res_norm").ops == ("k3f::attn_res_norm",)
 
 
@@ -184,8 +197,8 @@ def _probe(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def test_nothing_registers_at_import():
-    code = ("import torch, codegen, codegen.bind, codegen.compiler, codegen.templates, rewriter.compile_cmd, "
-            "patterns.layer, patterns.attention_projection\n"
+    code = ("import torch, codegen, codegen.bind, codegen.compiler, codegen.templates, rewriter.commands.compile, "
+            "patterns.attn_res, patterns.input_projection\n"
             "print(any(torch._C._dispatch_has_kernel_for_dispatch_key(f'k3f::{op}', 'CUDA')"
             " for op in ('attn_res_norm', 'kda_in_proj', 'mla_in_proj')), codegen.bind.registered())")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -426,8 +439,7 @@ def test_cache_hits_in_a_new_process_and_other_specs_miss(compiled, kcache):
     spec = compiled["gemv_1", "sm_90a"].spec
     code = ("import json, sys\nfrom codegen.compiler import compile_kernel\nfrom codegen.spec import KernelSpec\n"
             "s = json.loads(sys.argv[1])\n"
-            "k = compile_kernel(KernelSpec.make(s['kernel'], s['op'], s['arch'], shapes=s['shapes'], "
-            "dtypes=s['dtypes'], params=s['params']))\n"
+            "k = compile_kernel(KernelSpec.from_json(s))\n"
             "print(k.cache, k.key, 'cutlass' in sys.modules)")
     env = dict(os.environ, K3_REWRITER_CACHE=str(kcache.root))
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec.to_json())], cwd=ROOT, env=env,
@@ -538,7 +550,7 @@ def test_compile_for_a_gpu_of_fewer_sms_plans_its_mla_grid(capsys, tmp_path):
                  "--jobs", "2", "--cache-dir", str(tmp_path), "--json", "--dry-run"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["sms"] == 78 and report["layers_served"] == 69  # the 24 MLA layers cannot take 64 tokens
-    assert report["block_size"] == 1536  # the page vLLM binds at TP 4 with a bf16 cache (rewriter.pages)
+    assert report["block_size"] == 1536  # the page vLLM binds at TP 4 with a bf16 cache (rewriter.model.pages)
     assert "more CTAs than the 78 SMs of the GPU hold" in report["refusals"]["layer 3 batch 64"]
     assert "layer 3 batch 8" not in report["refusals"]
     assert main([*args, "--sms", "0"]) == 2
@@ -617,13 +629,13 @@ def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch,
 @pytest.mark.parametrize("tp,batch", [(16, 1), (8, 8), (16, 64)])
 def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
     """The schedule's kernel count (rules' ``launches``) is what the templates really launch."""
-    from rewriter.kernel_plan import plan
-    from rewriter.config import KimiK3Config
-    from rewriter.layers import build_layer
-    from rewriter.rewrite import rewrite
-    from rewriter.schedule import build_schedule
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from rewriter.compiler.plan import plan
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers import build_layer
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.compiler.schedule import build_schedule
+    from rewriter.model.shape import DecodeShape
+    from rewriter.compiler.trace import trace
 
     shape = DecodeShape(batch=batch, tp=tp, arch="sm_90a")
     result = rewrite(trace(build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=tp), shape))
@@ -637,12 +649,12 @@ def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
 @needs_cutedsl
 def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch):
     """At server start every cache miss is a progress line (a compile takes seconds)."""
-    from rewriter.config import KimiK3Config
-    from rewriter.kernel_plan import plan
-    from rewriter.layers import build_layer
-    from rewriter.rewrite import rewrite
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.compiler.plan import plan
+    from rewriter.model.layers import build_layer
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.model.shape import DecodeShape
+    from rewriter.compiler.trace import trace
     from rewriter.vllm.programs import compile_with_codegen
 
     from codegen.compiler import clear_memory_cache
@@ -652,7 +664,7 @@ def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch
     import rewriter.vllm.programs as programs
 
     installed = []  # no CUDA here: record the registration instead of making it
-    monkeypatch.setattr(bind, "install_cuda_kernels", lambda arch, strict: installed.append((arch, strict)))
+    monkeypatch.setattr(programs, "install_kernels", lambda arch, strict: installed.append((arch, strict)))
     monkeypatch.setattr(programs, "require_cuda_kernels", lambda result, rows: None)
     result = rewrite(trace(build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16), DecodeShape(batch=1, tp=16)))
     lines = []
@@ -700,13 +712,12 @@ def test_every_kernel_a_plan_lists_builds(tp):
     kernels' own bounds agree with their templates'; no compile, so every TP size stays cheap)."""
     import importlib
 
-    from codegen.kernels import module_of
-    from rewriter.config import KimiK3Config
-    from rewriter.kernel_plan import plan
-    from rewriter.layers import build_layer
-    from rewriter.rewrite import rewrite
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.compiler.plan import plan
+    from rewriter.model.layers import build_layer
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.model.shape import DecodeShape
+    from rewriter.compiler.trace import trace
 
     cfg = KimiK3Config.preset("kimi-k3")
     built = set()
@@ -715,6 +726,6 @@ def test_every_kernel_a_plan_lists_builds(tp):
         for batch in (1, 8, 64):
             rows = plan(rewrite(trace(layer, DecodeShape(batch=batch, tp=tp, arch="sm_90a"))), "sm_90a")
             for spec in (s for row in rows for s in row.get("specs", ())):
-                importlib.import_module(module_of(spec.kernel)).build(spec)
+                importlib.import_module(f"codegen.kernels.{spec.module}").build(spec)
                 built.add(spec)
     assert len(built) > 20  # the plans listed kernels: the layers were rewritten

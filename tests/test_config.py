@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from rewriter.config import PRESETS, ConfigError, KimiK3Config
-from rewriter.layers import build_layer
+from rewriter.model.config import PRESETS, ConfigError, KimiK3Config
+from rewriter.model.layers import build_layer
 
 
 def test_kimi_k3_preset_has_the_published_values(k3):
@@ -42,7 +42,7 @@ def test_every_preset_loads():
 
 def test_loads_published_and_bare_files(tmp_path, k3):
     from importlib import resources
-    published = json.loads(resources.files("rewriter.configs").joinpath("kimi-k3.json").read_text())
+    published = json.loads(resources.files("rewriter.model.configs").joinpath("kimi-k3.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(published))
     assert KimiK3Config.load(str(tmp_path)).hidden_size == 7168  # a folder holding config.json
     (tmp_path / "text.json").write_text(json.dumps(published["text_config"]))
@@ -52,7 +52,7 @@ def test_loads_published_and_bare_files(tmp_path, k3):
 
 def _text():
     from importlib import resources
-    return json.loads(resources.files("rewriter.configs").joinpath("kimi-k3.json").read_text())["text_config"]
+    return json.loads(resources.files("rewriter.model.configs").joinpath("kimi-k3.json").read_text())["text_config"]
 
 
 @pytest.mark.parametrize("mutate,message", [

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from rewriter.cost import _expected_distinct, floor_bytes, hbm_us, region_bytes
-from rewriter.layers import build_layer
-from rewriter.shape import DecodeShape
-from rewriter.trace import trace
+from rewriter.compiler.cost import _expected_distinct, floor_bytes, hbm_us, region_bytes
+from rewriter.model.layers import build_layer
+from rewriter.model.shape import DecodeShape
+from rewriter.compiler.trace import trace
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_hbm_us():
 def test_served_floor_leaves_split_weights_to_the_other_ranks(k3, layer, tp):
     """The floor as served reads 1/TP of the weights the rules split (router gate, latent down and
     up projections), the reference floor all of them; the dense layer splits none."""
-    from rewriter.rewrite import rewrite
+    from rewriter.compiler.rewrite import rewrite
 
     result = rewrite(trace(build_layer(k3, layer, tp=tp, experts="mxfp4"), DecodeShape(batch=1, tp=tp)))
     split = 0 if layer == 0 else (896 * 7168 + 2 * 3584 * 7168) * 2  # gate, down, up: bf16, replicated

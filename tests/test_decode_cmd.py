@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rewriter.cli import main
-from rewriter.decode_cmd import gate
+from rewriter.commands.cli import main
+from rewriter.commands.decode import gate
 
 
 def test_the_tiny_model_decodes_through_both_paths_and_passes_the_gate(capsys):

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from rewriter.cli import main
-from rewriter.config import KimiK3Config
-from rewriter.fuzz_cmd import draw, fuzz
-from rewriter.program import LayerRunner
+from rewriter.commands.cli import main
+from rewriter.model.config import KimiK3Config
+from rewriter.commands.fuzz import draw, fuzz
+from rewriter.compiler.program import LayerRunner
 
 
 def test_random_steps_are_rewritten_and_match_the_reference(capsys):
@@ -50,10 +50,10 @@ def test_a_wrong_or_unrepeatable_program_is_counted_as_such(monkeypatch, perturb
 def test_the_routers_topk_gaps_are_recorded_for_the_comparison():
     """``recorded_topk_margins``: one gap per token of an MoE layer's router (k-th minus (k+1)-th
     selection score, >= 0), none for the dense layer; the router is itself again afterwards."""
-    from rewriter.layers import build_layer, moe
-    from rewriter.layers.state import decode_inputs
-    from rewriter.layers.weights import init_random_
-    from rewriter.shape import DecodeShape
+    from rewriter.model.layers import build_layer, moe
+    from rewriter.model.layers.state import decode_inputs
+    from rewriter.model.layers.weights import init_random_
+    from rewriter.model.shape import DecodeShape
 
     cfg = KimiK3Config.preset("tiny")
     real = moe.route

@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import gpu_kernels, needs_cutedsl, on_gpu, ptxas_usage, rel_err
 
-import patterns.layer  # noqa: F401  (defines k3f::dense_mlp)
-import rewriter.ops  # noqa: F401
+import patterns.dense_mlp  # noqa: F401  (defines the k3f ops used here)
+import rewriter.model.ops  # noqa: F401
 from codegen import bind
 from codegen.templates import spec_for_call, template
-from rewriter.config import KimiK3Config
+from rewriter.model.config import KimiK3Config
 
 K3 = KimiK3Config.preset("kimi-k3")
 H = K3.hidden_size
@@ -74,7 +74,7 @@ def test_gemm_specs_at_kimi_k3_shapes(shape, tokens):
 
 def test_the_rules_and_templates_split_the_batches_alike():
     from codegen.launchers.dense_mlp import DENSE_GEMM_TOKENS, DENSE_MAX_TOKENS
-    from patterns.layer import DENSE_SMALL_MAX
+    from patterns.dense_mlp import DENSE_SMALL_MAX
 
     assert DENSE_MAX_TOKENS >= DENSE_SMALL_MAX and DENSE_GEMM_TOKENS == (DENSE_SMALL_MAX + 1, 64)
     for tokens in (1, DENSE_SMALL_MAX, DENSE_SMALL_MAX + 1, 8, 64):
@@ -89,13 +89,13 @@ def test_one_token_goes_to_the_gemm_where_a_rank_is_too_long_for_the_gemvs(tp, r
     the GEMVs' down projection holds (``DENSE_GEMV_MAX_INTER``): the rule and the templates both
     take the one-token step to the GEMM there, the GEMVs from TP 8, so what ``inspect`` plans is
     what a served step launches."""
-    from patterns.layer import DENSE_GEMV_MAX_INTER
-    from rewriter.config import KimiK3Config
-    from rewriter.kernel_plan import plan
-    from rewriter.layers import build_layer
-    from rewriter.rewrite import rewrite
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from patterns.dense_mlp import DENSE_GEMV_MAX_INTER
+    from rewriter.model.config import KimiK3Config
+    from rewriter.compiler.plan import plan
+    from rewriter.model.layers import build_layer
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.model.shape import DecodeShape
+    from rewriter.compiler.trace import trace
 
     cfg = KimiK3Config.preset("kimi-k3")
     inter = cfg.shard(tp).dense_intermediate

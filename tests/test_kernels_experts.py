@@ -17,16 +17,19 @@ import pytest
 import torch
 from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
 
-import patterns.attention_projection
-import patterns.layer
+import patterns.attn_res
+import patterns.dense_mlp
+import patterns.input_projection
+import patterns.kda
+import patterns.mla
 import patterns.moe
 import patterns.output_projection
-import patterns.router  # with the above: defines every k3f op install_cuda_kernels registers
+import patterns.router  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
-from codegen.kernels import KERNELS, source_files
+from codegen.kernels import source_files
 from codegen.templates import TEMPLATES, spec_for_call, template
-from rewriter.config import KimiK3Config
-from rewriter.layers.moe import experts_up, shared_experts_up
+from rewriter.model.config import KimiK3Config
+from rewriter.model.layers.moe import experts_up, shared_experts_up
 
 ARCHS = ("sm_90a", "sm_100a")
 TOL = 1e-2
@@ -74,7 +77,7 @@ def test_one_module_serves_both_templates():
     assert routed.ops == (ROUTED,) and shared.ops == shared_gemm.ops == (SHARED,)
     assert TEMPLATES["routed_experts_grouped"] is routed
     for name in ("expert_up", "expert_down"):
-        assert KERNELS[name] == (name,) and all(p.is_file() for p in source_files(name))
+        assert all(p.is_file() for p in source_files(name))
     # the schedule names the fused ops' kernels the way the templates do
     kernels = {r.name: r.kernel_name for r in patterns.moe.RULES}
     assert kernels["routed_experts"] == routed.kernel and kernels["shared_experts.small"] == shared.kernel

@@ -13,10 +13,13 @@ import pytest
 import torch
 from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 
-import patterns.attention_projection
-import patterns.layer  # noqa: F401  (with attention_projection: defines the k3f ops)
+import patterns.attn_res
+import patterns.dense_mlp
+import patterns.input_projection
+import patterns.kda
+import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
-from codegen.kernels import KERNELS, source_files
+from codegen.kernels import source_files
 from codegen.launchers.gemm_specs import gemm_tiling
 from codegen.templates import spec_for_call, template
 
@@ -55,8 +58,9 @@ def gemm_spec(shape="kda_tp16", tokens=16, arch="sm_90a"):
 def test_registered_for_both_projections():
     tpl = template("attn_in_proj_gemm")
     assert tpl is not None and tpl.ops == ("k3f::kda_in_proj", "k3f::mla_in_proj")
-    assert KERNELS["attn_in_proj_gemm"][0] == "gemm"
-    assert all(p.is_file() for p in source_files("attn_in_proj_gemm"))
+    (spec,) = tpl.make_specs(*args_of(tokens=8)[:1], "sm_90a", args_of(tokens=8)[1])
+    assert spec.kernel == "attn_in_proj_gemm" and spec.module == "gemm"
+    assert all(p.is_file() for p in source_files(spec.module))
 
 
 @pytest.mark.parametrize("shape,split_k,ctas", [
@@ -133,7 +137,7 @@ def test_every_ring_fits_one_cta_beside_its_norm_prologue(tp, tokens):
     """The dense MLP's two stages and a normed projection over the hidden size, at every TP: the
     ring, with the norm prologue its weight slice and sums, within the 227 KB one CTA may take.
     The dense down stage at TP 3 (K 11264, a ring of 12) asked for 64 bytes more and failed at
-    its launch on the H100 (thirtieth session)."""
+    its launch on an H100."""
     from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA, norm_bytes, stage_bytes
 
     inter = 33792 // tp  # Kimi K3's dense intermediate size a rank
@@ -163,8 +167,8 @@ def test_two_token_groups_from_a_32_token_tile(tokens, groups):
 @pytest.mark.parametrize("tokens,kernel", [(1, "attn_in_proj_gemv"), (2, "attn_in_proj_gemm"),
                                            (8, "attn_in_proj_gemm"), (64, "attn_in_proj_gemm")])
 def test_the_gemv_takes_1_token_and_the_gemm_2_to_64(tokens, kernel):
-    """As the rules split the batches (patterns.attention_projection.SMALL_MAX)."""
-    from patterns.attention_projection import SMALL_MAX
+    """As the rules split the batches (patterns.input_projection.SMALL_MAX)."""
+    from patterns.input_projection import SMALL_MAX
 
     assert SMALL_MAX == 1
     for shape in SPLITS:

@@ -12,9 +12,12 @@ import pytest
 import torch
 from conftest import GPU_MARKS, gpu_kernels, rel_err
 
-import patterns.attention_projection
-import patterns.layer
-import patterns.router  # noqa: F401  (with the two above: defines the k3f ops used here)
+import patterns.attn_res
+import patterns.dense_mlp
+import patterns.input_projection
+import patterns.kda
+import patterns.mla
+import patterns.router  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
 
 pytestmark = GPU_MARKS

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err, spec_of
 
-import patterns.layer  # noqa: F401  (defines k3f::mla_attend)
-import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
+import patterns.mla  # noqa: F401  (defines the k3f ops used here)
+import rewriter.model.ops  # noqa: F401  (the k3:: ops its reference calls)
 from codegen import bind
 from codegen.templates import spec_for_call, template
 
@@ -369,7 +369,7 @@ def test_mla_attend_block_sizes(block_size, fp8):
     """Blocks smaller than a tile or not a multiple of it (a lookup per row) and larger ones (a
     tile at an offset inside its block, one lookup a tile); the 64 of every other test is the
     one-lookup case at offset 0. 384, 768 and 1536 are the pages vLLM gives Kimi K3's MLA cache
-    (``rewriter.pages``: 384 and 768 at TP 16 with bf16 and fp8, 768 and 1536 at TP 8): a hybrid
+    (``rewriter.model.pages``: 384 and 768 at TP 16 with bf16 and fp8, 768 and 1536 at TP 8): a hybrid
     model's attention page holds at least a KDA state slot."""
     batch, seq = CASES["b8"]
     cpu = attend_inputs(batch, 6, seq, fp8=fp8, block_size=block_size, seed=block_size)

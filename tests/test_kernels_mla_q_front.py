@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import GPU_MARKS, gpu_kernels, needs_cutedsl, pdl_flags, ptxas_usage, rel_err, spec_of
 
-import patterns.attention_projection  # noqa: F401  (defines k3f::mla_q_front)
-import rewriter.ops  # noqa: F401  (the k3:: ops its reference calls)
+import patterns.mla  # noqa: F401  (defines the k3f ops used here)
+import rewriter.model.ops  # noqa: F401  (the k3:: ops its reference calls)
 from codegen import bind
 from codegen.templates import spec_for_call, template
 

@@ -1,4 +1,4 @@
-"""MXFP4 routed experts: the formats (``rewriter/layers/experts.py``), the templates
+"""MXFP4 routed experts: the formats (``rewriter/model/layers/experts.py``), the templates
 ``routed_experts_mxfp4`` (per (token, slot) pair) and ``routed_moe_mxfp4`` (the router's top-k
 filing the pairs by expert, then the up stage per chosen expert) and their kernels ``expert_up_mxfp4`` /
 ``expert_down_mxfp4``.
@@ -29,10 +29,10 @@ from conftest import (alone_if_large, gpu_kernels, needs_cutedsl, needs_sass_too
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
 from codegen.launchers import experts as experts_launcher
 from codegen.templates import spec_for_call
-from rewriter.config import KimiK3Config
-from rewriter.layers.experts import (GROUP, ExpertFormat, ExpertFormatError, humming_relayout, pack_nibbles,
+from rewriter.model.config import KimiK3Config
+from rewriter.model.layers.experts import (GROUP, ExpertFormat, ExpertFormatError, humming_relayout, pack_nibbles,
                                      random_mxfp4)
-from rewriter.layers.moe import route
+from rewriter.model.layers.moe import route
 
 OP = "k3f::routed_experts_mxfp4"
 MOE = "k3f::routed_moe_mxfp4"  # the router's top-k with the experts, per chosen expert
@@ -69,7 +69,7 @@ def test_every_layout_holds_the_checkpoints_values(fmt):
 def test_relayout_runs_a_few_experts_at_a_time(monkeypatch):
     """``from_checkpoint`` re-lays experts in chunks (the int64 codes of 896 experts at once were
     18 GiB, more than the GPU tests had under compute-sanitizer): chunks of 2 give the same words."""
-    import rewriter.layers.experts as formats
+    import rewriter.model.layers.experts as formats
 
     w, s = random_mxfp4(5, 128, 96, generator=torch.Generator().manual_seed(4))
     whole = HUMMING.from_checkpoint(w, s)
@@ -632,7 +632,7 @@ class Experts:
                 assert (config.pad_shape_n, config.pad_shape_k) == (0, 0)
                 mine = fmt.from_checkpoint(w, s)
                 assert torch.equal(hw, mine[0]) and torch.equal(hs.view(torch.uint8), mine[1].view(torch.uint8)), \
-                    f"{name}: Humming's layout differs from rewriter.layers.experts'"
+                    f"{name}: Humming's layout differs from rewriter.model.layers.experts'"
                 self.laid[name] = (hw, hs)
             else:
                 self.laid[name] = fmt.from_checkpoint(w, s)

@@ -24,16 +24,16 @@ import pytest
 import torch
 
 from conftest import GPU_MARKS, alone_if_large, rel_err
-from rewriter.config import KimiK3Config
-from rewriter.layers import build_layer
-from rewriter.layers.moe import recorded_topk_margins
-from rewriter.layers.state import conv_layout_of, decode_inputs, kda_state_pages
-from rewriter.layers.weights import init_random_
-from rewriter.program import LayerRunner
-from rewriter.rewrite import rewrite
-from rewriter.schedule import build_schedule
-from rewriter.shape import DecodeShape
-from rewriter.trace import trace
+from rewriter.model.config import KimiK3Config
+from rewriter.model.layers import build_layer
+from rewriter.model.layers.moe import recorded_topk_margins
+from rewriter.model.layers.state import conv_layout_of, decode_inputs, kda_state_pages
+from rewriter.model.layers.weights import init_random_
+from rewriter.compiler.program import LayerRunner
+from rewriter.compiler.rewrite import rewrite
+from rewriter.compiler.schedule import build_schedule
+from rewriter.model.shape import DecodeShape
+from rewriter.compiler.trace import trace
 
 pytestmark = GPU_MARKS
 
@@ -44,9 +44,9 @@ BF16_TOL, STATE_TOL = 1e-2, 2e-3
 def layer_test_bytes(tp: int, tokens: int, layer_idx: int, experts: str | None) -> int:
     """What a layer test holds on the GPU at once: the layer's routed experts (all of them, MXFP4
     at 17 bytes a 32-value group, or bf16) and the reference MoE's expert rows of each (token,
-    slot) pair (gate, up and down, fp32, gathered per pair: ``rewriter/layers/moe.py:expert_rows``).
+    slot) pair (gate, up and down, fp32, gathered per pair: ``rewriter/model/layers/moe.py:expert_rows``).
     Counting the pairs alone left the TP 1 layer (16 GB of MXFP4 experts) beside the large tests,
-    and three of them ran out of memory (H100, twenty-ninth session)."""
+    and three of them ran out of memory (on an H100)."""
     if layer_idx == 0:
         return 0
     cfg = KimiK3Config.preset("kimi-k3")

@@ -91,7 +91,7 @@ def test_batched_mla_ops_equal_the_loops(fp8):
     """The CUDA implementations (no host sync: what a CUDA graph captures), run here on CPU
     tensors, against the loop references: paged cache, two tokens per request (causal within
     the step), a padding request (length 0, slots -1), bf16 and fp8 caches."""
-    from rewriter.ops import _cache_insert_batched, _decode_batched
+    from rewriter.model.ops import _cache_insert_batched, _decode_batched
 
     B, q_len, H, L, R, bs = 3, 2, 4, 16, 8, 4
     g = torch.Generator().manual_seed(30)
@@ -161,7 +161,7 @@ def test_uneven_tokens_are_refused():
 def test_batched_kda_steps_equal_the_loops(q_len):
     """The CUDA implementations (batched, no host sync) give the loop references' values and
     states, padding rows included (slot 0 unowned, as vLLM's null block)."""
-    from rewriter.ops import conv_update_batched, _recurrent_step_batched
+    from rewriter.model.ops import conv_update_batched, _recurrent_step_batched
 
     g = torch.Generator().manual_seed(q_len)
     idx = torch.tensor([3, -1, 5, 1], dtype=torch.int32)
@@ -181,7 +181,7 @@ def test_batched_kda_steps_equal_the_loops(q_len):
 
 
 def test_collectives_excluded_keeps_shapes():
-    from rewriter.ops import collectives_excluded, gather_last_dim
+    from rewriter.model.ops import collectives_excluded, gather_last_dim
 
     x = torch.randn(3, 4)
     with pytest.raises(RuntimeError, match="no process group registered"):

@@ -1,4 +1,4 @@
-"""``rewriter.pages``: the MLA cache page vLLM binds for Kimi K3, held to vLLM 0.33's own
+"""``rewriter.model.pages``: the MLA cache page vLLM binds for Kimi K3, held to vLLM 0.33's own
 ``Platform._align_hybrid_block_size`` (the model's real ``get_mamba_state_shape_from_config``),
 and what ``compile --all-layers`` compiles for by default."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from rewriter.config import KimiK3Config
-from rewriter.pages import vllm_block_size
+from rewriter.model.config import KimiK3Config
+from rewriter.model.pages import vllm_block_size
 
 
 def test_kimi_k3_pages_at_tp_16_and_8():

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from conftest import make_inputs, make_layer, rel_err
-from rewriter.program import LayerRunner
-from rewriter.rewrite import rewrite
-from rewriter.schedule import build_schedule
-from rewriter.shape import DecodeShape
-from rewriter.trace import trace
+from rewriter.compiler.program import LayerRunner
+from rewriter.compiler.rewrite import rewrite
+from rewriter.compiler.schedule import build_schedule
+from rewriter.model.shape import DecodeShape
+from rewriter.compiler.trace import trace
 
 
 def _prepared(tiny, layer_idx, device="cpu", dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""The program cache (``rewriter.program_cache``): rewritten graphs stored, read back by a later
+"""The program cache (``rewriter.compiler.program_cache``): rewritten graphs stored, read back by a later
 start and run to the same result; keys that change with what the graphs depend on; a bad
 entry rewritten, never trusted."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from conftest import make_inputs, make_layer
 
-from rewriter.program_cache import ProgramCache, program_key, rewrite_cached
-from rewriter.rewrite import is_fused
-from rewriter.shape import DecodeShape
+from rewriter.compiler.program_cache import ProgramCache, program_key, rewrite_cached
+from rewriter.compiler.rewrite import is_fused
+from rewriter.model.shape import DecodeShape
 
 
 def _nodes(graph):
@@ -77,9 +77,20 @@ def test_a_fresh_process_reads_every_layer_kinds_entry(tiny, tmp_path):
         shape = DecodeShape(batch=1, dtype=torch.float32)
         rewrite_cached(layer, shape, cache)
         keys.append(program_key(tiny, layer.structure, shape, layer))
-    code = ("import sys; from rewriter.program_cache import ProgramCache; c = ProgramCache(sys.argv[1]); "
+    code = ("import sys; from rewriter.compiler.program_cache import ProgramCache; c = ProgramCache(sys.argv[1]); "
             "print([c.load(k) is not None for k in sys.argv[2:]])")
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path), *keys], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[True, True, True]" and "unreadable" not in run.stderr, run.stderr
+
+
+def test_the_key_covers_the_sources_the_graphs_are_made_by():
+    """Every module of the compiler, the model and the built-in rules is hashed into the key: a
+    change to any of them must miss (a key over no files would serve stale graphs silently)."""
+    from rewriter.compiler.program_cache import source_files
+
+    names = {p.as_posix() for p in source_files()}
+    assert {"rewriter/compiler/rewrite.py", "rewriter/compiler/rules.py", "rewriter/model/layers/moe.py",
+            "rewriter/model/ops.py", "patterns/moe.py", "patterns/__init__.py"} <= names
+    assert not any(n.startswith("codegen/") for n in names)  # kernels have their own cache

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_inputs, make_layer, rel_err
 
-from rewriter.layers.attn_res import attn_res
+from rewriter.model.layers.attn_res import attn_res
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2

@@ -6,10 +6,11 @@ import pytest
 import torch
 from conftest import make_inputs, make_layer, rel_err
 
-from rewriter.rewrite import rewrite
-from rewriter.rules import Rule, RuleError, RuleSet, common_guard, default_rules
-from rewriter.shape import DecodeShape
-from rewriter.trace import trace
+from rewriter.compiler.rewrite import rewrite
+from patterns import default_rules
+from rewriter.compiler.rules import Rule, RuleError, RuleSet, common_guard
+from rewriter.model.shape import DecodeShape
+from rewriter.compiler.trace import trace
 
 # tiny: layer 0 dense (KDA attention, writes an AttnRes block), 1 KDA+MoE, 2 MLA+MoE (writes a block), 3 KDA+MoE
 # (at batch 3 the input projection, the dense MLP and the shared experts are the GEMM rules': the GEMV
@@ -164,7 +165,7 @@ def test_a_tp_that_does_not_split_the_experts_replicates_the_router(tiny):
     """router_gemm splits the gate's rows across TP; where TP does not divide them it refuses,
     and router_gemm.replicated reads every row on each rank: nothing of it left to the others."""
     cfg = tiny.replace(num_experts=12)
-    from rewriter.layers import build_layer
+    from rewriter.model.layers import build_layer
     layer = build_layer(cfg, 1, tp=8, rank=3, dtype=torch.float32)
     result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)))
     refusals = {r.rule: r.reason for r in result.refusals}
@@ -183,7 +184,7 @@ def test_replicated_rules_refuse_what_tp_splits(tiny, name, reason):
     """Alone, a replicated rule refuses where TP divides the rows (its split rule's case); where
     it does not, it matches (the two tests above), and the gloo test of tests/test_tensor_parallel.py
     runs its rewrite against TP 1."""
-    from rewriter.layers import build_layer
+    from rewriter.model.layers import build_layer
     layer = build_layer(tiny, 1, tp=8, rank=3, dtype=torch.float32)
     result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)), _only(name))
     assert result.matches == [] and {r.rule: r.reason for r in result.refusals} == {name: reason}
@@ -199,7 +200,7 @@ def test_larger_rules_run_first(tiny):
             return torch.ops.k3f.shared_down_linear(x, w)
         return [(pattern, replacement)]
 
-    from rewriter.rules import fused_op
+    from rewriter.compiler.rules import fused_op
 
     @fused_op("shared_down_linear")
     def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -255,8 +256,8 @@ def test_malformed_rules_name_themselves(tiny):
     with pytest.raises(RuleError, match="rule 'broken': building its patterns raised ValueError"):
         rewrite(lg, _bad("broken", broken))
 
-    with pytest.raises(RuleError, match="rule 'x': unknown family 'misc'"):
-        Rule("x", "misc", empty, common_guard)
+    with pytest.raises(RuleError, match="rule 'x': family must be a non-empty name"):
+        Rule("x", "", empty, common_guard)
     rs = RuleSet()
     rs.add(Rule("dup", "layer", empty, common_guard))
     with pytest.raises(RuleError, match="rule 'dup' is already registered"):
@@ -264,7 +265,7 @@ def test_malformed_rules_name_themselves(tiny):
 
 
 def test_every_match_and_refusal_is_recorded(k3):
-    from rewriter.layers import build_layer
+    from rewriter.model.layers import build_layer
     lg = trace(build_layer(k3, 1, tp=16), DecodeShape(batch=64, tp=16))
     result = rewrite(lg)
     assert len(result.matches) == 9
@@ -285,7 +286,7 @@ def test_rule_launches_must_be_a_positive_int():
 def test_a_tp_that_does_not_split_the_up_projection_replicates_the_tail(tiny):
     """The tail reads 1/TP of the up projection's rows; where TP does not divide the hidden size
     latent_tail refuses and latent_tail.replicated reads them all; the router still splits."""
-    from rewriter.layers import build_layer
+    from rewriter.model.layers import build_layer
     layer = build_layer(tiny.replace(hidden_size=68), 1, tp=8, rank=3, dtype=torch.float32)
     result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)))
     refusals = {r.rule: r.reason for r in result.refusals}

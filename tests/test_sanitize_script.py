@@ -1,4 +1,4 @@
-"""``.ci/sanitize`` (compute-sanitizer over the GPU kernel tests; it runs on the device machine):
+"""``.ci/sanitize`` (compute-sanitizer over the GPU kernel tests, on a CUDA machine):
 its arguments, the tool line it builds and its summary, here with a stand-in ``compute-sanitizer``
 on PATH that prints its arguments and exits as told (no GPU: the pytest runs it wraps skip)."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run(tmp_path, *args, rc=0):
     tool.write_text(f'#!/bin/sh\necho "ARGS: $*"\necho "========= ERROR SUMMARY: {rc} errors"\nexit {rc}\n')
     tool.chmod(0o755)
     python = Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{fake}:{python}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+    env = dict(os.environ, PATH=f"{fake}:{python}:{os.environ['PATH']}", GPU_OUT=str(tmp_path / "out"),
                VLLM_TARGET_DEVICE="cpu")
     return subprocess.run(["bash", str(ROOT / ".ci" / "sanitize"), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

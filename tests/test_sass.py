@@ -11,7 +11,7 @@ import pytest
 from conftest import needs_cutedsl, needs_sass_tools, sass_or_skip
 
 from codegen.sass import instruction_mix, read_only_loads_before_wait
-from rewriter.cli import main
+from rewriter.commands.cli import main
 
 SAMPLE = Path(__file__).parent / "data" / "sass_sample.sass"
 
@@ -83,19 +83,17 @@ def test_no_served_kernel_reads_an_activation_before_its_wait(layer, batches, kc
     """In SASS, not PTX (where the tests of each kernel look): no ``ld.global.nc`` ahead of
     ``griddepcontrol.wait`` in any kernel of the layer's schedules at TP 16 (ptxas moves them;
     the gemv's x loads between wait and trigger went above it as ld.global.nc)."""
-    from types import SimpleNamespace
-
     from codegen.compiler import compile_kernel
     from codegen.sass import assemble, disassemble
-    from rewriter.cli import rewritten_layer
-    from rewriter.kernel_plan import plan
+    from rewriter.compiler.pipeline import decode_shape, rewritten_layer
+    from rewriter.compiler.plan import plan
+    from rewriter.model.config import KimiK3Config
 
     seen = {}
     for batch in batches:
-        args = SimpleNamespace(model="kimi-k3", layer=layer, tp=16, rank=0, batch=batch, q=1, context=4096,
-                               block_size=64, arch="sm_90a", dtype="bf16", experts="mxfp4", kv_cache_dtype="bf16",
-                               conv_layout="SD", rules=[])
-        for row in plan(rewritten_layer(args), "sm_90a"):
+        cfg = KimiK3Config.preset("kimi-k3")
+        shape = decode_shape(cfg, batch=batch, tp=16, arch="sm_90a", block_size=64)
+        for row in plan(rewritten_layer(cfg, layer, shape), "sm_90a"):
             for spec in row.get("specs", ()):
                 k = compile_kernel(spec, cache=kcache)
                 if k.key not in seen:

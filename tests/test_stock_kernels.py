@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rewriter.regions import REGIONS
-from rewriter.stock_kernels import (
+from rewriter.model.regions import REGIONS
+from rewriter.compiler.stock_kernels import (
     LAYER_REGIONS,
     STOCK_SOURCES,
     StockKernel,

@@ -1,4 +1,4 @@
-"""The vllm-stock bench path (``rewriter.stock_path``): the alignment against Humming's own
+"""The vllm-stock bench path (``rewriter.commands.stock_path``): the alignment against Humming's own
 reference, the lowering's retargeted graph and refusals, and on the GPU the lowered layer
 against the reference layer (Humming, fla-core and Inductor really run)."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import on_gpu
 
-from rewriter.layers import build_layer
-from rewriter.ops import conv_update_batched
-from rewriter.shape import DecodeShape
-from rewriter.stock_path import StockPathError, align_block_size, lower
+from rewriter.model.layers import build_layer
+from rewriter.model.ops import conv_update_batched
+from rewriter.model.shape import DecodeShape
+from rewriter.commands.stock_path import StockPathError, align_block_size, lower
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,block", [(1, 16, 896, 16), (8, 16, 896, 16), (64, 16, 896, 64),
@@ -45,8 +45,8 @@ def test_lowering_runs_the_router_gate_as_one_bf16_gemm_with_fp32_output(k3):
     """The reference widens x and the 12.8 MB gate weight to fp32 before its GEMM; vLLM runs one
     bf16 GEMM with fp32 output, and so does the stock path (the experts kept as the reference's
     ops here: the lowering of a bf16 layer stops at its refusal, so call the pass directly)."""
-    from rewriter.stock_path import _fp32_out_gemms
-    from rewriter.trace import trace
+    from rewriter.commands.stock_path import _fp32_out_gemms
+    from rewriter.compiler.trace import trace
 
     lg = trace(build_layer(k3, 1, tp=16, device="meta"), DecodeShape(batch=2, tp=16))
     _fp32_out_gemms(lg.gm)
@@ -73,10 +73,10 @@ def test_what_the_stock_path_cannot_run_is_refused_by_name(k3, layer_idx, expert
 def test_stock_layer_matches_the_reference_on_the_gpu(k3, layer_idx, batch):
     """TP 16's shard of the real shapes: Humming's MoE on MXFP4 experts in its layout, fla's Triton
     decode on page-strided KDA state, the rest compiled by Inductor, captured in a CUDA graph."""
-    from rewriter.bench_cmd import agreement, compilable_inputs
-    from rewriter.layers.state import decode_inputs
-    from rewriter.layers.weights import init_random_
-    from rewriter.ops import collectives_excluded
+    from rewriter.commands.bench import agreement, compilable_inputs
+    from rewriter.model.layers.state import decode_inputs
+    from rewriter.model.layers.weights import init_random_
+    from rewriter.model.ops import collectives_excluded
 
     shape = DecodeShape(batch=batch, tp=16, rank=0)
     layer = init_random_(build_layer(k3, layer_idx, tp=16, device="cuda", experts="mxfp4"), seed=7)

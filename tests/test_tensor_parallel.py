@@ -43,14 +43,14 @@ def _worker(rank: int, world: int, port: int, sizes: dict) -> None:
     sys.path.insert(0, HERE)
     from conftest import make_inputs, make_layer, rel_err
 
-    from rewriter.config import KimiK3Config
-    from rewriter.layers import build_layer
-    from rewriter.layers.state import shard_decode_inputs, state_shardings
-    from rewriter.layers.weights import shard_state_dict
-    from rewriter.ops import register_group
-    from rewriter.rewrite import rewrite
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers import build_layer
+    from rewriter.model.layers.state import shard_decode_inputs, state_shardings
+    from rewriter.model.layers.weights import shard_state_dict
+    from rewriter.model.ops import register_group
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.model.shape import DecodeShape
+    from rewriter.compiler.trace import trace
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     register_group("tp", dist.group.WORLD)
@@ -103,7 +103,7 @@ def test_tp_ranks_equal_tp1(world, sizes):
 
 
 def _gather_worker(rank: int, world: int, port: int) -> None:
-    from rewriter.ops import gather_last_dim, register_group
+    from rewriter.model.ops import gather_last_dim, register_group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     register_group("g", dist.group.WORLD)
@@ -131,8 +131,8 @@ def test_tp4_pads_expert_shards_like_vllm(tiny):
     """At TP 4 the tiny config's 16-wide expert shards are zero-padded to 32, as vLLM pads them."""
     from conftest import make_layer
 
-    from rewriter.layers import build_layer
-    from rewriter.layers.weights import shard_state_dict
+    from rewriter.model.layers import build_layer
+    from rewriter.model.layers.weights import shard_state_dict
 
     full = make_layer(tiny, 1, seed=1)
     local = build_layer(tiny, 1, tp=4, rank=3, dtype=torch.float32, device="cpu")

@@ -1,4 +1,4 @@
-"""The replay timeline drawn as SVG (``rewriter/timeline_svg.py``, ``bench --svg``,
+"""The replay timeline drawn as SVG (``rewriter/commands/timeline_svg.py``, ``bench --svg``,
 ``examples/plot_timeline.py``): geometry checked against the numbers drawn, bad input refused
 by name. The bench's own timelines need a GPU (``tests/test_variant.py`` draws one there)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rewriter.cli import main
-from rewriter.timeline_svg import (LABEL_W, PLOT_W, TORCH, TimelineError, colours, is_torch, panels_of, render,
+from rewriter.commands.cli import main
+from rewriter.commands.timeline_svg import (LABEL_W, PLOT_W, TORCH, TimelineError, colours, is_torch, panels_of, render,
                                    title_of)
 
 ROOT = Path(__file__).resolve().parents[1]

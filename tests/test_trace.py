@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import make_inputs, make_layer, rel_err
 
-from rewriter.layers import build_layer
-from rewriter.regions import REGIONS
-from rewriter.shape import DecodeShape, ShapeError
-from rewriter.trace import trace
+from rewriter.model.layers import build_layer
+from rewriter.model.regions import REGIONS
+from rewriter.model.shape import DecodeShape, ShapeError
+from rewriter.compiler.trace import trace
 
 K3_LAYERS = {0: "dense", 1: "kda", 3: "mla"}
 

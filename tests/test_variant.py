@@ -1,4 +1,4 @@
-"""``rewriter.variant`` and ``bench --variant``: kernel sources swapped in for a while and read
+"""``rewriter.commands.variant`` and ``bench --variant``: kernel sources swapped in for a while and read
 again by the same process (a real kernel compiled from each version, with CuTe DSL), the tree put
 back, the refusals; the alternated timing and its paired difference."""
 from __future__ import annotations
@@ -8,11 +8,11 @@ import sys
 import pytest
 from conftest import needs_cutedsl, on_gpu
 
-import patterns.layer  # noqa: F401  (defines k3f::mla_attend)
+import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
-from rewriter.bench_cmd import alternated_us, paired_difference
-from rewriter.cli import main
-from rewriter.variant import ROOT, VariantError, kernel_sources_swapped, kernel_variant_files
+from rewriter.commands.bench import alternated_us, paired_difference
+from rewriter.commands.cli import main
+from rewriter.commands.variant import ROOT, VariantError, kernel_sources_swapped, kernel_variant_files
 
 MLA_ATTEND = "codegen/kernels/mla_attend.py"
 SECOND_FENCE = "            cute.arch.fence_acq_rel_gpu()  # every CTA's writes before this CTA's reads\n"
@@ -29,7 +29,7 @@ def _variant(tmp_path, rel=MLA_ATTEND, edit=lambda s: s.replace(SECOND_FENCE, ""
 
 
 def test_only_kernel_sources_are_taken(tmp_path):
-    for rel in ("codegen/launchers/gemm_specs.py", "rewriter/bench_cmd.py", "codegen/kernels/notes.txt"):
+    for rel in ("codegen/launchers/gemm_specs.py", "rewriter/commands/bench.py", "codegen/kernels/notes.txt"):
         d = tmp_path / rel.replace("/", "_")
         (d / rel).parent.mkdir(parents=True)
         (d / rel).write_text("x")

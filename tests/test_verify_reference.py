@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import rel_err
 
-import rewriter.ops  # noqa: F401  (registers the k3 ops)
+import rewriter.model.ops  # noqa: F401  (registers the k3 ops)
 
 k3 = torch.ops.k3
 C, W, H, K, V = 12, 4, 2, 8, 8  # conv channels and width; heads, key and value dims
@@ -147,7 +147,7 @@ def test_mla_verify_equals_single_token_steps(batch, q_len):
 def test_batched_verify_equals_the_loops(batch, q_len):
     """The no-host-sync forms the CUDA dispatch runs (device-agnostic, so checked here) against
     the loop references, padding row included."""
-    from rewriter.ops import conv_verify_batched, recurrent_verify_batched
+    from rewriter.model.ops import conv_verify_batched, recurrent_verify_batched
 
     gen = torch.Generator().manual_seed(batch + q_len)
     x, weight, q, k, v, g, beta = _inputs(batch, q_len, gen)
@@ -202,10 +202,10 @@ def test_the_rewritten_verify_layer_equals_the_reference(tiny, layer_idx):
     ``kda_core`` rule not matching it) and run by its schedule."""
     from conftest import make_inputs, make_layer
 
-    from rewriter.program import LayerRunner
-    from rewriter.rewrite import rewrite
-    from rewriter.shape import DecodeShape
-    from rewriter.trace import trace
+    from rewriter.compiler.program import LayerRunner
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.model.shape import DecodeShape
+    from rewriter.compiler.trace import trace
 
     layer = make_layer(tiny, layer_idx, seed=9, dtype=torch.bfloat16)
     shape = DecodeShape(batch=2, q=4, context=5, block_size=4)

@@ -37,9 +37,9 @@ from vllm_model import (  # noqa: E402
     text_config,
 )
 
-from rewriter.config import KimiK3Config  # noqa: E402
-from rewriter.layers import KimiDecoderLayer  # noqa: E402
-from rewriter.rewrite import is_fused  # noqa: E402
+from rewriter.model.config import KimiK3Config  # noqa: E402
+from rewriter.model.layers import KimiDecoderLayer  # noqa: E402
+from rewriter.compiler.rewrite import is_fused  # noqa: E402
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noqa: E402
 from rewriter.vllm.guard import KV_CACHE_DTYPES, decide_step  # noqa: E402
 from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
@@ -956,7 +956,7 @@ def test_the_server_plans_for_its_own_gpus_sms_and_vllms_cache_page_size():
     the MLA layers keep it from the build: never a kernel compiled or declined inside a step."""
     from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
-    from rewriter.kernel_plan import program_refusal
+    from rewriter.compiler.plan import program_refusal
     from rewriter.vllm.programs import check_cache_layouts
 
     model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
@@ -1003,7 +1003,7 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
     """The plugin's hooks in vLLM's V2 runner, on vLLM's real model, config and model-state class
     (``KimiK3ModelState``, whose own hooks build vLLM's in-tree path): the state vLLM makes after
     ``load_model`` (``init_model_state``) builds every layer's programs for the GPU it runs on and
-    the MLA cache page vLLM will bind (``rewriter.pages``, which this config's bound page matches),
+    the MLA cache page vLLM will bind (``rewriter.model.pages``, which this config's bound page matches),
     and its ``initialize_kv_cache``, which vLLM calls for each cache it binds (the profiling one,
     then the real one), checks them on the caches as bound: nothing to compile where the page was
     predicted, else the kernels the bound page needs, once. The GPU is an H20 (sm_90, 78 SMs) as
@@ -1014,8 +1014,8 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
     from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     import rewriter.vllm.model as plugin
-    from rewriter.kernel_plan import program_refusal
-    from rewriter.pages import vllm_block_size
+    from rewriter.compiler.plan import program_refusal
+    from rewriter.model.pages import vllm_block_size
 
     def refuse_as_the_server_does(result, rows):  # compile_with_codegen's check, without compiling
         reason = program_refusal(rows)

@@ -23,11 +23,11 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
 )
 from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata  # noqa: E402
 
-from rewriter.config import KimiK3Config  # noqa: E402
+from rewriter.model.config import KimiK3Config  # noqa: E402
 from rewriter.vllm import ARCHITECTURE, register  # noqa: E402
 from rewriter.vllm.guard import StepLog, decide_step, deployment_refusals  # noqa: E402
 from rewriter.vllm.knob import decode_backend  # noqa: E402
-from rewriter.vllm.programs import served_batches  # noqa: E402
+from rewriter.compiler.pipeline import served_batches  # noqa: E402
 
 
 # ---- plugin and registry -----------------------------------------------------------

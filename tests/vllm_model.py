@@ -49,7 +49,7 @@ from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 # The project's tiny preset as a vLLM text config. The MLA latent is widened to Kimi K3's own
 # kv_lora_rank 512 + qk_rope_head_dim 64 = 576: vLLM's MLA metadata accepts head sizes 320, 512
 # and 576 only (MLACommonMetadata.__post_init__), and its CPU MLA backend (AMX_MLA) 576 only.
-_TINY = json.loads(resources.files("rewriter.configs").joinpath("tiny.json").read_text())["text_config"]
+_TINY = json.loads(resources.files("rewriter.model.configs").joinpath("tiny.json").read_text())["text_config"]
 TINY_VLLM_CONFIG: dict[str, Any] = {
     **_TINY, "architectures": ["KimiLinearForCausalLM"], "torch_dtype": "bfloat16",
     "kv_lora_rank": 512, "qk_rope_head_dim": 64,
@@ -148,9 +148,9 @@ def mla_backend_on_cpu() -> contextlib.AbstractContextManager:
 def attn_res_in_torch() -> Iterator[None]:
     """Why: vLLM's ``attn_res`` op (the last stage's final AttnRes, and the backbone's aux stream
     in ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM`` mode) is a Triton kernel. Its math in torch: the
-    reference layers' ``attn_res`` (``rewriter/layers/attn_res.py``), with the block write done in
+    reference layers' ``attn_res`` (``rewriter/model/layers/attn_res.py``), with the block write done in
     place as vLLM's op does it; in its module and where the model imported it by name."""
-    from rewriter.layers.attn_res import attn_res as reference
+    from rewriter.model.layers.attn_res import attn_res as reference
 
     module = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.attn_res")  # the module, not the function
     model = importlib.import_module("vllm.models.kimi_k3.nvidia.model")
@@ -343,7 +343,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def text_config(vc: VllmConfig):
     """The project's config of the served model, read as the plugin reads it (rewriter/vllm/model.py)."""
-    from rewriter.config import KimiK3Config
+    from rewriter.model.config import KimiK3Config
 
     return KimiK3Config.from_dict(vc.model_config.hf_text_config.to_dict(), name="served model")
 

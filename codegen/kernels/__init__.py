@@ -1,40 +1,52 @@
 """The CuTe DSL kernels (importing a module here imports CuTe DSL).
 
-``KERNELS`` maps a spec's kernel name to its source files, first the module that defines
-``build(spec) -> (kernel object, fake compile arguments)``, then what else it imports from
-this folder; with ``common.py`` they are hashed into the disk cache key.
+Each module defines ``build(spec) -> (kernel object, fake compile arguments)`` for the specs
+that name it (``KernelSpec.module``, set where the template makes the spec). What a kernel's
+compiled form depends on is found from its source, without importing it: the module and every
+``codegen`` module it imports, directly or through another, are hashed into the disk cache key.
 """
 from __future__ import annotations
 
+import ast
+import functools
 from pathlib import Path
 
 KERNELS_DIR = Path(__file__).parent
-
-KERNELS: dict[str, tuple[str, ...]] = {
-    "attn_res_norm": ("attn_res_norm",),
-    "attn_in_proj_gemv": ("in_proj_gemv",),
-    "router_topk": ("router_topk",),
-    "expert_up": ("expert_up",),
-    "expert_down": ("expert_down",),
-    "gemv": ("gemv",),
-    "attn_in_proj_gemm": ("gemm",),
-    "mlp_gate_up_gemm": ("gemm",),
-    "mlp_down_gemm": ("gemm",),
-    "o_proj_gemm": ("gemm",),
-    "latent_tail_gemm": ("gemm",),
-    "router_down_gemm": ("gemm",),
-    "kda_core": ("kda_core",),
-    "mla_attend": ("mla_attend", "warp_mma"),
-    "expert_up_mxfp4": ("expert_up_mxfp4", "mxfp4"),
-    "expert_down_mxfp4": ("expert_down_mxfp4", "mxfp4"),
-    "mla_q_front": ("mla_q_front", "warp_mma"),
-}
+CODEGEN_DIR = KERNELS_DIR.parent
 
 
-def module_of(kernel: str) -> str | None:
-    files = KERNELS.get(kernel)
-    return f"codegen.kernels.{files[0]}" if files else None
+def module_path(module: str) -> Path:
+    return KERNELS_DIR / f"{module}.py"
 
 
-def source_files(kernel: str) -> list[Path]:
-    return [KERNELS_DIR / f"{stem}.py" for stem in (*KERNELS[kernel], "common")]
+def _codegen_imports(path: Path) -> frozenset[Path]:
+    return _imports_of(path, path.stat().st_mtime_ns)
+
+
+@functools.cache
+def _imports_of(path: Path, mtime_ns: int) -> frozenset[Path]:
+    """The files of the ``codegen`` modules that ``path`` imports (parsed once per version of the file)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        for name in names:
+            if name.startswith("codegen."):
+                parts = name.split(".")[1:]
+                for candidate in (CODEGEN_DIR.joinpath(*parts).with_suffix(".py"),
+                                  CODEGEN_DIR.joinpath(*parts, "__init__.py")):
+                    if candidate.is_file():
+                        found.add(candidate)
+                        break
+    return frozenset(found)
+
+
+def source_files(module: str) -> tuple[Path, ...]:
+    """The kernel module's file and every ``codegen`` file it imports, transitively, in a stable order."""
+    seen, todo = set(), [module_path(module)]
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo += _codegen_imports(path)
+    return tuple(sorted(seen))

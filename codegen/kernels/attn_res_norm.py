@@ -1,6 +1,6 @@
 """``attn_res_norm``: AttnRes before attention + the input RMSNorm, a cluster of CTAs per token.
 
-The math is ``rewriter/layers/attn_res.py`` (the CPU reference of ``k3f::attn_res_norm``):
+The math is ``rewriter/model/layers/attn_res.py`` (the CPU reference of ``k3f::attn_res_norm``):
 
     p      = bf16(prefix + delta)                   (or prefix when there is no delta)
     blocks[t, write_idx] = p                        (when write_idx >= 0; in place)

@@ -1,6 +1,6 @@
 """``expert_down``: stage 2 of the MoE experts, the down projection and the weighted sum.
 
-The math is ``rewriter/layers/moe.py:experts_down`` (``shared_experts_down`` with one
+The math is ``rewriter/model/layers/moe.py:experts_down`` (``shared_experts_down`` with one
 expert and weight 1):
 
     out[t, l] = bf16(sum_j weights[t, j] * <a[t, j], w2[ids[t, j], l]>)      (fp32)

@@ -1,6 +1,6 @@
 """``expert_down_mxfp4``: stage 2 of the routed experts on MXFP4 weights in Humming's layout.
 
-The math is ``rewriter/layers/moe.py:experts_down`` on ``k3::mxfp4_dequant``'s values:
+The math is ``rewriter/model/layers/moe.py:experts_down`` on ``k3::mxfp4_dequant``'s values:
 
     out[t, l] = bf16(sum_j weights[t, j] * <a[t, j, :I_live], W2[ids[t, j], l, :I_live]>)   (fp32)
 

@@ -1,6 +1,6 @@
 """``expert_up``: stage 1 of the MoE experts, the gate/up projection and its activation.
 
-The math is ``rewriter/layers/moe.py:experts_up`` (``shared_experts_up`` with one expert):
+The math is ``rewriter/model/layers/moe.py:experts_up`` (``shared_experts_up`` with one expert):
 
     g, u        = bf16(<x[t], w13[e, i]>), bf16(<x[t], w13[e, I + i]>)   (fp32 sums)
     a[t, j, i]  = bf16(act(g, u))                                        (fp32)

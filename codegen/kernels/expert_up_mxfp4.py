@@ -1,12 +1,12 @@
 """``expert_up_mxfp4``: stage 1 of the routed experts on MXFP4 weights in Humming's layout.
 
-The math is ``rewriter/layers/moe.py:experts_up`` on ``k3::mxfp4_dequant``'s values:
+The math is ``rewriter/model/layers/moe.py:experts_up`` on ``k3::mxfp4_dequant``'s values:
 
     g, u       = bf16(<x[t], W13[e, c]>), bf16(<x[t], W13[e, I + c]>)     (fp32 sums)
     a[t, j, c] = bf16(act(g, u)),  e = ids[t, j],  c < I_live
 
 ``W13`` int32 [E, L/16, 4I] and its scales [E, L/32, 2I] as vLLM's Humming backend leaves them
-(``rewriter/layers/experts.py``); only the first ``I_live`` channels of each half are computed
+(``rewriter/model/layers/experts.py``); only the first ``I_live`` channels of each half are computed
 (the rest is vLLM's zero padding: its 64-row tiles are never read), and ``a`` is [T, k, I_live].
 
 Work split (decode reads each selected expert's live rows once; the codes are dequantized in

@@ -7,7 +7,7 @@ options:
   tensors, e.g. row slices of the router gate and of the down projection), each segment
   written to its own output in its own dtype (fp32 or bf16);
 - an RMSNorm prologue: ``x_n = bf16(x * rsqrt(mean(x^2) + eps) * norm_weight)`` per token,
-  in fp32 as ``rewriter/layers/common.py:rms_norm``; each CTA computes it from the whole x
+  in fp32 as ``rewriter/model/layers/common.py:rms_norm``; each CTA computes it from the whole x
   row and stages ``x_n`` in shared memory;
 - a residual epilogue: ``y = bf16(bf16(acc) + r[t, n])`` (a bf16 linear, then a bf16 add).
 x and r may have a row stride other than their width (views of a wider tensor).

@@ -12,7 +12,7 @@ Work split (decode is bound by reading W once from HBM):
   ``unroll`` vectors per lane and row are issued before any is used, so each warp keeps
   ``rows_per_warp * unroll * 512`` bytes in flight; with ``pipeline`` the K loop is
   unrolled and the next step's weights are in flight while the current step is summed
-  (the tiling per token count: ``codegen.launchers.in_proj_gemv.gemv_tiling``, measured on the H200);
+  (the tiling per token count: ``codegen.launchers.in_proj.gemv_tiling``, measured on the H200);
 - W is read with ``ld.global.L1::no_allocate.L2::256B.v4`` (no L1 line allocated: it is
   read once), x with ``ld.global.nc.v4`` (read-only path; x, at most 8 x 14 KB, stays in
   L1 and is shared by every warp of the SM);

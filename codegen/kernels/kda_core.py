@@ -1,6 +1,6 @@
 """``kda_core``: the KDA decode core, one CTA per (request, head) or, at large batches, one an SM.
 
-The math is ``rewriter/layers/kda.py:kda_core`` with ``rewriter/ops.py``'s
+The math is ``rewriter/model/layers/kda.py:kda_core`` with ``rewriter/model/ops.py``'s
 ``kda_conv_update`` and ``kda_recurrent_step`` (the CPU reference of ``k3f::kda_core``),
 per request ``b`` (slot ``s = state_indices[b]``), head ``h`` and each of its ``q`` tokens
 in order (D = 128 channels per head, P = H * D):
@@ -102,7 +102,7 @@ CONV_BITS = 16 * CONV_CH  # a conv thread's accesses of its channels' conv state
 SEG_THREADS = HEAD_DIM // CONV_CH  # 32: q, k and v one warp each
 CONV_THREADS = 3 * SEG_THREADS  # 96
 OUT_THREADS = HEAD_DIM // VEC  # 16 per token
-QK_EPS = 1e-6  # rewriter.layers.common.l2_normalize
+QK_EPS = 1e-6  # rewriter.model.layers.common.l2_normalize
 
 
 @dataclass(frozen=True)

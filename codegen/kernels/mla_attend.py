@@ -1,7 +1,7 @@
 """``mla_attend``: MLA decode attention over vLLM's paged latent cache, W_UV and the sigmoid
 output gate in one kernel (``k3f::mla_attend``; one token per request, or q of a verify step).
 
-The math is ``rewriter/layers/mla.py:mla_attend`` (``k3::mla_decode`` then W_UV and the gate),
+The math is ``rewriter/model/layers/mla.py:mla_attend`` (``k3::mla_decode`` then W_UV and the gate),
 per request ``b`` with ``n = seq_lens[b]`` cached entries (the current token's included), head
 ``h`` (L = 512 latent values, R = 64 rope values, E = L + R per cache entry):
     s_j    = (q[b, h] . e_j) * scale              (e_j: entry j, fp32; fp8: E4M3 x kv_scale)
@@ -98,7 +98,7 @@ WUV_HELD_ROWS = 2  # W_UV rows a warp loads before the wait and holds (TP 8 and 
 # runs two tiles' dependent chains side by side (its W_UV rows wait in shared memory instead of
 # registers: 512 threads leave 128 registers a thread); 1 where the shared memory does not hold both
 WARPGROUPS = 2
-# where the second warpgroup pays (H100 and H200, thirty-fourth session), and so the only form
+# where the second warpgroup pays (measured on the H100 and H200: docs/CODEGEN.md), and so the only form
 # built: the fp8 cache (its tiles pass through registers and convert; bf16's cp.async chain
 # measured faster with one) from 4 tokens (a split's share at a 4096-entry context is half a
 # tile a token: one token leaves the second idle)

@@ -1,6 +1,6 @@
 """``mla_q_front``: MLA's query front for decode (``k3f::mla_q_front``), 1..64 tokens, one kernel.
 
-The math is ``rewriter/layers/mla.py:mla_q_front`` with ``rewriter/ops.py``'s
+The math is ``rewriter/model/layers/mla.py:mla_q_front`` with ``rewriter/model/ops.py``'s
 ``mla_cache_insert`` (the CPU reference of ``k3f::mla_q_front``), per token ``t`` and head
 ``h`` (q LoRA 1536, kv LoRA L = 512, nope P = 128, rope R = 64):
 

@@ -1,13 +1,13 @@
 """MXFP4 in registers: E2M1 codes of Humming's layout dequantized into ``mma.m16n8k16`` A
 fragments, and the MMA itself (inline PTX: CuTe DSL has no op that takes a hand-built fragment).
 
-Humming's layout (``rewriter/layers/experts.py``) stores each 16 (K) x 64 (rows) tile as one
+Humming's layout (``rewriter/model/layers/experts.py``) stores each 16 (K) x 64 (rows) tile as one
 16-byte vector per lane: word ``i3`` of lane ``r * 4 + q`` holds the 8 codes of the A fragment
 of rows ``16 i3 + r (+8)`` and K ``2q (+1) (+8)``. A code ``s e1 e0 m`` placed at bf16 bits 15
 and 8..6 is the bf16 number ``E2M1(code) * 2^-126`` (``e1 e0 = 0`` lands on bf16's subnormals,
 which is right for E2M1's subnormal 0.5), so one multiply by ``2^(scale - 1)`` gives
 ``E2M1(code) * 2^(scale - 127)`` exactly: the bf16 multiplier is ``(scale + 126) << 7``, valid
-for scale bytes up to 128 (scales up to 2; ``rewriter.layers.experts.MAX_KERNEL_SCALE``).
+for scale bytes up to 128 (scales up to 2; ``rewriter.model.layers.experts.MAX_KERNEL_SCALE``).
 
 Nibble orders: ``interleaved`` (Humming on sm_90: nibble ``p = i6 * 4 + i4 * 2 + i5``, so the
 pair (k, k + 1) of a register sits at bits ``4p`` and ``4p + 16``) and ``natural`` (Humming's

@@ -1,6 +1,6 @@
 """``router_topk``: sigmoid scores, bias-corrected top-k, renormalized weights; one CTA per token.
 
-The math is ``rewriter/layers/moe.py:route`` (the CPU reference of ``k3f::router_topk``):
+The math is ``rewriter/model/layers/moe.py:route`` (the CPU reference of ``k3f::router_topk``):
 
     s       = sigmoid(logits[t])                    (fp32, E experts)
     ids     = topk(s + bias, k)                     (the bias selects, it is not a weight)

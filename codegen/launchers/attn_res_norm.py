@@ -13,7 +13,7 @@ from codegen.template import Template, aligned, check_tensors
 # The split of a token's row by token count: (up to this many tokens, CTAs a token, 128-bit
 # vectors a thread); past the last row one CTA of two vectors a thread. One SM per token waits
 # on its loads; with many tokens the CTAs' reductions cost more than the split saves (H200,
-# BENCHMARKS.md, twentieth session). The cluster halves until it divides the row's vectors.
+# docs/CODEGEN.md). The cluster halves until it divides the row's vectors.
 CLUSTER_BY_TOKENS = ((8, 8, 1), (16, 4, 1), (64, 2, 2))
 
 

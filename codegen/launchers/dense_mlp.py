@@ -23,14 +23,15 @@ from typing import Any
 
 import torch
 
+from codegen.targets import MAX_TOKENS
 from codegen.launchers.experts import (MAX_CHUNK, one_expert_gemm_launch, one_expert_gemm_specs, one_expert_launch,
                                       one_expert_runtime, one_expert_specs, shared_tiling)
 from codegen.spec import KernelSpec
 from codegen.template import Template
-from rewriter import ops
+from codegen.host import host
 
-DENSE_MAX_TOKENS = 8  # the GEMV kernels' range; the rules give them 1 token (patterns.layer.DENSE_SMALL_MAX)
-DENSE_GEMM_TOKENS = (2, 64)  # patterns.layer.DENSE_SMALL_MAX + 1 .. 64; tried before the GEMV
+DENSE_MAX_TOKENS = 8  # the GEMV kernels' range; the rules give them 1 token (patterns.dense_mlp.DENSE_SMALL_MAX)
+DENSE_GEMM_TOKENS = (2, MAX_TOKENS)  # patterns.dense_mlp.DENSE_SMALL_MAX + 1 ..; tried before the GEMV
 MAX_VEC_PER_LANE = 12  # down-projection weight vectors a lane holds (fp32 once converted: 8 registers each)
 MAX_K_WARPS = 4
 ROW_WARPS = 2
@@ -72,7 +73,7 @@ def _dense_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, .
 
 def _all_reduced(y: torch.Tensor, args: Sequence[Any]) -> torch.Tensor:
     group, tp = args[5:7]
-    return torch.ops.k3.all_reduce(y, group, tp) if ops.reduces(tp) else y
+    return host().all_reduce(y, group, tp) if host().collective_runs(tp) else y
 
 
 def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
@@ -81,7 +82,7 @@ def _dense_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=N
 
 def _gemm_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
     """From 2 tokens, and at one where the GEMVs cannot take the rank's intermediate (TP 4 and
-    below; the rule ``dense_mlp.large`` takes those steps, ``patterns.layer.DENSE_GEMV_MAX_INTER``)."""
+    below; the rule ``dense_mlp.large`` takes those steps, ``patterns.dense_mlp.DENSE_GEMV_MAX_INTER``)."""
     lo, hi = DENSE_GEMM_TOKENS
     x, gate_up = args[:2]
     if x.dim() == 2 and gate_up.dim() == 2 and x.shape[0] == 1 and isinstance(

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
+from codegen.targets import MAX_TOKENS
 from codegen.launchers.gemm_specs import gemm_call, gemm_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, require_outside_capture, shape_is
 
-EXPERTS_MAX_TOKENS = 64  # decode batches; larger ones want a grouped GEMM
+EXPERTS_MAX_TOKENS = MAX_TOKENS  # decode batches; larger ones want a grouped GEMM
 SHARED_GEMM_TOKENS = (2, 64)  # patterns.moe.SHARED_SMALL_MAX + 1 .. 64; tried before the GEMVs
 MAX_CHUNK = 8  # tokens per chunk: fp32 accumulators per row and lane (codegen/kernels/expert_up.py, expert_down.py)
 ROUTED_ROWS_LANES = 8  # lanes sharing one w2 row in the routed down projection

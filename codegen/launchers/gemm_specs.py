@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from codegen.targets import MAX_TOKENS
 from codegen.spec import KernelSpec
 
 GEMM_ROWS_PER_CTA = 128
@@ -14,10 +15,10 @@ GEMM_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs fit an SM's 228 KB (sm_90a, s
 GEMM_SMEM_ONE_CTA = 227 * 1024  # the most one CTA may take (sm_90a, sm_100a)
 WHOLE_K_MAX_SHARE = 0.55  # grids of at most this share of the SMs hold their whole K in the ring
 ONE_WAVE_MAX_SHARE = 0.9  # grids of at most this share (clusters of at most 2) run one CTA an SM: a deeper ring
-ONE_WAVE_STAGES = 12  # that ring's depth (the dense down stage's sweep, BENCHMARKS.md, twenty-fifth session)
+ONE_WAVE_STAGES = 12  # that ring's depth (the dense down stage's sweep, docs/CODEGEN.md)
 SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
 MAX_SEGMENTS = 4
-GEMM_MAX_TOKENS = 64  # codegen/kernels/gemm.py: the token tile's largest size
+GEMM_MAX_TOKENS = MAX_TOKENS  # codegen/kernels/gemm.py: the token tile's largest size covers every step
 
 
 def stage_bytes(rows_per_cta: int, token_tile: int) -> int:
@@ -51,11 +52,10 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     ``WHOLE_K_MAX_SHARE`` of the SMs (the router: 40 to 72 CTAs), whose ring holds every K tile
     of a CTA as far as one CTA's shared memory goes: all its weight tiles are in flight before
     ``griddepcontrol.wait`` and all its x tiles right after it, one round trip instead of three
-    (on the H200 the router ends 2.5 to 6 us sooner in a layer's graph replay; BENCHMARKS.md,
-    eighteenth session); grids of at most ``ONE_WAVE_MAX_SHARE`` of the SMs in clusters of at
+    (on the H200 the router ends 2.5 to 6 us sooner in a layer's graph replay; docs/FEWER_STEPS.md); grids of at most ``ONE_WAVE_MAX_SHARE`` of the SMs in clusters of at
     most 2 (the dense down stage's 112 CTAs) get one SM each anyway, so their ring is sized for
     one CTA an SM (up to ``ONE_WAVE_STAGES``): twice the bytes in flight of the two-CTA ring
-    (layer 0 at TP 16, 8 tokens: 4.3 us faster in an A/B, BENCHMARKS.md, twenty-eighth session); two token groups of 4 warps (2 on
+    (layer 0 at TP 16, 8 tokens: 4.3 us faster in an A/B, docs/CODEGEN.md); two token groups of 4 warps (2 on
     32-row tiles) where the token tile is a multiple of 32 and the grid is one CTA an SM at
     most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
     group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a
@@ -119,7 +119,7 @@ def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int
         params["second_weight"] = True
     return KernelSpec.make(kernel, op, arch, shapes={"token_tile": tiling.pop("token_tile"), "k": k, "rows": rows},
                            dtypes={"act": "bf16", "weight": "bf16"},
-                           params={"segments": list(segments), **params, **tiling})
+                           params={"segments": list(segments), **params, **tiling}, module="gemm")
 
 
 def gemm_call(fn, x, weight, ys, norm_weight=None, residual=None, weight1=None) -> None:

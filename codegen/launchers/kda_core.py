@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from codegen.targets import MAX_Q
+from codegen.host import host
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is, sm_count
-from rewriter.layers.state import conv_layout_of
 
 KDA_HEAD_DIM = 128  # codegen/kernels/kda_core.py: 4 threads x 32 fp32 per state row, 512 threads
 KDA_CONV_WIDTH = 4
-KDA_MAX_Q = 8  # tokens per request
 # (request, head) pairs from which a one-token step takes the persistent form: more than one CTA
 # an SM on an H100 SXM / H200 (132 SMs). Below it one CTA per pair, its loads in the order of its work
 PERSISTENT_FROM_ITEMS = 133
@@ -74,7 +74,7 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
               or shape_is("recurrent_state", recurrent_state, (slots, h, d, d)))
     if reason:
         return reason
-    layout = conv_layout_of(conv_state)
+    layout = host().conv_layout(conv_state)
     if layout is None:
         return (f"conv_state strides {tuple(conv_state.stride())}: a slot must hold its [3, 3P] (SD) or "
                 f"[3P, 3] (DS) values contiguously")
@@ -86,8 +86,8 @@ def _kda_core_spec(op: str, arch: str, args: Sequence[Any]) -> KernelSpec | str:
     if b < 1 or t % b:
         return f"{t} tokens do not split evenly over {b} requests"
     q = t // b
-    if not 1 <= q <= KDA_MAX_Q:
-        return f"{q} tokens per request outside 1..{KDA_MAX_Q}"
+    if not 1 <= q <= MAX_Q:
+        return f"{q} tokens per request outside 1..{MAX_Q}"
     shapes, params = {"heads": h, "head_dim": d, "q_len": q}, {}
     if q == 1 and not verify and b * h >= PERSISTENT_FROM_ITEMS:
         params["persistent"] = True

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rewriter import ops
+from codegen.host import host
 from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
@@ -28,7 +28,7 @@ def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
         return f"routed must be [tokens, {latent}], got {tuple(routed.shape)}"
     t = routed.shape[0]
     named = {"norm_weight": norm_weight, "up_weight": up_weight}
-    if not ops.reduces(tp):  # read in place; at TP > 1 the kernel reads views of the all-reduced [routed | shared]
+    if not host().collective_runs(tp):  # read in place; at TP > 1 the kernel reads views of the all-reduced [routed | shared]
         named.update(routed=routed, shared=shared)
     reason = check_tensors(named, torch.bfloat16)
     if reason:
@@ -43,7 +43,7 @@ def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
     if pieces not in (1, tp) or not 0 <= piece < pieces or hidden % pieces:
         return f"piece {piece} of {pieces} (TP {tp}) over {hidden} up-projection rows"
     rows = hidden // pieces
-    stride = latent + hidden if ops.reduces(tp) else None
+    stride = latent + hidden if host().collective_runs(tp) else None
     if LATENT_GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
         spec = gemm_spec("latent_tail_gemm", op, arch, tokens=t, k=latent, rows=rows, segments=[rows],
                          norm_eps=float(eps), residual=True, x_stride=stride or latent, r_stride=stride or hidden)
@@ -65,16 +65,16 @@ def _latent_tail_runtime(args: Sequence[Any]) -> str | None:
     routed, shared, norm_weight = args[:3]
     tp = args[7]
     rows, part = _piece(args, shared)
-    return aligned({"routed": None if ops.reduces(tp) else routed, "norm_weight": norm_weight,
-                    "up_weight rows": rows, "shared columns": None if ops.reduces(tp) else part})
+    return aligned({"routed": None if host().collective_runs(tp) else routed, "norm_weight": norm_weight,
+                    "up_weight rows": rows, "shared columns": None if host().collective_runs(tp) else part})
 
 
 def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     """``out``: this rank's [tokens, hidden / pieces] piece, written by the kernel before the gather."""
     (fn,) = fns
     routed, shared, norm_weight, _, latent, hidden, group, tp, _, _, pieces = args
-    if ops.reduces(tp):
-        reduced = torch.ops.k3.all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
+    if host().collective_runs(tp):
+        reduced = host().all_reduce(torch.cat([routed, shared], dim=-1), group, tp)
         routed, shared = reduced.split([latent, hidden], dim=-1)
     rows, part = _piece(args, shared)
     y = out if out is not None else shared.new_empty((shared.shape[0], rows.shape[0]))
@@ -82,7 +82,7 @@ def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
         gemm_call(fn, routed, rows, [y], norm_weight, part)
     else:
         fn(routed, rows, None, norm_weight, part, y, None)
-    return ops.gather_last_dim(y, group, pieces)
+    return host().gather_last_dim(y, group, pieces)
 
 
 TEMPLATE = Template("latent_tail", ("k3f::latent_tail",), _latent_tail_spec, _latent_tail_runtime,

@@ -10,13 +10,12 @@ from typing import Any
 
 import torch
 
+from codegen.targets import MAX_Q, MAX_TOKENS
+from codegen.host import host
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, dtype_name, require_outside_capture, shape_is, target_sms
-from rewriter.ops import cache_is_fp8
 
 MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels/mla_attend.py
-MLA_MAX_BATCH = 64  # tokens (requests x q)
-MLA_MAX_Q = 8  # tokens per request of a verify step
 MLA_MAX_CTAS = 128  # the grid: requests x context splits
 MLA_GROUP_HEADS = 16  # heads a CTA takes: the MMA's 16 rows
 MLA_MAX_HEADS = 128  # a rank's heads over its groups (Kimi K3 at TP 1: 96)
@@ -60,10 +59,10 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
     if b < 1 or t % b:
         return f"{t} tokens do not split evenly over {b} requests"
     q = t // b
-    if q > MLA_MAX_Q:
-        return f"{q} tokens per request outside 1..{MLA_MAX_Q}"
-    if not 1 <= t <= MLA_MAX_BATCH:
-        return f"{t} tokens outside 1..{MLA_MAX_BATCH}"
+    if q > MAX_Q:
+        return f"{q} tokens per request outside 1..{MAX_Q}"
+    if not 1 <= t <= MAX_TOKENS:
+        return f"{t} tokens outside 1..{MAX_TOKENS}"
     groups, cap = mla_head_groups(h), grid_cap(mqa_q)
     if t * groups > cap:
         held = ("a grid-wide barrier holds" if cap == MLA_MAX_CTAS
@@ -79,7 +78,7 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
         return f"gate must be bf16 with unit column stride, got {dtype_name(gate.dtype)} strides {tuple(gate.stride())}"
     if kv_cache.dim() != 3 or kv_cache.shape[2] != e:
         return f"kv_cache must be [blocks, block_size, {e}], got {tuple(kv_cache.shape)}"
-    fp8 = cache_is_fp8(kv_cache)
+    fp8 = host().kv_cache_is_fp8(kv_cache)
     if not fp8 and kv_cache.dtype != torch.bfloat16:
         return f"kv_cache is {dtype_name(kv_cache.dtype)}; the template reads bf16 or fp8 E4M3 (uint8 storage)"
     per_vector = 16 if fp8 else 8

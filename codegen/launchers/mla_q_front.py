@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from codegen.host import host
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is
-from rewriter.ops import FP8_CACHE_DTYPES
 
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 1536, 512, 128, 64, 128  # codegen/kernels/mla_q_front.py
 MAX_TOKENS = 64
@@ -67,7 +67,7 @@ def _mla_q_front_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
         return reason
     if kv_cache.dtype == torch.bfloat16:
         cache, vec = "bf16", 8
-    elif kv_cache.dtype in FP8_CACHE_DTYPES:
+    elif host().kv_cache_is_fp8(kv_cache):
         cache, vec = "fp8", 16
     else:
         return f"kv_cache is {dtype_name(kv_cache.dtype)}; the template takes bf16 or fp8 (uint8, float8_e4m3fn)"

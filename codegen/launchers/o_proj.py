@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rewriter import ops
+from codegen.host import host
 from codegen.launchers import attn_res_norm
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
@@ -87,8 +87,8 @@ def _o_proj_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=
     group, tp = args[7:9]
     attn = o.new_empty((o.shape[0], weight.shape[0]))
     project(proj_fn, specs[0], o, weight, attn)
-    if ops.reduces(tp):
-        attn = torch.ops.k3.all_reduce(attn, group, tp)
+    if host().collective_runs(tp):
+        attn = host().all_reduce(attn, group, tp)
     return attn_res_norm.TEMPLATE.launch((res_fn,), specs[1:], _attn_res_args(args, attn), out=out)
 
 

@@ -13,7 +13,7 @@ from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
-from rewriter import ops  # gather_last_dim looked up at call time (tests mock it)
+from codegen.host import host
 
 # tensor cores from here: on the H200 (examples/bench_kernels.py --only router, 2026-12-02) the GEMM
 # took 5.4 / 5.6 us at 8 tokens against the GEMV's 5.9 / 7.1 (TP 16 / TP 8), 5.6 / 6.0 against
@@ -72,7 +72,7 @@ def _router_down_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
     else:
         fn(x, gate_rows, down_rows, None, None, logits, latent)
     if tp > 1:
-        return ops.gather_last_dim(logits, group, tp), ops.gather_last_dim(latent, group, tp)
+        return host().gather_last_dim(logits, group, tp), host().gather_last_dim(latent, group, tp)
     return logits, latent
 
 

@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any
 
-from rewriter.layers.experts import ExpertFormat
+from rewriter.model.layers.experts import ExpertFormat
 
 log = logging.getLogger("rewriter.vllm")
 

@@ -24,19 +24,14 @@ from typing import Any
 
 import torch
 
-from rewriter.config import ConfigError, KimiK3Config
+from codegen.targets import ARCHES, MAX_Q, arch_of
+from rewriter.model.config import ConfigError, KimiK3Config
 from rewriter.vllm.experts import moe_backend_refusal
-from rewriter.vllm.programs import MAX_Q
 
 log = logging.getLogger("rewriter.vllm")
 
-SUPPORTED_CAPABILITIES = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 # vLLM's --kv-cache-dtype values the MLA programs read, and the DecodeShape.kv_cache_dtype each means
 KV_CACHE_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
-
-
-def arch_of(capability: tuple[int, int] | None) -> str | None:
-    return SUPPORTED_CAPABILITIES.get(tuple(capability)) if capability else None
 
 
 def _device_capability() -> tuple[int, int] | None:
@@ -87,7 +82,8 @@ def deployment_refusals(vllm_config: Any, capability: tuple[int, int] | None = N
     if capability is None:
         reasons.append("no CUDA GPU")
     elif arch_of(capability) is None:
-        reasons.append(f"this GPU (sm_{capability[0]}{capability[1]}; supported: sm_90, sm_100, sm_103)")
+        reasons.append(f"this GPU (sm_{capability[0]}{capability[1]}; supported: "
+                       f"{', '.join(a.removesuffix('a') for a in ARCHES)})")
     if par.enable_expert_parallel:
         reasons.append("expert parallelism (--enable-expert-parallel)")
     if getattr(par, "use_ubatching", False):

@@ -25,26 +25,22 @@ import torch
 from torch import fx, nn
 
 from codegen.spec import KernelSpec
-from rewriter.config import KimiK3Config
-from rewriter.layers import KimiDecoderLayer, build_layer
-from rewriter.kernel_plan import plan, program_refusal
-from rewriter.layers.experts import ExpertFormat, mxfp4_scale_refusal
-from rewriter.layers.state import conv_layout_of
-from rewriter.program import LayerRunner
-from rewriter.program_cache import ProgramCache, rewrite_cached
-from rewriter.rewrite import RewriteResult, is_fused
-from rewriter.schedule import Schedule, build_schedule
-from rewriter.shape import DecodeShape
-from rewriter.trace import propagate_meta
+from codegen.targets import MAX_Q, MAX_TOKENS
+from rewriter.model.config import KimiK3Config
+from rewriter.model.layers import KimiDecoderLayer, build_layer
+from rewriter.compiler.plan import install_kernels, plan, program_refusal
+from rewriter.model.layers.experts import ExpertFormat, mxfp4_scale_refusal
+from rewriter.model.layers.state import conv_layout_of
+from rewriter.compiler.program import LayerRunner
+from rewriter.compiler.program_cache import ProgramCache, rewrite_cached
+from rewriter.compiler.rewrite import RewriteResult, is_fused
+from rewriter.compiler.schedule import Schedule, build_schedule
+from rewriter.model.shape import DecodeShape
+from rewriter.compiler.trace import propagate_meta
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format
 from rewriter.vllm.state import cache_tensors
 
 log = logging.getLogger("rewriter.vllm")
-
-SERVED_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
-MAX_TOKENS = 64  # the most tokens a step of the programs takes (batch x q)
-MAX_Q = 8  # the most tokens per request a verify program takes (k + 1 <= 8)
-
 
 class ProgramError(Exception):
     """Why one layer's program cannot be built; that layer keeps the stock forward."""
@@ -55,30 +51,9 @@ def use_tp_group(group: Any) -> None:
     all-reduces and gathers inside a layer's program are vLLM's own (one group per pipeline
     stage: its TP ranks): the custom all-reduce, symmetric-memory or NCCL path it picks for the
     message and captures in its CUDA graphs, as its stock forward's are."""
-    from rewriter.ops import register_group
+    from rewriter.model.ops import register_group
 
     register_group("tp", group)
-
-
-def served_batches(capture_sizes: Iterable[int] = (), q: int = 1, max_requests: int | None = None
-                   ) -> tuple[int, ...]:
-    """Requests a step for which to build programs. One-token steps (q = 1): 1..8, 16, 32, 64 and
-    vLLM's CUDA graph capture sizes up to 64. Verify steps of q tokens per request: the request
-    counts of the uniform FULL graphs vLLM's V2 runner captures (``CudaGraphManager._init_candidates``:
-    each capture size rounded up to whole requests of q tokens, none past the largest capture size),
-    up to 64 tokens; no other verify step is ever captured. Without capture sizes (a build ahead
-    of the server, ``compile --all-layers``) the token counts of one-token steps stand for them.
-    ``max_requests`` (vLLM's ``max_num_seqs``): no step has more requests, so no graph of more is
-    captured and none is built."""
-    capture_sizes = [s for s in capture_sizes if s >= 1]
-    if q > 1 and not capture_sizes:
-        capture_sizes = list(SERVED_BATCHES)
-    if q == 1:
-        batches = {*SERVED_BATCHES, *(s for s in capture_sizes if s <= MAX_TOKENS)}
-    else:
-        ceiling = min(MAX_TOKENS, max(capture_sizes, default=0))
-        batches = {-(-s // q) for s in capture_sizes if -(-s // q) * q <= ceiling}
-    return tuple(sorted(b for b in batches if max_requests is None or b <= max_requests))
 
 
 def bind_layer(vllm_layer: nn.Module, cfg: KimiK3Config, layer_idx: int, tp: int, rank: int,
@@ -177,9 +152,7 @@ def compile_with_codegen(arch: str, progress: Callable[[str], None] | None = Non
         if reason:
             raise ProgramError(reason)
         compile_specs([s for row in rows for s in row.get("specs", ())])
-        from codegen.bind import install_cuda_kernels
-
-        install_cuda_kernels(arch, strict=True)  # in a served step a declined call raises, never runs slow
+        install_kernels(arch, strict=True)  # in a served step a declined call raises, never runs slow
         require_cuda_kernels(result, rows)
 
     return compile_fn
