@@ -6,9 +6,9 @@ implementation stays the op's reference, so a rewritten graph runs the kernel on
 and the reference everywhere else. A launcher takes the op's arguments and returns its
 outputs, or ``NotImplemented`` to decline a call (a shape no template takes, a tensor not
 16-byte aligned, an unknown GPU): the op's reference then runs on the GPU tensors, and the
-reason is counted in ``stats()`` (a strict launcher, the server's, raises instead). Nothing registers at import: ``install_cuda_kernels()``
-(or ``register_cuda_impl``) must be called, and it refuses on a machine without CUDA
-unless told otherwise.
+reason is counted in ``stats()`` (a strict launcher, the server's, raises instead). Nothing
+registers at import: ``install_cuda_kernels()`` (or ``register_cuda_impl``) must be called,
+and it refuses on a machine without CUDA unless told otherwise.
 
 Calls compile on first use (or read the disk cache: ``python -m rewriter compile`` fills it
 ahead). A kernel's first call loads its CUDA library (CuTe DSL's TVM-FFI functions do it

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from codegen.cache import Entry, KernelCache
-from codegen.spec import KernelSpec
 from codegen.kernels import CODEGEN_DIR, module_path, source_files
+from codegen.spec import KernelSpec
 
 RECIPE = 1  # bump when how a kernel is compiled or exported changes (options, export format)
 CUTLASS_DIST = "nvidia-cutlass-dsl"

@@ -2,8 +2,9 @@
 some files replaced (B), each run a fresh ``python -m rewriter bench --json`` process, A B A B...
 
 A layer's figure can move between runs of one command by more than the 2 to 4 us a kernel change
-makes (15 us between two runs on one H200, within 1 us on another: BENCHMARKS.md, method), so one run per variant decides nothing. Alternating, and pairing each B run with the A
-run just before it, does: the report gives the median of those paired differences.
+makes (15 us between two runs on one H200, within 1 us on another: BENCHMARKS.md, method), so one
+run per variant decides nothing. Alternating, and pairing each B run with the A run just before
+it, does: the report gives the median of those paired differences.
 
     python examples/ab_bench.py snapshot main codegen/kernels/kda_core.py --into .ab/main   # needs git
     python examples/ab_bench.py run .ab/main --rounds 3 -- --layer 1 --tp 16 --batch 1 64 --paths rewritten

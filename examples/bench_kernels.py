@@ -5,8 +5,8 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj, attn_res, kda_core,
-                                            # mla_attend)
+    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj,
+                                            # attn_res, kda_core, mla_attend)
     python examples/bench_kernels.py --only dense_tiling   # the dense MLP's GEMM at other tilings than the chosen
     python examples/bench_kernels.py --only mla_attend --tp 16   # one TP shape of the per-TP parts
 
@@ -392,7 +392,8 @@ def bench_mla_attend(tp: int) -> None:
                 back = graph_us(lambda: run(False)) / copies
                 print(f"| {requests} | {context} | {cap} | {nbytes / 1e6:.1f} ({nbytes / tbps / 1e6:.1f}) | "
                       f"{serial:.2f} us | {alone:.2f} | {back:.2f} |")
-            del cases, outs
+            cases.clear()  # free this context's copies before the next one's are made
+            outs.clear()
 
 
 def main() -> None:

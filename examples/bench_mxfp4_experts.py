@@ -34,17 +34,17 @@ import argparse
 import sys
 
 import torch
+from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
 
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4 and k3f::routed_moe_mxfp4)
 import patterns.router  # noqa: F401  (defines k3f::router_topk)
-from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
 from codegen.bind import device_arch
 from codegen.launchers import experts as experts_launcher
 from rewriter.commands.bench import profile_kernels, short_name
+from rewriter.commands.stock_path import HummingMoE
 from rewriter.compiler.cost import H200_COPY_TBPS
 from rewriter.model.layers.experts import GROUP, humming_relayout, random_mxfp4
 from rewriter.model.layers.moe import route
-from rewriter.commands.stock_path import HummingMoE
 
 E, K, L = 896, 16, 3584
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -56,7 +56,8 @@ KNOBS = {"--stream-stages": ("MXFP4_STREAM_STAGES", "cp.async stages of the per-
          "--down-stages": ("MXFP4_DOWN_STREAM_STAGES", "cp.async stages of the per-expert down stage"),
          "--down-groups-per-warp": ("MXFP4_DOWN_GROUPS_PER_WARP",
                                     "scale groups a warp of the per-expert down stage streams, in whole row tiles"),
-         "--down-by-expert-from": ("MXFP4_DOWN_BY_EXPERT_FROM", "token count from which the down stage runs per chosen expert")}
+         "--down-by-expert-from": ("MXFP4_DOWN_BY_EXPERT_FROM",
+                                   "token count from which the down stage runs per chosen expert")}
 
 
 def must_read(ids, inter_live) -> int:
@@ -160,7 +161,8 @@ def main() -> int:
     bad = [f"--tokens {t} (1..64)" for t in a.tokens if not 1 <= t <= 64]
     bad += [f"--repeat {a.repeat} (at least 1)"] if a.repeat < 1 else []
     knobs = {constant: getattr(a, option[2:].replace("-", "_")) for option, (constant, _) in KNOBS.items()}
-    bad += [f"{option} {knobs[constant]} (at least 1)" for option, (constant, _) in KNOBS.items() if knobs[constant] < 1]
+    bad += [f"{option} {knobs[constant]} (at least 1)" for option, (constant, _) in KNOBS.items()
+            if knobs[constant] < 1]
     if bad:
         ap.error(", ".join(bad))
     for constant, value in knobs.items():

@@ -6,8 +6,8 @@
 import torch
 from torch import Tensor
 
-from rewriter.model.layers.moe import experts_down, experts_up, route
 from rewriter.compiler.rules import Rule, common_guard, fused_op
+from rewriter.model.layers.moe import experts_down, experts_up, route
 
 
 @fused_op("topk_routed_experts")  # the fused op: its CPU reference is the math it replaces

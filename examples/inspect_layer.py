@@ -2,11 +2,11 @@
 
     python examples/inspect_layer.py            # KDA+MoE layer 1 at TP 8, batch 4
 """
-from rewriter.model.config import KimiK3Config
 from rewriter.compiler.cost import floor_bytes, hbm_us, region_bytes
+from rewriter.compiler.trace import trace
+from rewriter.model.config import KimiK3Config
 from rewriter.model.layers import build_layer
 from rewriter.model.shape import DecodeShape
-from rewriter.compiler.trace import trace
 
 cfg = KimiK3Config.preset("kimi-k3")
 lg = trace(build_layer(cfg, 1, tp=8), DecodeShape(batch=4, tp=8))

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
 
 import patterns.input_projection
 import patterns.kda
 import patterns.mla  # noqa: F401  (defines the k3f ops used here)
-from bench_kernels import graph_us, kernel  # examples/: CUDA-graph replay timing, a call's loaded kernels
 
 D = 7168
 SHAPES = {  # the served input projections' output segments (rows), one token

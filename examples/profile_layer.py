@@ -41,9 +41,9 @@ import torch
 def profile(args: argparse.Namespace) -> None:
     from codegen.bind import device_arch
     from rewriter.commands.bench import _Case, _rewritten
+    from rewriter.compiler.plan import install_kernels
     from rewriter.model.config import KimiK3Config
     from rewriter.model.ops import collectives_excluded
-    from rewriter.compiler.plan import install_kernels
     from rewriter.model.shape import DecodeShape
 
     cfg = KimiK3Config.load(args.model)

@@ -24,11 +24,17 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from rewriter.compiler.rules import Match, Rule, RuleContext, common_guard, fused_op, split_guards, token_range_guard
 from rewriter.model import ops  # gather_last_dim looked up at call time (tests mock it)
 from rewriter.model.layers.common import rms_norm
-from rewriter.model.layers.moe import (experts_down, experts_up, latent_tail, route, shared_experts_down,
-                                 shared_experts_up)
-from rewriter.compiler.rules import Match, Rule, RuleContext, common_guard, fused_op, split_guards, token_range_guard
+from rewriter.model.layers.moe import (
+    experts_down,
+    experts_up,
+    latent_tail,
+    route,
+    shared_experts_down,
+    shared_experts_up,
+)
 
 SHARED_SMALL_MAX = 1  # the GEMVs up to here, the GEMM above (codegen.launchers.experts.SHARED_GEMM_TOKENS)
 # routed_moe_mxfp4 from this many tokens per step (router_topk + routed_experts_mxfp4 below); None: never.

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rewriter.compiler.rules import Rule, RuleContext, common_guard, fused_op
 from rewriter.model.layers.attn_res import attn_res
 from rewriter.model.layers.common import o_proj_all_reduce
-from rewriter.compiler.rules import Rule, RuleContext, common_guard, fused_op
 
 
 @fused_op("o_proj_attn_res")

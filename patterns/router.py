@@ -18,9 +18,9 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from rewriter.compiler.rules import Match, Rule, RuleContext, common_guard, fused_op, split_guards
 from rewriter.model.layers.moe import route, router_and_down_proj
 from rewriter.model.ops import gather_last_dim
-from rewriter.compiler.rules import Match, Rule, RuleContext, common_guard, fused_op, split_guards
 
 
 def _router_down_fake(x: Tensor, gate_weight: Tensor, down_weight: Tensor, group: str, tp: int,

@@ -47,7 +47,8 @@ GPU_MARKS = [
 ]
 
 
-LARGE_REFERENCE = 4 << 30  # bytes a test holds on the GPU (its layer or weights, its reference) above which it runs alone
+# bytes a test holds on the GPU (its layer or weights, its reference) above which it runs alone
+LARGE_REFERENCE = 4 << 30
 GPU_TURNS = Path(tempfile.gettempdir()) / "k3-gpu-tests.lock"  # shared by every GPU test, alone by a large one
 _turn: list = []  # this worker's open lock file while one of its GPU tests runs
 

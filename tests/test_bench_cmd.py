@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import on_gpu
 
+from conftest import on_gpu
 from rewriter.commands.bench import L2_BYTES, Row, copies_for, floor_bandwidth, render, repeated, rounds_for
 from rewriter.commands.cli import main
 
@@ -91,12 +91,12 @@ def test_profiled_kernels_are_named_by_their_specs():
     (and ``gemv`` would be three); each profiled kernel gets its spec's name, in launch order, the
     torch kernels between them keep theirs, and ``expert_up`` does not take ``expert_up_mxfp4``'s."""
     from rewriter.commands.bench import label_kernels
-    from rewriter.model.config import KimiK3Config
     from rewriter.compiler.plan import plan
-    from rewriter.model.layers import build_layer
     from rewriter.compiler.rewrite import rewrite
-    from rewriter.model.shape import DecodeShape
     from rewriter.compiler.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers import build_layer
+    from rewriter.model.shape import DecodeShape
 
     layer = build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=16, experts="mxfp4")
     result = rewrite(trace(layer, DecodeShape(batch=64, tp=16, arch="sm_90a")))

@@ -42,11 +42,13 @@ def test_a_bad_piece_is_refused_by_name(text, says):
 
 def _run(layer, attention, cache, rows):
     return {"device": "NVIDIA H100 80GB HBM3 (sm_90a)", "layer": layer, "attention": attention,
-            "kv_cache_dtype": cache, "floor_tbps": 2.96, "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}
+            "kv_cache_dtype": cache, "floor_tbps": 2.96,
+            "rows": [{**asdict(r), "floor_pct": r.floor_pct} for r in rows]}
 
 
 def test_the_table_has_a_row_per_shape_and_a_column_per_path():
-    mla = _run(3, "mla", "fp8", [Row(16, 1, "rewritten", 13, 70.0, 35.0), Row(16, 1, "torch.compile", 180, 2371.1, 35.0),
+    mla = _run(3, "mla", "fp8", [Row(16, 1, "rewritten", 13, 70.0, 35.0),
+                                 Row(16, 1, "torch.compile", 180, 2371.1, 35.0),
                                  Row(16, 8, "rewritten", 13, 140.0, 80.0)])
     kda = _run(0, "kda", "bf16", [Row(8, 1, "rewritten", 7, 110.0, 100.0)])
     lines = bench_rows.table([mla, kda]).splitlines()

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HAVE_CUTEDSL, needs_cutedsl, pdl_flags, spec_of
 
 import patterns.attn_res
 import patterns.dense_mlp
@@ -30,6 +29,7 @@ from codegen.cache import Entry, KernelCache
 from codegen.kernels import source_files
 from codegen.spec import KernelSpec, SpecError
 from codegen.templates import spec_for_call, template
+from conftest import HAVE_CUTEDSL, needs_cutedsl, pdl_flags, spec_of
 from rewriter.commands.cli import main
 from rewriter.compiler.rules import fused_op
 
@@ -346,7 +346,8 @@ def test_attn_res_norm_ptx(compiled, arch):
     # warp sums: 2 per source + the mix, each pushed and then gathered
     assert _count(ptx, "shfl.sync.bfly.b32") == 2 * 5 * (2 * 2 + 1)
     assert _count(ptx, "ex2.approx") == 2  # softmax over 2 sources
-    assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx and ".local" not in ptx  # nothing scalar, no spills
+    # nothing scalar, no spills
+    assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx and ".local" not in ptx
     nine = compiled["attn_res_norm_9", arch].ptx  # 8 blocks + the prefix: 9 sources
     assert _count(nine, "ld.global.nc.v4.b32") == 2 and _count(nine, "ex2.approx") == 9
     assert _count(nine, "st.async.shared::cluster.mbarrier::complete_tx::bytes") == 2 * 9 + 1
@@ -492,8 +493,8 @@ def test_compile_command(capsys, kcache):
     out = capsys.readouterr().out
     assert "9 scheduled ops, 9 with a CuTe DSL template (12 kernels)" in out
     assert re.search(r"0 attn_res_norm\s+compiled \d+\.\d+s \(cache hit\)", out)
-    assert re.search(r"3 o_proj_all_reduce_attn_res\s+compiled [^\n]*gemv\[o_proj_attn_res\][^\n]*\n\s+compiled [^\n]*attn_res_norm",
-                     out)
+    assert re.search(r"3 o_proj_all_reduce_attn_res\s+compiled [^\n]*gemv\[o_proj_attn_res\][^\n]*\n"
+                     r"\s+compiled [^\n]*attn_res_norm", out)
     assert "12 compiled (0 cache miss, 12 hit)" in out and "0 fused ops without a template" in out
     assert main([*args, "--json", "--batch", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -630,12 +631,12 @@ def test_every_kernel_of_the_kda_moe_layer_compiles(capsys, kcache, arch, batch,
 def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
     """The schedule's kernel count (rules' ``launches``) is what the templates really launch."""
     from rewriter.compiler.plan import plan
-    from rewriter.model.config import KimiK3Config
-    from rewriter.model.layers import build_layer
     from rewriter.compiler.rewrite import rewrite
     from rewriter.compiler.schedule import build_schedule
-    from rewriter.model.shape import DecodeShape
     from rewriter.compiler.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers import build_layer
+    from rewriter.model.shape import DecodeShape
 
     shape = DecodeShape(batch=batch, tp=tp, arch="sm_90a")
     result = rewrite(trace(build_layer(KimiK3Config.preset("kimi-k3"), 1, tp=tp), shape))
@@ -649,15 +650,14 @@ def test_templates_launch_as_many_kernels_as_their_rules_declare(tp, batch):
 @needs_cutedsl
 def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch):
     """At server start every cache miss is a progress line (a compile takes seconds)."""
-    from rewriter.model.config import KimiK3Config
-    from rewriter.compiler.plan import plan
-    from rewriter.model.layers import build_layer
-    from rewriter.compiler.rewrite import rewrite
-    from rewriter.model.shape import DecodeShape
-    from rewriter.compiler.trace import trace
-    from rewriter.vllm.programs import compile_with_codegen
-
     from codegen.compiler import clear_memory_cache
+    from rewriter.compiler.plan import plan
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.compiler.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers import build_layer
+    from rewriter.model.shape import DecodeShape
+    from rewriter.vllm.programs import compile_with_codegen
 
     clear_memory_cache()  # kernels compiled by earlier tests would be memory hits
     monkeypatch.setenv("K3_REWRITER_CACHE", str(tmp_path))
@@ -696,7 +696,8 @@ def test_a_spec_the_kernel_refuses_is_a_named_compile_failure(tmp_path):
     ``compile --all-layers`` counts and a server start turns into a stock layer, not a crash."""
     from codegen.compiler import CodegenError, compile_kernel
 
-    spec = KernelSpec.make("mla_attend", "k3f::mla_attend", "sm_90a", shapes={"batch": 1, "heads": 130, "block_size": 64},
+    spec = KernelSpec.make("mla_attend", "k3f::mla_attend", "sm_90a",
+                           shapes={"batch": 1, "heads": 130, "block_size": 64},
                            dtypes={"q": "bf16", "cache": "bf16", "weight": "bf16"},
                            params={"scale": 0.07, "gate_stride": 130 * 128})
     with pytest.raises(CodegenError, match="the kernel refuses its spec: heads 130 outside 1..128"):
@@ -712,12 +713,12 @@ def test_every_kernel_a_plan_lists_builds(tp):
     kernels' own bounds agree with their templates'; no compile, so every TP size stays cheap)."""
     import importlib
 
-    from rewriter.model.config import KimiK3Config
     from rewriter.compiler.plan import plan
-    from rewriter.model.layers import build_layer
     from rewriter.compiler.rewrite import rewrite
-    from rewriter.model.shape import DecodeShape
     from rewriter.compiler.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers import build_layer
+    from rewriter.model.shape import DecodeShape
 
     cfg = KimiK3Config.preset("kimi-k3")
     built = set()

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from rewriter.compiler.cost import _expected_distinct, floor_bytes, hbm_us, region_bytes
+from rewriter.compiler.trace import trace
 from rewriter.model.layers import build_layer
 from rewriter.model.shape import DecodeShape
-from rewriter.compiler.trace import trace
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gpu_kernels, needs_cutedsl, on_gpu, ptxas_usage, rel_err
 
 import patterns.dense_mlp  # noqa: F401  (defines the k3f ops used here)
 import rewriter.model.ops  # noqa: F401
 from codegen import bind
 from codegen.templates import spec_for_call, template
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, ptxas_usage, rel_err
 from rewriter.model.config import KimiK3Config
 
 K3 = KimiK3Config.preset("kimi-k3")
@@ -90,12 +90,12 @@ def test_one_token_goes_to_the_gemm_where_a_rank_is_too_long_for_the_gemvs(tp, r
     take the one-token step to the GEMM there, the GEMVs from TP 8, so what ``inspect`` plans is
     what a served step launches."""
     from patterns.dense_mlp import DENSE_GEMV_MAX_INTER
-    from rewriter.model.config import KimiK3Config
     from rewriter.compiler.plan import plan
-    from rewriter.model.layers import build_layer
     from rewriter.compiler.rewrite import rewrite
-    from rewriter.model.shape import DecodeShape
     from rewriter.compiler.trace import trace
+    from rewriter.model.config import KimiK3Config
+    from rewriter.model.layers import build_layer
+    from rewriter.model.shape import DecodeShape
 
     cfg = KimiK3Config.preset("kimi-k3")
     inter = cfg.shard(tp).dense_intermediate

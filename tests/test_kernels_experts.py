@@ -15,7 +15,6 @@ import re
 
 import pytest
 import torch
-from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
 
 import patterns.attn_res
 import patterns.dense_mlp
@@ -28,6 +27,7 @@ import patterns.router  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
 from codegen.kernels import source_files
 from codegen.templates import TEMPLATES, spec_for_call, template
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
 from rewriter.model.config import KimiK3Config
 from rewriter.model.layers.moe import experts_up, shared_experts_up
 

@@ -11,7 +11,6 @@ import re
 
 import pytest
 import torch
-from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 
 import patterns.attn_res
 import patterns.dense_mlp
@@ -22,7 +21,7 @@ from codegen import bind
 from codegen.kernels import source_files
 from codegen.launchers.gemm_specs import gemm_tiling
 from codegen.templates import spec_for_call, template
-
+from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
 
 D = 7168
 TOL = 1e-2

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gpu_arch, needs_cutedsl, on_gpu, rel_err
 
 import patterns.moe
 import patterns.output_projection
@@ -32,9 +31,9 @@ from codegen.launchers.latent_tail import LATENT_GEMM_MIN_TOKENS
 from codegen.launchers.o_proj import O_PROJ_GEMM_MIN_TOKENS, project
 from codegen.launchers.router_down import ROUTER_GEMM_MIN_TOKENS
 from codegen.templates import spec_for_call, template
+from conftest import gpu_arch, needs_cutedsl, on_gpu, rel_err
 from rewriter.model.layers.attn_res import attn_res
 from rewriter.model.layers.common import rms_norm
-
 
 D, E, L = 7168, 896, 3584  # Kimi K3: hidden, routed experts, MoE latent
 EPS = 1e-5
@@ -457,7 +456,8 @@ def test_latent_tail_ptx(compiled, arch):
     assert _count(ptx, "ld.global.nc.v4.b32") == tc * per_thread  # x once
     # the residuals a lane adds are read with x, before the norm's first barrier, not after the sums
     first_bar = ptx.index("bar.sync")
-    assert _count(ptx[:first_bar], "ld.global.b16") == r * tc and _count(ptx[:first_bar], "ld.global.nc.v4.b32") == tc * per_thread
+    assert _count(ptx[:first_bar], "ld.global.b16") == r * tc
+    assert _count(ptx[:first_bar], "ld.global.nc.v4.b32") == tc * per_thread
     assert _count(ptx, "st.shared.v4.b32") == 2 * tc * per_thread  # x staged, then normalized in place
     assert _count(ptx, "ld.shared.v4.b32") >= tc * per_thread + tc * s  # normalize + the GEMV's x
     assert _count(ptx, "rsqrt.approx") == tc

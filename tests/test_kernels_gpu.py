@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GPU_MARKS, gpu_kernels, rel_err
 
 import patterns.attn_res
 import patterns.dense_mlp
@@ -19,6 +18,7 @@ import patterns.kda
 import patterns.mla
 import patterns.router  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
+from conftest import GPU_MARKS, gpu_kernels, rel_err
 
 pytestmark = GPU_MARKS
 

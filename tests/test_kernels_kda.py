@@ -10,13 +10,13 @@ import re
 
 import pytest
 import torch
-from conftest import GPU_MARKS, example_module, gpu_arch, needs_cutedsl, pdl_flags, ptxas_usage, rel_err
 
 import patterns.kda  # noqa: F401  (defines the k3f ops used here)
 import rewriter.model.ops  # noqa: F401  (the k3:: ops its reference calls)
 from codegen import bind
 from codegen.cache import KernelCache
 from codegen.templates import spec_for_call, template
+from conftest import GPU_MARKS, example_module, gpu_arch, needs_cutedsl, pdl_flags, ptxas_usage, rel_err
 from rewriter.model.layers.state import kda_state_pages
 
 ARCHS = ("sm_90a", "sm_100a")

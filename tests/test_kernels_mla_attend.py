@@ -10,12 +10,12 @@ import re
 
 import pytest
 import torch
-from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err, spec_of
 
 import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 import rewriter.model.ops  # noqa: F401  (the k3:: ops its reference calls)
 from codegen import bind
 from codegen.templates import spec_for_call, template
+from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, ptxas_usage, rel_err, spec_of
 
 OP = "k3f::mla_attend"
 HEADS = {"tp16": 6, "tp8": 12, "tp4": 24, "tp1": 96}  # Kimi K3 MLA heads per rank (from 24: head groups)
@@ -179,7 +179,8 @@ def test_the_scratch_is_made_and_its_barrier_zeroed_outside_any_capture(monkeypa
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("batch, heads, cache, q, block", [(1, 6, torch.bfloat16, 1, 64), (64, 12, torch.bfloat16, 1, 64),
+@pytest.mark.parametrize("batch, heads, cache, q, block", [(1, 6, torch.bfloat16, 1, 64),
+                                                           (64, 12, torch.bfloat16, 1, 64),
                                                            (1, 12, torch.uint8, 1, 64), (64, 12, torch.uint8, 1, 16),
                                                            (1, 6, torch.bfloat16, 8, 16), (2, 12, torch.uint8, 4, 128),
                                                            (1, 96, torch.bfloat16, 1, 64), (8, 24, torch.uint8, 1, 64),
@@ -269,8 +270,8 @@ def test_two_warpgroups_for_fp8_where_the_shared_memory_holds_them(batch, heads,
 
 
 @needs_cutedsl
-@pytest.mark.parametrize("batch, heads, cache", [(8, 6, torch.bfloat16), (64, 12, torch.bfloat16), (64, 12, torch.uint8),
-                                                  (3, 6, torch.bfloat16)])
+@pytest.mark.parametrize("batch, heads, cache", [(8, 6, torch.bfloat16), (64, 12, torch.bfloat16),
+                                                  (64, 12, torch.uint8), (3, 6, torch.bfloat16)])
 def test_the_w_uv_stage_loads_its_latents_in_chunks_and_stores_last(batch, heads, cache, kcache):
     """After the second grid barrier, per W_UV row of a warp: its requests' gates (one a lane, 32
     requests a load), then the latents of ``WUV_CHUNK`` requests at a time (2 vectors each, one

@@ -12,12 +12,12 @@ import re
 
 import pytest
 import torch
-from conftest import GPU_MARKS, gpu_kernels, needs_cutedsl, pdl_flags, ptxas_usage, rel_err, spec_of
 
 import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 import rewriter.model.ops  # noqa: F401  (the k3:: ops its reference calls)
 from codegen import bind
 from codegen.templates import spec_for_call, template
+from conftest import GPU_MARKS, gpu_kernels, needs_cutedsl, pdl_flags, ptxas_usage, rel_err, spec_of
 
 OP = "k3f::mla_q_front"
 ARCHS = ("sm_90a", "sm_100a")

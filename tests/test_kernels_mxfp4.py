@@ -23,15 +23,29 @@ import re
 
 import pytest
 import torch
-from conftest import (alone_if_large, gpu_kernels, needs_cutedsl, needs_sass_tools, on_gpu, pdl_flags, rel_err,
-                      sass_or_skip)
 
 import patterns.moe  # noqa: F401  (defines k3f::routed_experts_mxfp4)
 from codegen.launchers import experts as experts_launcher
 from codegen.templates import spec_for_call
+from conftest import (
+    alone_if_large,
+    gpu_kernels,
+    needs_cutedsl,
+    needs_sass_tools,
+    on_gpu,
+    pdl_flags,
+    rel_err,
+    sass_or_skip,
+)
 from rewriter.model.config import KimiK3Config
-from rewriter.model.layers.experts import (GROUP, ExpertFormat, ExpertFormatError, humming_relayout, pack_nibbles,
-                                     random_mxfp4)
+from rewriter.model.layers.experts import (
+    GROUP,
+    ExpertFormat,
+    ExpertFormatError,
+    humming_relayout,
+    pack_nibbles,
+    random_mxfp4,
+)
 from rewriter.model.layers.moe import route
 
 OP = "k3f::routed_experts_mxfp4"
@@ -507,7 +521,8 @@ def test_ptx_of_the_stages_per_expert(compiled, arch):
 
     _, up, down = compiled["tp8_by_expert", arch]
     assert (up.spec.param_dict["stages"], down.spec.param_dict["stages"]) == (4, 3)
-    for k, fields, mmas, shared_loads, plan_words, ctas in ((up, (4, 2, 4), 16, 6, 3, 4), (down, (2, 1, 4), 8, 4, 3, 8)):
+    for k, fields, mmas, shared_loads, plan_words, ctas in ((up, (4, 2, 4), 16, 6, 3, 4),
+                                                            (down, (2, 1, 4), 8, 4, 3, 8)):
         p = k.spec.param_dict
         S = p["stages"]
         w, sc, x = fields  # per scale group: weight vectors (.cg), scale pairs and x words (.ca)

@@ -24,16 +24,16 @@ import pytest
 import torch
 
 from conftest import GPU_MARKS, alone_if_large, rel_err
+from rewriter.compiler.program import LayerRunner
+from rewriter.compiler.rewrite import rewrite
+from rewriter.compiler.schedule import build_schedule
+from rewriter.compiler.trace import trace
 from rewriter.model.config import KimiK3Config
 from rewriter.model.layers import build_layer
 from rewriter.model.layers.moe import recorded_topk_margins
 from rewriter.model.layers.state import conv_layout_of, decode_inputs, kda_state_pages
 from rewriter.model.layers.weights import init_random_
-from rewriter.compiler.program import LayerRunner
-from rewriter.compiler.rewrite import rewrite
-from rewriter.compiler.schedule import build_schedule
 from rewriter.model.shape import DecodeShape
-from rewriter.compiler.trace import trace
 
 pytestmark = GPU_MARKS
 
@@ -96,7 +96,8 @@ def _reference(layer, inputs):
     (1, 32, 1, "mxfp4", "bf16"), (3, 32, 8, "mxfp4", "bf16"),  # TP 32: o_proj's GEMM, 96 live expert channels
     (1, 12, 1, "mxfp4", "bf16"), (3, 6, 8, "mxfp4", "fp8"), (1, 48, 8, "mxfp4", "bf16"), (3, 24, 1, "mxfp4", "bf16"),
     (1, 3, 8, "mxfp4", "bf16"), (0, 3, 1, None, "bf16"),  # TP 3, 6, 12, 24, 48: 32 to 2 KDA heads, 1024 to 64 channels
-    (3, 4, 8, "mxfp4", "fp8"), (3, 1, 1, "mxfp4", "bf16"), (3, 3, 32, "mxfp4", "bf16")])  # MLA heads in groups of 16 (TP 3: 2 groups)
+    # MLA heads in groups of 16 (TP 3: 2 groups)
+    (3, 4, 8, "mxfp4", "fp8"), (3, 1, 1, "mxfp4", "bf16"), (3, 3, 32, "mxfp4", "bf16")])
 def test_rewritten_layer_matches_the_reference(layer_idx, tp, batch, experts, cache):
     """``experts``: bf16, or the checkpoint's MXFP4 in Humming's layout (what vLLM serves on sm_90);
     ``cache``: the MLA latent cache, bf16 or fp8 E4M3 with its per-tensor scale."""

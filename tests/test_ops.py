@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import rel_err
 
 k3 = torch.ops.k3
@@ -161,7 +162,7 @@ def test_uneven_tokens_are_refused():
 def test_batched_kda_steps_equal_the_loops(q_len):
     """The CUDA implementations (batched, no host sync) give the loop references' values and
     states, padding rows included (slot 0 unowned, as vLLM's null block)."""
-    from rewriter.model.ops import conv_update_batched, _recurrent_step_batched
+    from rewriter.model.ops import _recurrent_step_batched, conv_update_batched
 
     g = torch.Generator().manual_seed(q_len)
     idx = torch.tensor([3, -1, 5, 1], dtype=torch.int32)

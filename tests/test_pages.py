@@ -45,14 +45,16 @@ def _vllm_block_size(cfg: KimiK3Config, tp: int, cache: str, drafts: int) -> int
                                      hf_config=hf_config, get_num_kv_heads=lambda parallel_config: 1,
                                      get_head_size=lambda: cfg.mla_cache_entry)
 
-    cache_config = CacheConfig(block_size=16 if cache == "bf16" else 64, cache_dtype="auto" if cache == "bf16" else cache)
+    cache_config = CacheConfig(block_size=16 if cache == "bf16" else 64,
+                               cache_dtype="auto" if cache == "bf16" else cache)
     cache_config.mamba_cache_mode = "none"
     vllm_config = types.SimpleNamespace(
         model_config=model_config(types.SimpleNamespace(text_config=text)), cache_config=cache_config,
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp),
         speculative_config=types.SimpleNamespace(num_speculative_tokens=drafts) if drafts else None,
         compilation_config=types.SimpleNamespace(static_forward_context={}))
-    vllm_config.with_hf_config = lambda h: types.SimpleNamespace(**{**vllm_config.__dict__, "model_config": model_config(h)})
+    vllm_config.with_hf_config = lambda h: types.SimpleNamespace(**{**vllm_config.__dict__,
+                                                                    "model_config": model_config(h)})
     resolve = models.ModelRegistry.resolve_model_cls
     models.ModelRegistry.resolve_model_cls = lambda *a, **k: (KimiK3ForConditionalGeneration,
                                                               "KimiK3ForConditionalGeneration")

@@ -41,7 +41,8 @@ def test_summarize_prints_the_bound_columns_where_measured():
 
 def _stalls(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "examples" / "profile_layer.py"), "--stalls",
-                           str(ROOT / "tests" / "data" / "ncu_source_sample.csv"), *args], capture_output=True, text=True)
+                           str(ROOT / "tests" / "data" / "ncu_source_sample.csv"), *args],
+                          capture_output=True, text=True)
 
 
 def test_stalls_split_each_kernel_at_its_barriers():
@@ -59,7 +60,8 @@ def test_stalls_split_each_kernel_at_its_barriers():
     top = [line.split() for line in kda[kda.index(next(x for x in kda if x.strip().startswith("top 2"))) + 1:]]
     assert [t[1] for t in top] == ["368", "197"] and top[0][-3:] == ["LDS.128", "R12,", "[R68]"]
     up = lines[heads[1]:]
-    assert any(line.rstrip().endswith("UCGABAR_WAIT") and "barrier=97" in line for line in up)  # the cluster's last wait
+    # the cluster's last wait
+    assert any(line.rstrip().endswith("UCGABAR_WAIT") and "barrier=97" in line for line in up)
 
 
 def test_stalls_name_what_is_missing():

@@ -8,8 +8,8 @@ from conftest import make_inputs, make_layer, rel_err
 from rewriter.compiler.program import LayerRunner
 from rewriter.compiler.rewrite import rewrite
 from rewriter.compiler.schedule import build_schedule
-from rewriter.model.shape import DecodeShape
 from rewriter.compiler.trace import trace
+from rewriter.model.shape import DecodeShape
 
 
 def _prepared(tiny, layer_idx, device="cpu", dtype=torch.float32):

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import make_inputs, make_layer
 
+from conftest import make_inputs, make_layer
 from rewriter.compiler.program_cache import ProgramCache, program_key, rewrite_cached
 from rewriter.compiler.rewrite import is_fused
 from rewriter.model.shape import DecodeShape

@@ -2,23 +2,25 @@
 written from the math (tests/independent.py), on fresh random weights and inputs."""
 from __future__ import annotations
 
-import independent as ind
 import pytest
 import torch
-from conftest import make_inputs, make_layer, rel_err
 
+import independent as ind
+from conftest import make_inputs, make_layer, rel_err
 from rewriter.model.layers.attn_res import attn_res
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
-@pytest.mark.parametrize("num_blocks,write_idx,with_delta", [(0, 0, False), (1, -1, True), (2, 1, True), (3, -1, False)])
+@pytest.mark.parametrize("num_blocks,write_idx,with_delta",
+                         [(0, 0, False), (1, -1, True), (2, 1, True), (3, -1, False)])
 def test_attn_res_matches_math(num_blocks, write_idx, with_delta):
     g = torch.Generator().manual_seed(num_blocks * 10 + write_idx)
     T, NB, D = 4, 3, 32
     prefix, delta, blocks = (torch.randn(s, generator=g) for s in ((T, D), (T, D), (T, NB, D)))
-    w = [1 + 0.1 * torch.randn(D, generator=g), torch.randn(D, generator=g) / D**0.5, 1 + 0.1 * torch.randn(D, generator=g)]
+    w = [1 + 0.1 * torch.randn(D, generator=g), torch.randn(D, generator=g) / D**0.5,
+         1 + 0.1 * torch.randn(D, generator=g)]
     out, new_prefix, new_blocks = attn_res(prefix, delta if with_delta else None, blocks, *w, num_blocks=num_blocks,
                                            block_write_idx=write_idx, eps=1e-5, output_norm_eps=1e-5)
     e_out, e_prefix, e_blocks = ind.attn_res(prefix, delta if with_delta else None, blocks, *w, num_blocks, write_idx,
@@ -133,14 +135,18 @@ def test_whole_layer_matches_math(tiny, layer_idx):
     attn = layer.self_attn
     if layer.attention_kind == "kda":
         conv, rec = inputs["conv_state"].clone(), inputs["recurrent_state"].clone()
-        attention = lambda x: ind.kda(ind.sub(params, "self_attn"), x, conv, rec, inputs["state_indices"],
-                                      heads=attn.heads, head_dim=attn.head_dim, conv_size=attn.conv_size,
-                                      lower_bound=tiny.gate_lower_bound)
+
+        def attention(x):
+            return ind.kda(ind.sub(params, "self_attn"), x, conv, rec, inputs["state_indices"],
+                           heads=attn.heads, head_dim=attn.head_dim, conv_size=attn.conv_size,
+                           lower_bound=tiny.gate_lower_bound)
     else:
         history = _cached_entries(inputs, 4, 3)
-        attention = lambda x: ind.mla(ind.sub(params, "self_attn"), x, history, heads=attn.heads,
-                                      q_lora=attn.q_lora, kv_lora=attn.kv_lora, nope=attn.nope, rope=attn.rope,
-                                      v_dim=attn.v_dim, eps=attn.eps)
+
+        def attention(x):
+            return ind.mla(ind.sub(params, "self_attn"), x, history, heads=attn.heads,
+                           q_lora=attn.q_lora, kv_lora=attn.kv_lora, nope=attn.nope, rope=attn.rope,
+                           v_dim=attn.v_dim, eps=attn.eps)
     e_out, e_prefix, e_blocks = ind.decoder_layer(params, tiny, layer_idx, inputs["hidden_states"],
                                                   inputs["prefix_sum"], inputs["blocks"], attention)
     out, prefix, blocks = layer(**inputs)

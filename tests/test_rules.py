@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_inputs, make_layer, rel_err
 
-from rewriter.compiler.rewrite import rewrite
+from conftest import make_inputs, make_layer, rel_err
 from patterns import default_rules
+from rewriter.compiler.rewrite import rewrite
 from rewriter.compiler.rules import Rule, RuleError, RuleSet, common_guard
-from rewriter.model.shape import DecodeShape
 from rewriter.compiler.trace import trace
+from rewriter.model.shape import DecodeShape
 
 # tiny: layer 0 dense (KDA attention, writes an AttnRes block), 1 KDA+MoE, 2 MLA+MoE (writes a block), 3 KDA+MoE
 # (at batch 3 the input projection, the dense MLP and the shared experts are the GEMM rules': the GEMV
@@ -141,7 +141,8 @@ def test_mxfp4_moe_rule_takes_the_router_with_the_experts_from_16_tokens(tiny, l
 def test_input_projection_rules_split_by_batch(tiny):
     layer = make_layer(tiny, 1)
     for batch, rule, refused_reason in ((1, "attn_in_proj.small", None),
-                                        (2, "attn_in_proj.large", "batch 2 outside 1..1 (the GEMV rule takes 1 token)")):
+                                        (2, "attn_in_proj.large",
+                                         "batch 2 outside 1..1 (the GEMV rule takes 1 token)")):
         result = rewrite(trace(layer, DecodeShape(batch=batch, dtype=torch.float32)))
         assert rule in {m.rule for m in result.matches}
         reasons = {(r.rule, r.reason) for r in result.refusals}
@@ -290,7 +291,8 @@ def test_a_tp_that_does_not_split_the_up_projection_replicates_the_tail(tiny):
     layer = build_layer(tiny.replace(hidden_size=68), 1, tp=8, rank=3, dtype=torch.float32)
     result = rewrite(trace(layer, DecodeShape(batch=2, tp=8, rank=3, dtype=torch.float32)))
     refusals = {r.rule: r.reason for r in result.refusals}
-    assert refusals["latent_tail"] == "TP 8 does not divide the 68 rows of block_sparse_moe.routed_expert_up_proj.weight"
+    assert refusals["latent_tail"] == ("TP 8 does not divide the 68 rows of "
+                                       "block_sparse_moe.routed_expert_up_proj.weight")
     matches = {m.rule: m for m in result.matches}
     assert {"routed_experts", "router_gemm", "latent_tail.replicated"} <= set(matches)
     assert matches["latent_tail.replicated"].split_saving == 0

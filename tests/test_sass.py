@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import needs_cutedsl, needs_sass_tools, sass_or_skip
 
 from codegen.sass import instruction_mix, read_only_loads_before_wait
+from conftest import needs_cutedsl, needs_sass_tools, sass_or_skip
 from rewriter.commands.cli import main
 
 SAMPLE = Path(__file__).parent / "data" / "sass_sample.sass"
@@ -29,11 +29,10 @@ def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
     """The one-token MXFP4 up stage: one HMMA per ``mma.sync`` of its PTX, and the registers its
     launch asks ptxas to keep to (four CTAs of 4 warps an SM: at most 128)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_kernels_mxfp4 import OP, mxfp4_args
-
     from codegen.compiler import compile_kernel
     from codegen.sass import summary
     from codegen.templates import spec_for_call
+    from test_kernels_mxfp4 import OP, mxfp4_args
 
     spec = spec_for_call(OP, "sm_90a", mxfp4_args(tokens=1))[1][0]
     k = compile_kernel(spec)
@@ -41,7 +40,8 @@ def test_a_kernels_sass_has_its_ptxs_mmas_and_registers():
     assert figures["opcodes"]["HMMA"] == k.ptx.count("mma.sync.aligned.m16n8k16") > 0
     assert 0 < figures["registers"] <= 128 and figures["spill_bytes"] == 0
     assert figures["instructions"] == sum(figures["opcodes"].values())
-    assert line.startswith(f"{figures['registers']} registers, no spills; {figures['instructions']} SASS instructions: ")
+    assert line.startswith(f"{figures['registers']} registers, no spills; "
+                           f"{figures['instructions']} SASS instructions: ")
     assert line.count(",") == 1 + 2  # the top 3 opcodes
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
-from rewriter.compiler.cost import floor_bytes, hbm_us
-from rewriter.model.layers import build_layer
-from rewriter.compiler.rewrite import rewrite
 from patterns import default_rules
+from rewriter.compiler.cost import floor_bytes, hbm_us
+from rewriter.compiler.rewrite import rewrite
 from rewriter.compiler.rules import RuleSet
 from rewriter.compiler.schedule import build_schedule
-from rewriter.model.shape import DecodeShape
 from rewriter.compiler.stock_kernels import layer_kernels
 from rewriter.compiler.trace import trace
+from rewriter.model.layers import build_layer
+from rewriter.model.shape import DecodeShape
 
 
 def _both(cfg, layer, tp, batch, arch="sm_100a"):

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from rewriter.model.regions import REGIONS
 from rewriter.compiler.stock_kernels import (
     LAYER_REGIONS,
     STOCK_SOURCES,
@@ -15,6 +14,7 @@ from rewriter.compiler.stock_kernels import (
     layer_kernels,
     stock_kernels,
 )
+from rewriter.model.regions import REGIONS
 
 ARCHES = ("sm_90a", "sm_100a", "sm_103a")
 TPS = (1, 8, 16)

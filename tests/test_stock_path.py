@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import on_gpu
 
+from conftest import on_gpu
+from rewriter.commands.stock_path import StockPathError, align_block_size, lower
 from rewriter.model.layers import build_layer
 from rewriter.model.ops import conv_update_batched
 from rewriter.model.shape import DecodeShape
-from rewriter.commands.stock_path import StockPathError, align_block_size, lower
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,block", [(1, 16, 896, 16), (8, 16, 896, 16), (64, 16, 896, 64),

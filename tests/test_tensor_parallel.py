@@ -42,15 +42,14 @@ def _exit_without_teardown() -> None:
 def _worker(rank: int, world: int, port: int, sizes: dict) -> None:
     sys.path.insert(0, HERE)
     from conftest import make_inputs, make_layer, rel_err
-
+    from rewriter.compiler.rewrite import rewrite
+    from rewriter.compiler.trace import trace
     from rewriter.model.config import KimiK3Config
     from rewriter.model.layers import build_layer
     from rewriter.model.layers.state import shard_decode_inputs, state_shardings
     from rewriter.model.layers.weights import shard_state_dict
     from rewriter.model.ops import register_group
-    from rewriter.compiler.rewrite import rewrite
     from rewriter.model.shape import DecodeShape
-    from rewriter.compiler.trace import trace
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     register_group("tp", dist.group.WORLD)
@@ -88,7 +87,8 @@ def _worker(rank: int, world: int, port: int, sizes: dict) -> None:
                 got = result.after.gm(*shard_decode_inputs(step, local).values())
                 for name, a, b in zip(("output", "prefix_sum", "blocks"), got, expected):
                     err = rel_err(a, b)
-                    assert err < TOL, f"rewritten TP {world} rank {rank} layer {layer_idx} batch {batch}: {name} {err:.2e}"
+                    assert err < TOL, (f"rewritten TP {world} rank {rank} layer {layer_idx} batch {batch}: "
+                                       f"{name} {err:.2e}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -130,14 +130,14 @@ def test_gather_last_dim_puts_the_ranks_side_by_side():
 def test_tp4_pads_expert_shards_like_vllm(tiny):
     """At TP 4 the tiny config's 16-wide expert shards are zero-padded to 32, as vLLM pads them."""
     from conftest import make_layer
-
     from rewriter.model.layers import build_layer
     from rewriter.model.layers.weights import shard_state_dict
 
     full = make_layer(tiny, 1, seed=1)
     local = build_layer(tiny, 1, tp=4, rank=3, dtype=torch.float32, device="cpu")
     sd = shard_state_dict(full.state_dict(), local)
-    w13, w2 = sd["block_sparse_moe.experts.routed_experts.w13_weight"], sd["block_sparse_moe.experts.routed_experts.w2_weight"]
+    w13 = sd["block_sparse_moe.experts.routed_experts.w13_weight"]
+    w2 = sd["block_sparse_moe.experts.routed_experts.w2_weight"]
     assert w13.shape == (16, 64, 64) and w2.shape == (16, 64, 32)
     assert torch.count_nonzero(w13[:, 16:32]) == 0 and torch.count_nonzero(w13[:, 48:64]) == 0
     assert torch.count_nonzero(w2[:, :, 16:]) == 0

@@ -12,8 +12,17 @@ from pathlib import Path
 import pytest
 
 from rewriter.commands.cli import main
-from rewriter.commands.timeline_svg import (LABEL_W, PLOT_W, TORCH, TimelineError, colours, is_torch, panels_of, render,
-                                   title_of)
+from rewriter.commands.timeline_svg import (
+    LABEL_W,
+    PLOT_W,
+    TORCH,
+    TimelineError,
+    colours,
+    is_torch,
+    panels_of,
+    render,
+    title_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = {"s": "http://www.w3.org/2000/svg"}

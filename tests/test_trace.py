@@ -5,12 +5,12 @@ import time
 
 import pytest
 import torch
-from conftest import make_inputs, make_layer, rel_err
 
+from conftest import make_inputs, make_layer, rel_err
+from rewriter.compiler.trace import trace
 from rewriter.model.layers import build_layer
 from rewriter.model.regions import REGIONS
 from rewriter.model.shape import DecodeShape, ShapeError
-from rewriter.compiler.trace import trace
 
 K3_LAYERS = {0: "dense", 1: "kda", 3: "mla"}
 
@@ -55,7 +55,10 @@ def test_graph_keeps_vllm_parameter_names(k3):
 def test_leaf_ops_stay_opaque(k3):
     kda = trace(build_layer(k3, 1, tp=16), DecodeShape(batch=2, tp=16))
     mla = trace(build_layer(k3, 3, tp=16), DecodeShape(batch=2, tp=16))
-    targets = lambda lg: [str(n.target) for n in lg.graph.nodes if n.op == "call_function"]
+
+    def targets(lg):
+        return [str(n.target) for n in lg.graph.nodes if n.op == "call_function"]
+
     assert {"k3.kda_conv_update.default", "k3.kda_recurrent_step.default", "k3.all_reduce.default"} <= set(targets(kda))
     assert {"k3.mla_cache_insert.default", "k3.mla_decode.default"} <= set(targets(mla))
     assert targets(kda).count("k3.all_reduce.default") == 2  # o_proj, and the latent MoE tail

@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import needs_cutedsl, on_gpu
 
 import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
+from conftest import needs_cutedsl, on_gpu
 from rewriter.commands.bench import alternated_us, paired_difference
 from rewriter.commands.cli import main
 from rewriter.commands.variant import ROOT, VariantError, kernel_sources_swapped, kernel_variant_files

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
 
 import rewriter.model.ops  # noqa: F401  (registers the k3 ops)
+from conftest import rel_err
 
 k3 = torch.ops.k3
 C, W, H, K, V = 12, 4, 2, 8, 8  # conv channels and width; heads, key and value dims
@@ -201,11 +201,10 @@ def test_the_rewritten_verify_layer_equals_the_reference(tiny, layer_idx):
     """A verify shape traced and rewritten (the KDA core by ``kda_core.verify``, the one-token
     ``kda_core`` rule not matching it) and run by its schedule."""
     from conftest import make_inputs, make_layer
-
     from rewriter.compiler.program import LayerRunner
     from rewriter.compiler.rewrite import rewrite
-    from rewriter.model.shape import DecodeShape
     from rewriter.compiler.trace import trace
+    from rewriter.model.shape import DecodeShape
 
     layer = make_layer(tiny, layer_idx, seed=9, dtype=torch.bfloat16)
     shape = DecodeShape(batch=2, q=4, context=5, block_size=4)

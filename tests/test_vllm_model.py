@@ -10,8 +10,8 @@ the stock path to compute, that vLLM layer's ``forward`` is stood in for by its 
 layer, called with vLLM's signature."""
 from __future__ import annotations
 
-import importlib
 import functools
+import importlib
 import json
 import os
 import re
@@ -26,6 +26,14 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm")
 
 from conftest import rel_err  # noqa: E402
+from rewriter.compiler.rewrite import is_fused  # noqa: E402
+from rewriter.model.config import KimiK3Config  # noqa: E402
+from rewriter.model.layers import KimiDecoderLayer  # noqa: E402
+from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noqa: E402
+from rewriter.vllm.guard import KV_CACHE_DTYPES, decide_step  # noqa: E402
+from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
+from rewriter.vllm.runtime import run_layers, stage_inputs  # noqa: E402
+from rewriter.vllm.state import cache_tensors, layer_name, state_inputs  # noqa: E402
 from vllm_model import (  # noqa: E402
     VERIFY_NUM_BLOCKS,
     DecodeBatch,
@@ -36,15 +44,6 @@ from vllm_model import (  # noqa: E402
     prepare_decode,
     text_config,
 )
-
-from rewriter.model.config import KimiK3Config  # noqa: E402
-from rewriter.model.layers import KimiDecoderLayer  # noqa: E402
-from rewriter.compiler.rewrite import is_fused  # noqa: E402
-from rewriter.vllm.experts import ExpertLayoutError, served_expert_format  # noqa: E402
-from rewriter.vllm.guard import KV_CACHE_DTYPES, decide_step  # noqa: E402
-from rewriter.vllm.programs import ProgramError, ProgramSet, bind_layer, build_programs  # noqa: E402
-from rewriter.vllm.runtime import run_layers, stage_inputs  # noqa: E402
-from rewriter.vllm.state import cache_tensors, layer_name, state_inputs  # noqa: E402
 
 B = 4  # the decode batch: vllm_model.SEQ_LENS, one new token per request
 ARCH = "sm_90a"
@@ -311,9 +310,8 @@ def test_a_step_hands_dspark_the_aux_hidden_states_it_asks_for(bf16, monkeypatch
     pending MLP output (vLLM's default), or with ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1`` the next
     layer's AttnRes mix over the blocks written so far; without aux layers, the hidden state
     alone."""
-    from vllm_model import attn_res_in_torch
-
     from rewriter.vllm.runtime import run_stage
+    from vllm_model import attn_res_in_torch
 
     monkeypatch.setenv("VLLM_KIMI_K3_AUX_ATTN_RES_STREAM", str(int(stream_mode)))
     backbone, aux = bf16.model.model, (0, 2, 4)
@@ -654,10 +652,10 @@ def _pp_worker(rank: int, tp: int, pp: int, init_method: str, out_dir: str) -> N
     chain fed by its own chain's previous stage through vLLM's PP group."""
     from vllm.distributed import get_pp_group, get_tp_group
     from vllm.sequence import IntermediateTensors
-    from vllm_model import attn_res_in_torch
 
     from rewriter.vllm.model import RewriterDecode
     from rewriter.vllm.programs import use_tp_group
+    from vllm_model import attn_res_in_torch
 
     model, vc = build_loaded(None, tp=tp, pp=pp, rank=rank, init_method=init_method)
     stage, group = get_pp_group(), get_tp_group()
@@ -908,10 +906,9 @@ def test_speculative_decoding_is_served_at_q_4_and_a_conv_rows_count_the_program
     once vLLM binds its 3 + 3 conv rows per slot (its SD layout, read from vLLM's own flag, not
     guessed from the shape), the kernels asked about that state; programs built for
     one-token steps or for 2 tokens per request are dropped, naming the rows."""
-    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
-
     from rewriter.vllm.guard import deployment_refusals
     from rewriter.vllm.programs import check_cache_layouts
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG, speculative_tokens=VERIFY_Q - 1)
     layers, cfg = decoder_layers(model), text_config(vc)
@@ -954,10 +951,9 @@ def test_the_server_plans_for_its_own_gpus_sms_and_vllms_cache_page_size():
     caches, compiles the kernels that page size needs before any step, on the same cap. Without
     a compile step such layers keep the stock forward, named; on fewer SMs than a step's CTAs
     the MLA layers keep it from the build: never a kernel compiled or declined inside a step."""
-    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
-
     from rewriter.compiler.plan import program_refusal
     from rewriter.vllm.programs import check_cache_layouts
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
     layers, cfg = decoder_layers(model), text_config(vc)
@@ -1011,11 +1007,11 @@ def test_the_plugins_model_state_builds_at_load_and_checks_each_bound_cache(monk
     from vllm.config import CUDAGraphMode, set_current_vllm_config
     from vllm.models.kimi_k3.nvidia.model_state import KimiK3ModelState
     from vllm.v1.worker.gpu.model_states import init_model_state
-    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     import rewriter.vllm.model as plugin
     from rewriter.compiler.plan import program_refusal
     from rewriter.model.pages import vllm_block_size
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     def refuse_as_the_server_does(result, rows):  # compile_with_codegen's check, without compiling
         reason = program_refusal(rows)
@@ -1073,10 +1069,9 @@ def test_vllms_state_layout_is_taken_and_one_the_kernels_cannot_read_is_refused_
     "SD" compiled then, before any step (or, with no compile step or a failed compile, are refused:
     their kernels would compile inside a step), and a state no kernel reads (a strided channel) is
     refused, each naming why: never the reference in a served step."""
-    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
-
     from rewriter.vllm.programs import check_cache_layouts
     from rewriter.vllm.state import cache_tensors
+    from vllm_model import KERNEL_SHAPED_VLLM_CONFIG
 
     model, vc = build_loaded(None, config=KERNEL_SHAPED_VLLM_CONFIG)
     layers, cfg = decoder_layers(model), text_config(vc)

@@ -23,11 +23,11 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
 )
 from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata  # noqa: E402
 
+from rewriter.compiler.pipeline import served_batches  # noqa: E402
 from rewriter.model.config import KimiK3Config  # noqa: E402
 from rewriter.vllm import ARCHITECTURE, register  # noqa: E402
 from rewriter.vllm.guard import StepLog, decide_step, deployment_refusals  # noqa: E402
 from rewriter.vllm.knob import decode_backend  # noqa: E402
-from rewriter.compiler.pipeline import served_batches  # noqa: E402
 
 
 # ---- plugin and registry -----------------------------------------------------------
@@ -215,7 +215,8 @@ def _kda_md(prefills=0, decodes=4, spec=0):
 
 
 def _mla_md(prefills=0, decodes=4, table=None, seq_lens=None, slots=None):
-    decode = MLACommonDecodeMetadata(block_table=table if table is not None else torch.zeros(decodes, 2, dtype=torch.int32),
+    decode = MLACommonDecodeMetadata(block_table=(table if table is not None
+                                                  else torch.zeros(decodes, 2, dtype=torch.int32)),
                                      seq_lens=seq_lens if seq_lens is not None else torch.full((decodes,), 9),
                                      dcp_tot_seq_lens=None)
     return MLACommonMetadata(num_reqs=prefills + decodes, max_query_len=7 if prefills else 1, max_seq_len=9,

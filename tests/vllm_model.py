@@ -29,9 +29,9 @@ programs and the reference layers can, on vLLM's tensors and caches.
 """
 from __future__ import annotations
 
-import importlib
 import contextlib
 import copy
+import importlib
 import json
 import os
 import tempfile
@@ -203,8 +203,7 @@ def make_vllm_config(quant: str | None = None, tp: int = 1, config: dict | None 
     > 0: vLLM's speculative config with that many tokens drafted per step, by n-gram lookup (no draft
     model to load on a CPU; the target's caches and metadata are the same whichever method drafts,
     DSpark on a GPU)."""
-    from vllm.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig)
+    from vllm.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
     raw = copy.deepcopy(config or TINY_VLLM_CONFIG)
     if QUANT_CONFIGS[quant] is not None:
@@ -324,8 +323,8 @@ def build_loaded(quant: str | None = None, *, tp: int = 1, rank: int = 0, init_m
     vc = make_vllm_config(quant, tp, config, kv_cache_dtype, pp, speculative_tokens)
     with set_current_vllm_config(vc):
         init_distributed(tp, rank, init_method, pp)
-        with no_cuda_streams(), _moe_patch(quant), mla_backend_on_cpu(), set_default_torch_dtype(vc.model_config.dtype), \
-                torch.device("cpu"):
+        with no_cuda_streams(), _moe_patch(quant), mla_backend_on_cpu(), \
+                set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vc, model_config=vc.model_config)
         loaded = model.load_weights(iter(make_checkpoint(config, quant, seed).items()))
         missing = {n for n, _ in model.named_parameters()} - set(loaded)
@@ -354,8 +353,11 @@ def bind_caches(model: torch.nn.Module, vc: VllmConfig, num_blocks: int = NUM_BL
     caches allocated and bound (``layer.self_attn.kv_cache``): GPUModelRunner.initialize_kv_cache."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts, record_kv_cache_layout,
-                                                  resolve_kv_cache_layout)
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        record_kv_cache_layout,
+        resolve_kv_cache_layout,
+    )
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 

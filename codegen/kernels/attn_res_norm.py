@@ -46,8 +46,17 @@ import cutlass
 from cutlass import BFloat16, Float32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from codegen.kernels.common import (BITS, VEC, g2r_atom, g2r_stream_atom, push_init, push_received, push_send, r2g_atom,
-                                    r2s_atom)
+from codegen.kernels.common import (
+    BITS,
+    VEC,
+    g2r_atom,
+    g2r_stream_atom,
+    push_init,
+    push_received,
+    push_send,
+    r2g_atom,
+    r2s_atom,
+)
 
 MAX_SOURCES = 9
 

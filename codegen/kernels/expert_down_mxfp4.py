@@ -39,9 +39,23 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import push_buffers, push_init, push_ready, push_received, push_send, push_total
-from codegen.kernels.mxfp4 import (DOWN_WARPS_PER_SM, DOWN_WARPS_PER_SM_SMEM, NO_CARVEOUT_PREFERENCE, ORDERS, copy_from,
-                                   issue_weights, issue_x_pairs, load_b, load_scales, mma_mxfp4, scale_pairs,
-                                   staged_words, tile_mma, warp_registers, weight_staging)
+from codegen.kernels.mxfp4 import (
+    DOWN_WARPS_PER_SM,
+    DOWN_WARPS_PER_SM_SMEM,
+    NO_CARVEOUT_PREFERENCE,
+    ORDERS,
+    copy_from,
+    issue_weights,
+    issue_x_pairs,
+    load_b,
+    load_scales,
+    mma_mxfp4,
+    scale_pairs,
+    staged_words,
+    tile_mma,
+    warp_registers,
+    weight_staging,
+)
 
 TILE = 64
 MAX_KB_PER_WARP = 14
@@ -249,7 +263,8 @@ class ExpertDownMxfp4ByExpert:
         nt0 = (part * W + warp) * self.tiles_per_warp  # the warp's first row tile
 
         smem = SmemAllocator()
-        sRing = smem.allocate_tensor(Int32, cute.make_layout((4, F, 32, W, S), stride=(1, 128, 4, 128 * F, 128 * F * W)),
+        sRing = smem.allocate_tensor(Int32,
+                                     cute.make_layout((4, F, 32, W, S), stride=(1, 128, 4, 128 * F, 128 * F * W)),
                                      byte_alignment=16)
         acc = cute.make_rmem_tensor((4, 4), Float32)
         pairs = cute.make_rmem_tensor((2,), Int32)  # the lane's C columns' pairs (-1: none)
@@ -316,7 +331,8 @@ class ExpertDownMxfp4ByExpert:
         w = wAddr + Int64(grp * (2 * self.w_block_bytes) + t * 512)
         for blk in range(2):
             copy_from(w + blk * self.w_block_bytes, 4, sRing[None, blk, lane, warp, stage])
-        copy_from(sAddr + Int64(grp * self.rows + t * 64), 2, cute.local_tile(sRing[None, 2, lane, warp, stage], (2,), (0,)))
+        copy_from(sAddr + Int64(grp * self.rows + t * 64), 2,
+                  cute.local_tile(sRing[None, 2, lane, warp, stage], (2,), (0,)))
 
     @cute.jit
     def group_mma(self, sRing: cute.Tensor, stage, lane, warp, acc: cute.Tensor):

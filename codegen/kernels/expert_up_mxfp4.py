@@ -36,11 +36,23 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from codegen.kernels.common import (gated_act, push_buffers, push_init, push_ready, push_received, push_send,
-                                    push_total)
-from codegen.kernels.mxfp4 import (NO_CARVEOUT_PREFERENCE, ORDERS, UP_WARPS_PER_SM, UP_WARPS_PER_SM_SMEM, copy_from,
-                                   issue_weights, issue_x_pairs, load_scales, mma_mxfp4, scale_pairs, staged_words,
-                                   tile_mma, warp_registers, weight_staging)
+from codegen.kernels.common import gated_act, push_buffers, push_init, push_ready, push_received, push_send, push_total
+from codegen.kernels.mxfp4 import (
+    NO_CARVEOUT_PREFERENCE,
+    ORDERS,
+    UP_WARPS_PER_SM,
+    UP_WARPS_PER_SM_SMEM,
+    copy_from,
+    issue_weights,
+    issue_x_pairs,
+    load_scales,
+    mma_mxfp4,
+    scale_pairs,
+    staged_words,
+    tile_mma,
+    warp_registers,
+    weight_staging,
+)
 
 TILE = 64  # rows per Humming tile
 MAX_KB_PER_WARP = 14  # 16-byte weight loads per lane held in registers at once
@@ -86,7 +98,8 @@ class ExpertUpMxfp4:
         cluster = [self.cluster, 1, 1] if const_expr(self.cluster > 1) else None
         self.kernel(mX, mIds, mW, mS, mA).launch(grid=[pairs * self.cluster, self.ctiles, 1],
                                                  block=[32 * self.warps, 1, 1], cluster=cluster, stream=stream,
-                                                 use_pdl=True, min_blocks_per_mp=max(1, self.warps_per_sm // self.warps),
+                                                 use_pdl=True,
+                                                 min_blocks_per_mp=max(1, self.warps_per_sm // self.warps),
                                                  preferred_smem_carveout=NO_CARVEOUT_PREFERENCE)
 
     def roles(self, ctile, rank, lane):
@@ -401,7 +414,8 @@ def build(spec) -> tuple[ExpertUpMxfp4, tuple]:
     if not by_expert:
         return kernel, (x, make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8), *weights, act, stream)
     # the plan: counts [E + 1], chosen [E], lists [E, cap]; the records for the down stage [E + 1]
-    plan = (make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4), make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
+    plan = (make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4),
+            make_fake_tensor(Int32, (e,), (1,), assumed_align=4),
             make_fake_tensor(Int32, (e, by_expert), (by_expert, 1), assumed_align=4),
             make_fake_tensor(Int32, (e + 1,), (1,), assumed_align=4))
     return kernel, (x, *plan, *weights, act, stream)

@@ -276,7 +276,7 @@ class SkinnyGemm:
             if x_ok[j]:
                 for s in cutlass.range_constexpr(S - 1):
                     cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
-        for s in cutlass.range_constexpr(S - 1):
+        for _ in cutlass.range_constexpr(S - 1):
             cute.arch.cp_async_commit_group()
         # the residuals this thread adds in the epilogue, read now: after the sums their load would
         # be one more round trip before the stores

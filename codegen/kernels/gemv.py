@@ -176,7 +176,8 @@ class Gemv:
             rXa = cute.make_rmem_tensor((VEC, S, TC), BFloat16)
             for s in cutlass.range_constexpr(S):
                 for t in cutlass.range_constexpr(TC):
-                    cute.copy(g2r_atom(BFloat16, invariant=False), cute.local_tile(mX[self.x_row(0, t), None], (VEC,), ((ks * S + s) * 32 + lane,)),
+                    cute.copy(g2r_atom(BFloat16, invariant=False),
+                              cute.local_tile(mX[self.x_row(0, t), None], (VEC,), ((ks * S + s) * 32 + lane,)),
                               rXa[None, s, t])
         cute.arch.griddepcontrol_launch_dependents()
 

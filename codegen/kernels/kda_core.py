@@ -266,8 +266,8 @@ class KdaCore:
                 upcoming = after
                 beta = beta_next
         else:  # one CTA per item, its inputs read where it uses them
-            self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh, cta // H,
-                      head, 0, tidx, rFb, rConvW, slot0, Float32(0.0), rS0, rNorm)
+            self.item(mQKV, mGOut, mFa, mBeta, mFbW, decay_a, dt, mNormW, mConvS, mState, mIdx, mAcc, mOut, sh,
+                      cta // H, head, 0, tidx, rFb, rConvW, slot0, Float32(0.0), rS0, rNorm)
 
     def shared(self) -> Shared:
         """The kernel's shared memory. Per-thread copies are laid out [vector, thread, ...] so
@@ -461,8 +461,10 @@ class KdaCore:
                 gCS = mConvS[slot, None]
                 for u in cutlass.range_constexpr(3):
                     cute.copy(g2s_atom(BFloat16, CONV_BITS),
-                              cute.local_tile(gCS, (CONV_CH,), (self.conv_vector(ch0, u),)), sh.conv_s[None, tidx, u, buf])
-                cute.copy(g2s_atom(BFloat16, CONV_BITS), cute.local_tile(mQKV[req, None], (CONV_CH,), (ch0 // CONV_CH,)),
+                              cute.local_tile(gCS, (CONV_CH,), (self.conv_vector(ch0, u),)),
+                              sh.conv_s[None, tidx, u, buf])
+                cute.copy(g2s_atom(BFloat16, CONV_BITS),
+                          cute.local_tile(mQKV[req, None], (CONV_CH,), (ch0 // CONV_CH,)),
                           sh.x[None, tidx, buf])
             if tidx < OUT_THREADS:
                 cute.copy(g2s_atom(BFloat16), cute.local_tile(mGOut[req, None], (VEC,), (head * OUT_THREADS + tidx,)),

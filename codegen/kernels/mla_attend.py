@@ -93,7 +93,8 @@ ROW_VECS = 9  # 16-byte vectors of an entry a thread loads (72 of a bf16 entry o
 ELEMS = 8  # latent values per combine unit
 LAT_VECS = L // ELEMS  # 64 combine units per (request, head)
 WUV_CHUNK = 8  # requests whose latents a warp loads at once in the W_UV stage (16 x 16 bytes a lane)
-WUV_HELD_ROWS = 2  # W_UV rows a warp loads before the wait and holds (TP 8 and 16 hold all theirs; the rest after the barrier)
+# W_UV rows a warp loads before the wait and holds (TP 8 and 16 hold all theirs; the rest after the barrier)
+WUV_HELD_ROWS = 2
 # warpgroups of 8 warps a CTA: with 2, each walks every other tile of the split's share, so an SM
 # runs two tiles' dependent chains side by side (its W_UV rows wait in shared memory instead of
 # registers: 512 threads leave 128 registers a thread); 1 where the shared memory does not hold both
@@ -369,7 +370,8 @@ class MlaAttend:
         sQ = smem.allocate_tensor(BFloat16, cute.make_layout((MAX_HEADS, E), stride=(ROW, 1)), byte_alignment=16)
         sPart = smem.allocate_tensor(Float32, cute.make_layout((WG, K_WARPS, MAX_HEADS, TILE), stride=(
             K_WARPS * MAX_HEADS * PART_ROW, MAX_HEADS * PART_ROW, PART_ROW, 1)), byte_alignment=16)
-        sP = smem.allocate_tensor(BFloat16, cute.make_layout((WG, MAX_HEADS, TILE), stride=(MAX_HEADS * P_ROW, P_ROW, 1)),
+        sP = smem.allocate_tensor(BFloat16,
+                                  cute.make_layout((WG, MAX_HEADS, TILE), stride=(MAX_HEADS * P_ROW, P_ROW, 1)),
                                   byte_alignment=16)
         sStat = smem.allocate_tensor(Float32, cute.make_layout((WG, 3, MAX_HEADS)), byte_alignment=16)  # max, sum, corr
 

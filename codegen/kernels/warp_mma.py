@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from cutlass import Float32, Int32, cute
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T as IrT, dsl_user_op
+from cutlass.cutlass_dsl import T as IrT
+from cutlass.cutlass_dsl import dsl_user_op
 
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, " \
       "{$0, $1, $2, $3};"

@@ -74,4 +74,5 @@ def _attn_res_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], ou
 
 
 TEMPLATE = Template("attn_res_norm", ("k3f::attn_res_norm",), _attn_res_spec, _attn_res_runtime, _attn_res_launch,
-                    doc="AttnRes mix over <= 9 sources + RMSNorm, block write and new prefix; a cluster of CTAs per token")
+                    doc="AttnRes mix over <= 9 sources + RMSNorm, block write and new prefix; "
+                        "a cluster of CTAs per token")

@@ -23,12 +23,19 @@ from typing import Any
 
 import torch
 
-from codegen.targets import MAX_TOKENS
-from codegen.launchers.experts import (MAX_CHUNK, one_expert_gemm_launch, one_expert_gemm_specs, one_expert_launch,
-                                      one_expert_runtime, one_expert_specs, shared_tiling)
-from codegen.spec import KernelSpec
-from codegen.template import Template
 from codegen.host import host
+from codegen.launchers.experts import (
+    MAX_CHUNK,
+    one_expert_gemm_launch,
+    one_expert_gemm_specs,
+    one_expert_launch,
+    one_expert_runtime,
+    one_expert_specs,
+    shared_tiling,
+)
+from codegen.spec import KernelSpec
+from codegen.targets import MAX_TOKENS
+from codegen.template import Template
 
 DENSE_MAX_TOKENS = 8  # the GEMV kernels' range; the rules give them 1 token (patterns.dense_mlp.DENSE_SMALL_MAX)
 DENSE_GEMM_TOKENS = (2, MAX_TOKENS)  # patterns.dense_mlp.DENSE_SMALL_MAX + 1 ..; tried before the GEMV

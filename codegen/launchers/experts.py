@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from codegen.targets import MAX_TOKENS
 from codegen.launchers.gemm_specs import gemm_call, gemm_spec
 from codegen.spec import KernelSpec
+from codegen.targets import MAX_TOKENS
 from codegen.template import Template, aligned, check_tensors, require_outside_capture, shape_is
 
 EXPERTS_MAX_TOKENS = MAX_TOKENS  # decode batches; larger ones want a grouped GEMM

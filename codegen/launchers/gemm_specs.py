@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from codegen.targets import MAX_TOKENS
 from codegen.spec import KernelSpec
+from codegen.targets import MAX_TOKENS
 
 GEMM_ROWS_PER_CTA = 128
 GEMM_TILE_K = 64  # codegen/kernels/gemm.py: K per pipeline stage
@@ -52,17 +52,19 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     ``WHOLE_K_MAX_SHARE`` of the SMs (the router: 40 to 72 CTAs), whose ring holds every K tile
     of a CTA as far as one CTA's shared memory goes: all its weight tiles are in flight before
     ``griddepcontrol.wait`` and all its x tiles right after it, one round trip instead of three
-    (on the H200 the router ends 2.5 to 6 us sooner in a layer's graph replay; docs/FEWER_STEPS.md); grids of at most ``ONE_WAVE_MAX_SHARE`` of the SMs in clusters of at
+    (on the H200 the router ends 2.5 to 6 us sooner in a layer's graph replay;
+    docs/FEWER_STEPS.md); grids of at most ``ONE_WAVE_MAX_SHARE`` of the SMs in clusters of at
     most 2 (the dense down stage's 112 CTAs) get one SM each anyway, so their ring is sized for
     one CTA an SM (up to ``ONE_WAVE_STAGES``): twice the bytes in flight of the two-CTA ring
-    (layer 0 at TP 16, 8 tokens: 4.3 us faster in an A/B, docs/CODEGEN.md); two token groups of 4 warps (2 on
-    32-row tiles) where the token tile is a multiple of 32 and the grid is one CTA an SM at
-    most, so each warp's MMA chain is half as long (the input projection's 208 CTAs keep one
-    group: with 8 warps its registers hold one CTA an SM, and it ran 1 us slower). ``glu``: a
-    CTA's rows are half gate, half up rows, so it writes half as many outputs. ``weights``:
-    the row counts of two weights whose tiles do not mix (``second_weight``). ``norm``: the
-    RMSNorm prologue's shared memory (``norm_bytes``) comes out of the one-CTA ring's (the dense
-    down stage at TP 3 asked for 64 bytes more than a CTA may have, and failed at its launch)."""
+    (layer 0 at TP 16, 8 tokens: 4.3 us faster in an A/B, docs/CODEGEN.md); two token groups
+    of 4 warps (2 on 32-row tiles) where the token tile is a multiple of 32 and the grid is one
+    CTA an SM at most, so each warp's MMA chain is half as long (the input projection's 208
+    CTAs keep one group: with 8 warps its registers hold one CTA an SM, and it ran 1 us
+    slower). ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many
+    outputs. ``weights``: the row counts of two weights whose tiles do not mix
+    (``second_weight``). ``norm``: the RMSNorm prologue's shared memory (``norm_bytes``) comes
+    out of the one-CTA ring's (the dense down stage at TP 3 asked for 64 bytes more than a CTA
+    may have, and failed at its launch)."""
     token_tile = -(-tokens // 16) * 16
     groups = 2 if token_tile % 32 == 0 else 1
     k_tiles = k // GEMM_TILE_K

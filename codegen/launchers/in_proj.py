@@ -18,7 +18,6 @@ from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
 
-
 GEMV_MAX_TOKENS = 8
 GEMM_MIN_TOKENS = 2  # patterns.input_projection.SMALL_MAX + 1; the GEMM is tried before the GEMV
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from codegen.targets import MAX_Q
 from codegen.host import host
 from codegen.spec import KernelSpec
+from codegen.targets import MAX_Q
 from codegen.template import Template, aligned, check_tensors, dtype_name, shape_is, sm_count
 
 KDA_HEAD_DIM = 128  # codegen/kernels/kda_core.py: 4 threads x 32 fp32 per state row, 512 threads

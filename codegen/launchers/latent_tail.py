@@ -28,7 +28,8 @@ def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
         return f"routed must be [tokens, {latent}], got {tuple(routed.shape)}"
     t = routed.shape[0]
     named = {"norm_weight": norm_weight, "up_weight": up_weight}
-    if not host().collective_runs(tp):  # read in place; at TP > 1 the kernel reads views of the all-reduced [routed | shared]
+    # read in place; at TP > 1 the kernel reads views of the all-reduced [routed | shared]
+    if not host().collective_runs(tp):
         named.update(routed=routed, shared=shared)
     reason = check_tensors(named, torch.bfloat16)
     if reason:

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from codegen.targets import MAX_Q, MAX_TOKENS
 from codegen.host import host
 from codegen.spec import KernelSpec
+from codegen.targets import MAX_Q, MAX_TOKENS
 from codegen.template import Template, aligned, dtype_name, require_outside_capture, shape_is, target_sms
 
 MLA_LATENT, MLA_ROPE, MLA_V_DIM, MLA_NOPE = 512, 64, 128, 128  # codegen/kernels/mla_attend.py
@@ -51,7 +51,8 @@ def _mla_attend_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpe
                 f"{MLA_LATENT}")
     e = MLA_LATENT + MLA_ROPE
     if mqa_q.dtype != torch.bfloat16 or not mqa_q.is_contiguous() or mqa_q.dim() != 3:
-        return f"mqa_q must be a contiguous bf16 [tokens, heads, {e}], got {dtype_name(mqa_q.dtype)} {tuple(mqa_q.shape)}"
+        return (f"mqa_q must be a contiguous bf16 [tokens, heads, {e}], "
+                f"got {dtype_name(mqa_q.dtype)} {tuple(mqa_q.shape)}")
     t = mqa_q.shape[0]
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
         return f"seq_lens must be int32 [requests], got {dtype_name(seq_lens.dtype)} {tuple(seq_lens.shape)}"

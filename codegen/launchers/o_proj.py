@@ -14,8 +14,8 @@ import torch
 
 from codegen.host import host
 from codegen.launchers import attn_res_norm
-from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
+from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
 

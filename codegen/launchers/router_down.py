@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
+from codegen.host import host
 from codegen.launchers.gemm_specs import GEMM_MAX_TOKENS, gemm_call, gemm_spec
 from codegen.launchers.gemv_specs import GEMV_MAX_TOKENS, gemv_spec
 from codegen.spec import KernelSpec
 from codegen.template import Template, aligned, check_tensors
-from codegen.host import host
 
 # tensor cores from here: on the H200 (examples/bench_kernels.py --only router, 2026-12-02) the GEMM
 # took 5.4 / 5.6 us at 8 tokens against the GEMV's 5.9 / 7.1 (TP 16 / TP 8), 5.6 / 6.0 against

@@ -10,7 +10,6 @@ import torch
 from codegen.spec import KernelSpec
 from codegen.template import Template, check_tensors
 
-
 ROUTER_MAX_EXPERTS = 8192  # codegen/kernels/router_topk.py: at most 8 experts per thread of 1024
 ROUTER_MAX_TOP_K = 32  # the weights are summed by one warp
 
@@ -65,4 +64,5 @@ def _router_topk_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
 
 TEMPLATE = Template("router_topk", ("k3f::router_topk",), _router_topk_spec, _router_topk_runtime,
                     _router_topk_launch,
-                    doc="sigmoid + bias top-k (per-warp rounds of redux.sync + ballot, then a rank merge), renormalized weights; one CTA per token")
+                    doc="sigmoid + bias top-k (per-warp rounds of redux.sync + ballot, then a rank merge), "
+                        "renormalized weights; one CTA per token")

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from rewriter.compiler.cost import H200_COPY_TBPS, hbm_us
 from rewriter.commands.variant import kernel_sources_swapped, kernel_variant_files
+from rewriter.compiler.cost import H200_COPY_TBPS, hbm_us
 
 L2_BYTES = 50 * 2**20  # H200: 50 MiB
 PATHS = ("rewritten", "vllm-stock", "eager", "cuda graph", "torch.compile")
@@ -506,7 +506,8 @@ class _Captured:
             progress(f"    between layers: {us - sum(a for *_, a in timeline):.1f} us (the figure less the span)")
         if gaps:
             progress(f"    between layers, profiled: median {statistics.median(gaps):.1f} us from one layer's last "
-                     f"end to the next's first start (min {min(gaps):.1f}, max {max(gaps):.1f}, {len(gaps)} boundaries)")
+                     f"end to the next's first start (min {min(gaps):.1f}, max {max(gaps):.1f}, "
+                     f"{len(gaps)} boundaries)")
         if periods:
             mean = statistics.fmean(periods)
             progress(f"    the profiled replay: {mean:.1f} us a layer from its first kernel's start "
@@ -519,10 +520,10 @@ class _Captured:
 def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
                 progress: Callable[[str], None]) -> list[Row]:
     from rewriter.compiler.plan import install_kernels, plan
-    from rewriter.model.layers import build_layer
     from rewriter.compiler.rewrite import rewrite
-    from rewriter.model.shape import DecodeShape
     from rewriter.compiler.trace import trace
+    from rewriter.model.layers import build_layer
+    from rewriter.model.shape import DecodeShape
 
     meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch, q=args.q, context=args.context,
                              kv_cache_dtype=args.kv_cache_dtype)
@@ -718,8 +719,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(json.dumps(run, indent=1))
     else:
         kind = cfg.layer_kind(args.layer)
-        mla = f", context {args.context}, {args.kv_cache_dtype} latent cache" if cfg.attention_kind(args.layer) == "mla" \
-            else ""
+        mla = (f", context {args.context}, {args.kv_cache_dtype} latent cache"
+               if cfg.attention_kind(args.layer) == "mla" else "")
         verify = f"verify steps of {args.q} tokens per request; " if args.q > 1 else ""
         print(render(rows, device, args.experts, f"layer {args.layer} ({kind}{mla}); {verify}", floor_at))
     return 0

@@ -4,14 +4,30 @@ The peer a Hopper user has is not our reference layer but vLLM's stock decode. I
 cannot all run without vllm (the GPU machine has none), so the layer is lowered onto the
 closest ones that can, the reference graph retargeted node by node:
 
-| part | vLLM 0.33 on sm_90 | here |
-|---|---|---|
-| routed experts | Humming MXFP4 MoE: align, w13 GEMM, SiTU, w2 GEMM, weighted sum | Humming's own w13 / SiTU / w2 kernels; the alignment (vLLM's CUDA ``moe_align_block_size``) in torch ops Inductor compiles, the weighted sum (vLLM's Triton ``moe_fused_mul_sum``) in torch ops |
-| KDA recurrent step | vLLM's Triton packed decode kernel (TP 16) or its CUDA fused decode (12/24/48/96 local heads: TP 8) | flash-linear-attention's Triton ``fused_recurrent_kda`` (fla-core), state read and written in vLLM's pages |
-| projections | cuBLAS (or vLLM's CuTe skinny GEMM where its table has the shape) | cuBLAS, through torch.compile |
-| router gate | vLLM's CuTe bf16 GEMM with fp32 output | cuBLAS bf16 GEMM with fp32 output (``aten::mm.dtype``; the reference widens the weight to fp32 first) |
-| AttnRes, norms, KDA conv update, router top-k, SiTU of the shared experts | vLLM's CUDA / Triton custom ops | the reference's torch ops, fused by Inductor (the conv update's batched form, traced, not its opaque op) |
-| MLA decode | FA3-MLA (bf16) or FlashMLA (fp8) | not run: refused by name |
+routed experts
+    vLLM 0.33 on sm_90: Humming MXFP4 MoE: align, w13 GEMM, SiTU, w2 GEMM, weighted sum
+    here: Humming's own w13 / SiTU / w2 kernels; the alignment (vLLM's CUDA
+    ``moe_align_block_size``) in torch ops Inductor compiles, the weighted sum (vLLM's Triton
+    ``moe_fused_mul_sum``) in torch ops
+KDA recurrent step
+    vLLM 0.33 on sm_90: vLLM's Triton packed decode kernel (TP 16) or its CUDA fused decode
+    (12/24/48/96 local heads: TP 8)
+    here: flash-linear-attention's Triton ``fused_recurrent_kda`` (fla-core), state read and
+    written in vLLM's pages
+projections
+    vLLM 0.33 on sm_90: cuBLAS (or vLLM's CuTe skinny GEMM where its table has the shape)
+    here: cuBLAS, through torch.compile
+router gate
+    vLLM 0.33 on sm_90: vLLM's CuTe bf16 GEMM with fp32 output
+    here: cuBLAS bf16 GEMM with fp32 output (``aten::mm.dtype``; the reference widens the weight
+    to fp32 first)
+AttnRes, norms, KDA conv update, router top-k, SiTU of the shared experts
+    vLLM 0.33 on sm_90: vLLM's CUDA / Triton custom ops
+    here: the reference's torch ops, fused by Inductor (the conv update's batched form, traced,
+    not its opaque op)
+MLA decode
+    vLLM 0.33 on sm_90: FA3-MLA (bf16) or FlashMLA (fp8)
+    here: not run: refused by name
 
 The lowered graph is compiled with ``torch.compile`` (Inductor's default mode, as vLLM
 compiles; the Humming and fla calls are opaque custom ops) and captured in a CUDA graph by the
@@ -26,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from rewriter.model.ops import conv_update_batched
 from rewriter.compiler.rules import RuleSet
+from rewriter.model.ops import conv_update_batched
 
 HUMMING_LOCK_SLOTS_PER_SM = 8  # Humming's stream-K locks (as vLLM allocates them)
 

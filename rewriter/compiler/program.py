@@ -23,7 +23,6 @@ from torch import fx
 from rewriter.compiler.rewrite import RewriteResult
 from rewriter.compiler.schedule import Schedule, build_schedule
 
-
 _AUX_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 

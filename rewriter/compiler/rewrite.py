@@ -15,7 +15,6 @@ values are used outside it is not a match. What is added here, and why:
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +24,9 @@ from torch import fx
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from rewriter.compiler.cost import floor_bytes, group_bytes, is_gathered, weight_uses
-from rewriter.model.layers.state import decode_inputs
 from rewriter.compiler.rules import Match, Rule, RuleContext, RuleError, RuleSet
 from rewriter.compiler.trace import LayerGraph, propagate_meta, trace_function
+from rewriter.model.layers.state import decode_inputs
 
 FUSED_NAMESPACE = "k3f"
 

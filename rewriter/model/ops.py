@@ -29,8 +29,8 @@ all-reduce becomes a copy and the gather repeats the local share (shapes right, 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -29,16 +29,29 @@ from vllm.models.kimi_k3.nvidia.model import KimiLinearForCausalLM
 from codegen.targets import arch_of
 from codegen.template import sm_count
 from codegen.templates import make_workspaces
-from rewriter.model.config import KimiK3Config
-from rewriter.model.pages import vllm_block_size
 from rewriter.compiler.pipeline import served_batches
 from rewriter.compiler.program_cache import ProgramCache
-from rewriter.vllm.guard import (KV_CACHE_DTYPES, StepDecision, StepLog, check_deployment,
-                                 cudagraph_mode_refusals, decide_step, tokens_per_request)
+from rewriter.model.config import KimiK3Config
+from rewriter.model.pages import vllm_block_size
 from rewriter.vllm.experts import select_moe_backend
+from rewriter.vllm.guard import (
+    KV_CACHE_DTYPES,
+    StepDecision,
+    StepLog,
+    check_deployment,
+    cudagraph_mode_refusals,
+    decide_step,
+    tokens_per_request,
+)
 from rewriter.vllm.knob import REWRITER, decode_backend
-from rewriter.vllm.programs import (ProgramSet, build_programs, check_cache_layouts, compile_specs_with_codegen,
-                                    compile_with_codegen, use_tp_group)
+from rewriter.vllm.programs import (
+    ProgramSet,
+    build_programs,
+    check_cache_layouts,
+    compile_specs_with_codegen,
+    compile_with_codegen,
+    use_tp_group,
+)
 from rewriter.vllm.runtime import run_stage
 
 log = logging.getLogger("rewriter.vllm")

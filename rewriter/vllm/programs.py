@@ -26,17 +26,17 @@ from torch import fx, nn
 
 from codegen.spec import KernelSpec
 from codegen.targets import MAX_Q, MAX_TOKENS
-from rewriter.model.config import KimiK3Config
-from rewriter.model.layers import KimiDecoderLayer, build_layer
 from rewriter.compiler.plan import install_kernels, plan, program_refusal
-from rewriter.model.layers.experts import ExpertFormat, mxfp4_scale_refusal
-from rewriter.model.layers.state import conv_layout_of
 from rewriter.compiler.program import LayerRunner
 from rewriter.compiler.program_cache import ProgramCache, rewrite_cached
 from rewriter.compiler.rewrite import RewriteResult, is_fused
 from rewriter.compiler.schedule import Schedule, build_schedule
-from rewriter.model.shape import DecodeShape
 from rewriter.compiler.trace import propagate_meta
+from rewriter.model.config import KimiK3Config
+from rewriter.model.layers import KimiDecoderLayer, build_layer
+from rewriter.model.layers.experts import ExpertFormat, mxfp4_scale_refusal
+from rewriter.model.layers.state import conv_layout_of
+from rewriter.model.shape import DecodeShape
 from rewriter.vllm.experts import ExpertLayoutError, served_expert_format
 from rewriter.vllm.state import cache_tensors
 

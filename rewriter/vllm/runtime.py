@@ -29,7 +29,6 @@ from torch import nn
 from rewriter.vllm.programs import ProgramSet
 from rewriter.vllm.state import state_inputs
 
-
 AuxHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (layer_idx, prefix, hidden, blocks)
 
 

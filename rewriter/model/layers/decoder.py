@@ -124,7 +124,8 @@ class KDADecoderLayer(KimiDecoderLayer):
                 ) -> tuple[Tensor, Tensor, Tensor]:
         """``num_accepted`` given: a speculative verify step (``state_indices`` [requests, q])."""
         state = (conv_state, recurrent_state, state_indices)
-        return self._forward(hidden_states, prefix_sum, blocks, state if num_accepted is None else (*state, num_accepted))
+        return self._forward(hidden_states, prefix_sum, blocks,
+                             state if num_accepted is None else (*state, num_accepted))
 
 
 class MLADecoderLayer(KimiDecoderLayer):

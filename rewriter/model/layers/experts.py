@@ -80,7 +80,8 @@ class ExpertFormat:
         if k % GROUP:
             raise ExpertFormatError(f"MXFP4 needs K a multiple of {GROUP}, got {k}")
         if self.layout == "checkpoint":
-            return {"weight": ((experts, n, k // 2), torch.uint8), "weight_scale": ((experts, n, k // GROUP), torch.uint8)}
+            return {"weight": ((experts, n, k // 2), torch.uint8),
+                    "weight_scale": ((experts, n, k // GROUP), torch.uint8)}
         if n % HUMMING_TILE_N or k % HUMMING_TILE_K:
             raise ExpertFormatError(f"Humming's layout needs N a multiple of {HUMMING_TILE_N} and K of "
                                     f"{HUMMING_TILE_K}, got N {n}, K {k}")

@@ -2,10 +2,10 @@
 
 Laid out as vLLM lays them out: KDA state in one page per slot (the conv state in the
 shape's layout, then the recurrent state: neither contiguous across slots), state
-indices per request (slot 0 is vLLM's null block, never a request's); MLA latent cache in pages of ``block_size`` tokens with a block
-table, cached lengths and the slots of this step's tokens. On the meta device only
-shapes are made; elsewhere values are random (and indices a random permutation, so a
-layer that ignored the indirection would fail).
+indices per request (slot 0 is vLLM's null block, never a request's); MLA latent cache in
+pages of ``block_size`` tokens with a block table, cached lengths and the slots of this
+step's tokens. On the meta device only shapes are made; elsewhere values are random (and
+indices a random permutation, so a layer that ignored the indirection would fail).
 """
 from __future__ import annotations
 
