@@ -121,3 +121,66 @@ def test_one_rank_of_is_a_tp1_model_with_one_ranks_shapes(k3):
             assert getattr(one, field) == getattr(rank, field), (tp, field)
     with pytest.raises(ConfigError):
         k3.one_rank_of(7)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda t: t.update(vocab_size=0), "field vocab_size must be positive, got 0"),
+    (lambda t: t.update(rms_norm_eps=float("nan")), "field rms_norm_eps must be a finite number, got nan"),
+    (lambda t: t.update(rms_norm_eps=float("inf")), "field rms_norm_eps must be a finite number, got inf"),
+    (lambda t: t.update(routed_scaling_factor=float("inf")),
+     "field routed_scaling_factor must be a finite number, got inf"),
+    (lambda t: t.update(routed_scaling_factor=float("nan")),
+     "field routed_scaling_factor must be a finite number, got nan"),
+    (lambda t: t.update(activation_situ_linear_beta=float("-inf")),
+     "field activation_situ_linear_beta must be a finite number, got -inf"),
+    (lambda t: t.update(activation_situ_beta=10 ** 400), "field activation_situ_beta must be a finite number"),
+    (lambda t: t["linear_attn_config"].update(gate_lower_bound=float("nan")),
+     "field linear_attn_config.gate_lower_bound must be a finite number, got nan"),
+])
+def test_unusable_numbers_are_named(mutate, message):
+    """A zero vocabulary or a float that is NaN or infinite (a JSON file may hold NaN and Infinity)
+    fails at load time, naming the field and the value."""
+    t = _text()
+    mutate(t)
+    with pytest.raises(ConfigError) as e:
+        KimiK3Config.from_dict(t, name="bad.json")
+    assert message in str(e.value) and "bad.json" in str(e.value)
+
+
+def test_nan_and_infinity_in_the_file_are_refused(tmp_path):
+    text = json.dumps(_text()).replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN')
+    assert "NaN" in text
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match="field rms_norm_eps must be a finite number, got nan"):
+        KimiK3Config.load(str(tmp_path))
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(json.dumps(_text()).encode("utf-16"))
+    with pytest.raises(ConfigError) as e:
+        KimiK3Config.load(str(path))
+    assert str(e.value).startswith(f"{path}: not UTF-8 text") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mutate,first", [
+    # 1000 layers, 93 of them listed: 907 in neither list
+    (lambda t: t.update(num_hidden_layers=1000),
+     "layers [94, 95, 96, 97, 98, 99, 100, 101, ... (907 in all)] are in neither"),
+    # every KDA layer listed past the 93
+    (lambda t: t["linear_attn_config"].update(kda_layers=[x + 1000 for x in t["linear_attn_config"]["kda_layers"]]),
+     "linear_attn_config.kda_layers holds entries outside 1..93: [1001, 1002, 1003, 1005, 1006, 1007, 1009, 1010, "
+     "... (69 in all)]"),
+    (lambda t: t["linear_attn_config"].update(full_attn_layers=list(range(1, 94))),
+     "layers [1, 2, 3, 5, 6, 7, 9, 10, ... (69 in all)] are in both"),
+    (lambda t: t["linear_attn_config"].update(kda_layers="1," * 2000),
+     "field linear_attn_config.kda_layers must be list, got '1,1,1,"),
+])
+def test_long_layer_lists_are_cut_short(mutate, first):
+    """An error about a layer list names its first few entries and how many there are, on one
+    short line (not thousands of numbers)."""
+    t = _text()
+    mutate(t)
+    with pytest.raises(ConfigError) as e:
+        KimiK3Config.from_dict(t, name="bad.json")
+    assert first in str(e.value) and len(str(e.value)) < 300, str(e.value)[:400]

@@ -1,13 +1,15 @@
 """Command line: ``python -m rewriter inspect`` (also the ``k3-rewriter`` console script).
 
 Bad input (unknown model, layer out of range, a TP size that does not divide the
-model, a bad batch) ends with one line naming the problem and exit status 2.
+model, a bad batch) ends with one line naming the problem and exit status 2. Output into
+a pipe whose reader stops early (``| head -3``) ends quietly with exit status 141
+(128 + SIGPIPE, what a shell reports for ``yes | head -3``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-
 import warnings
 
 # torch warns at import when NumPy is absent; nothing here uses NumPy, so keep the CLI's output clean
@@ -22,6 +24,8 @@ from rewriter.commands.variant import VariantError  # noqa: E402
 from rewriter.compiler.rules import RuleError  # noqa: E402
 from rewriter.model.config import ConfigError  # noqa: E402
 from rewriter.model.shape import ShapeError  # noqa: E402
+
+SIGPIPE_STATUS = 141  # 128 + SIGPIPE (13): the status of a command a closed pipe stopped
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,8 +42,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"compile": run_compile, "bench": run_bench, "inspect": run_inspect,
-                "decode": run_decode, "fuzz": run_fuzz}[args.command](args)
+        status = {"compile": run_compile, "bench": run_bench, "inspect": run_inspect,
+                  "decode": run_decode, "fuzz": run_fuzz}[args.command](args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is met where it is caught
+        return status
+    except BrokenPipeError:
+        # the reader stopped early: stop quietly, and point stdout at /dev/null so that the
+        # interpreter's own flush at exit does not report the broken pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_STATUS
     except (ConfigError, ShapeError, RuleError, VariantError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

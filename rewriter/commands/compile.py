@@ -96,8 +96,8 @@ def run_compile(args: argparse.Namespace) -> int:
     out = sys.stdout
     head = (f"{args.model} layer {args.layer} ({result.before.kind}), TP {args.tp} "
             f"rank {args.rank}, batch {args.batch} x q {args.q} = {shape.tokens} tokens, {args.dtype}, "
-            f"{args.arch}{f' ({args.sms} SMs)' if args.sms else ''}: {len(rows)} scheduled ops, {len(pending)} with a CuTe DSL template "
-            f"({sum(len(r['specs']) for r in pending)} kernels)")
+            f"{args.arch}{f' ({args.sms} SMs)' if args.sms else ''}: {len(rows)} scheduled ops, {len(pending)} with a "
+            f"CuTe DSL template ({sum(len(r['specs']) for r in pending)} kernels)")
     reason = None if args.dry_run or not pending else available()
     if reason:
         print(f"error: cannot compile CuTe DSL kernels: {reason}", file=sys.stderr)
@@ -138,7 +138,8 @@ def run_compile(args: argparse.Namespace) -> int:
     hits = sum(st["cache"] == "hit" for st in done)
     no_tpl = sum(r["status"] == "no_template" for r in rows)
     planned = sum(r["status"] == "planned" for r in rows)
-    summary = (f"{len(done)} compiled ({len(done) - hits} cache miss, {hits} hit){f', {planned} planned (dry run)' if planned else ''} in "
+    dry = f", {planned} planned (dry run)" if planned else ""
+    summary = (f"{len(done)} compiled ({len(done) - hits} cache miss, {hits} hit){dry} in "
                f"{time.perf_counter() - t0:.2f}s; {no_tpl} fused ops without a template yet; "
                f"{sum(r['status'] == 'stock' for r in rows)} stock; {failed} failed; cache {cache.root}")
     if args.json:

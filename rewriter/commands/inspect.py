@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,8 +42,8 @@ def _pair(path: Path) -> tuple[Path, Path]:
 
 def run_inspect_all(args: argparse.Namespace) -> int:
     """Every layer of the model, each distinct layer structure traced and rewritten once."""
-    from rewriter.model.layers.decoder import layer_structures
     from rewriter.commands.report import build_model_report, layer_row, render_model_table
+    from rewriter.model.layers.decoder import layer_structures
 
     single = [f"--{n}" for n in ("dot", "png", "graph", "nodes") if getattr(args, n)]
     if single:
@@ -66,12 +67,12 @@ def run_inspect_all(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from rewriter.commands.report import build_report, render_table, to_dot
 
+    if not (math.isfinite(args.hbm_tbps) and args.hbm_tbps > 0):
+        raise ShapeError(f"--hbm-tbps must be positive and finite, got {args.hbm_tbps}")
     if args.all_layers:
         return run_inspect_all(args)
     if args.sms is not None:
         raise ShapeError("--sms goes with --all-layers (one layer's table plans no kernels; compile --sms does)")
-    if args.hbm_tbps <= 0:
-        raise ShapeError(f"--hbm-tbps must be positive, got {args.hbm_tbps}")
     if args.png and shutil.which("dot") is None:
         raise ShapeError("--png needs Graphviz's dot on PATH (apt-get install graphviz); --dot writes the source")
     result = layer_of(args)

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from codegen.targets import ARCHES
+from patterns import default_rules
 from rewriter.compiler.pipeline import decode_shape, rewritten_layer
 from rewriter.compiler.rewrite import RewriteResult
-from patterns import default_rules
 from rewriter.compiler.rules import RuleSet, load_rules_file
 from rewriter.model.config import PRESETS, KimiK3Config
 from rewriter.model.shape import CONV_LAYOUTS, KV_CACHE_DTYPES, DecodeShape
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# bf16 only: the released model and every kernel are bf16, and the vLLM plugin refuses other dtypes
+DTYPES = {"bf16": torch.bfloat16}
 
 
 def _positive_int(text: str) -> int:
@@ -42,7 +44,8 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
                    help="MLA cache page size (default: the page vLLM binds for the model, TP, cache dtype and "
                         "draft tokens, rewriter/model/pages.py; Kimi K3 at TP 16: 384 bf16, 768 fp8)")
     p.add_argument("--arch", choices=ARCHES, default="sm_100a", help="GPU architecture (default sm_100a)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/weight dtype (default bf16)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="activation/weight dtype: bf16, the released model's and every kernel's (the only one)")
     p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
                    help="routed experts: the released checkpoint's MXFP4 in the layout vLLM serves (Humming's; "
                         "default) or bf16")
@@ -54,16 +57,20 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Python file whose RULES list is added to the built-in rules (repeatable)")
 
 
-def rules_of(args: argparse.Namespace) -> RuleSet:
-    """The rule set the options name: none with ``--no-rules``, else the built-in rules plus every
-    ``--rules`` file's."""
-    if getattr(args, "no_rules", False):
-        return RuleSet()
+def rule_set(files: Iterable[str | Path]) -> RuleSet:
+    """The built-in rules plus every rules file's (a file loaded once per process:
+    ``load_rules_file``), for this process and for ``compile --all-layers``' workers alike."""
     rules = default_rules()
-    for path in args.rules:
+    for path in files:
         for rule in load_rules_file(path):
             rules.add(rule)
     return rules
+
+
+def rules_of(args: argparse.Namespace) -> RuleSet:
+    """The rule set the options name: none with ``--no-rules``, else the built-in rules plus every
+    ``--rules`` file's."""
+    return RuleSet() if getattr(args, "no_rules", False) else rule_set(args.rules)
 
 
 def shape_of(args: argparse.Namespace, cfg: KimiK3Config) -> DecodeShape:

@@ -8,6 +8,14 @@ prefetches, per-region and per-node bytes. ``hbm_floor_us`` is the floor of the 
 served (each weight read once per rank under the sharding the rules chose, the checkpoint's
 expert format, no padding); ``reference_floor_us`` the reference layer's, replicated weights
 read whole on every rank as vLLM does.
+
+A rewritten schedule is only a win where a server would run it: ``served`` says whether every
+scheduled kernel is a CuTe DSL template's at these shapes (``rewriter.compiler.plan``, the test
+the server applies), ``not_served_reason`` why not (the server then keeps the layer on vLLM's
+stock forward: ``served_kernels`` is ``default_kernels``), ``fused_ops_without_kernel`` how
+many fused ops have no GPU kernel (no template, or one that refuses these shapes), and each
+schedule row its ``plan_status`` (``pending``: a template takes it, ``no_template``,
+``refused``, ``stock``) and ``plan_detail``.
 """
 from __future__ import annotations
 
@@ -18,11 +26,12 @@ import torch
 from torch import fx
 
 from rewriter.compiler.cost import H200_COPY_TBPS, floor_bytes, hbm_us, node_bytes, region_bytes
-from rewriter.model.regions import REGIONS
+from rewriter.compiler.plan import plan, program_refusal
 from rewriter.compiler.rewrite import RewriteResult, is_fused
 from rewriter.compiler.schedule import Schedule, build_schedule
 from rewriter.compiler.stock_kernels import stock_kernels
 from rewriter.compiler.trace import LayerGraph
+from rewriter.model.regions import REGIONS
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -50,8 +59,11 @@ def layer_regions(graph: fx.Graph) -> list[str]:
 
 def _schedule_rows(s: Schedule) -> list[dict[str, Any]]:
     return [{"kernel": k.name, "stream": k.stream, "bytes": k.bytes, "source": k.source,
-             "communicates": k.communicates, "launches": k.launches, "start_us": round(k.start_us, 3), "end_us": round(k.end_us, 3),
-             "after": sorted(s.dag.predecessors(k.name))} for k in s.kernels]
+             "communicates": k.communicates, "launches": k.launches, "start_us": round(k.start_us, 3),
+             "end_us": round(k.end_us, 3), "after": sorted(s.dag.predecessors(k.name))} for k in s.kernels]
+
+
+NO_KERNEL = ("no_template", "refused")  # plan statuses of a fused op with no GPU kernel at its shapes
 
 
 def _nodes(lg: LayerGraph) -> list[dict[str, Any]]:
@@ -69,6 +81,11 @@ def build_report(result: RewriteResult, model: str, hbm_tbps: float = H200_COPY_
     before, after = result.before, result.after
     shape = before.shape
     stock, fused = build_schedule(before, hbm_tbps), build_schedule(after, hbm_tbps)
+    planned = plan(result, shape.arch, schedule=fused)
+    not_served = program_refusal(planned)
+    schedule = [{**row, "plan_status": p["status"], "plan_detail": p.get("detail")}
+                for row, p in zip(_schedule_rows(fused), planned, strict=True)]
+    rewritten = sum(k.launches for k in fused.kernels)
     per_region_bytes = region_bytes(before.graph, shape)
     per_region_nodes = Counter(n.meta.get("region") for n in before.graph.nodes)
     regions = [{"region": r, "nodes": per_region_nodes[r], "bytes": per_region_bytes.get(r, 0),
@@ -90,12 +107,16 @@ def build_report(result: RewriteResult, model: str, hbm_tbps: float = H200_COPY_
         "dtype": _DTYPE_NAMES[shape.dtype],
         "experts": before.module.expert_format.name if before.module.expert_format else None,
         "default_kernels": len(stock.kernels),
-        "rewritten_kernels": sum(k.launches for k in fused.kernels),
+        "rewritten_kernels": rewritten,
         "fused_ops": sum(k.source.startswith("fused:") for k in fused.kernels),
+        "fused_ops_without_kernel": sum(p["status"] in NO_KERNEL for p in planned),
+        "served": not_served is None,
+        "not_served_reason": not_served,
+        "served_kernels": rewritten if not_served is None else len(stock.kernels),
         "matches": [{"rule": m.rule, "family": m.family, "kernel": m.kernel, "nodes": m.nodes, "bytes": m.bytes}
                     for m in result.matches],
         "refusals": [{"rule": r.rule, "reason": r.reason, "nodes": r.nodes} for r in result.refusals],
-        "schedule": _schedule_rows(fused),
+        "schedule": schedule,
         "events": [vars(e) for e in fused.events],
         "prefetches": [vars(p) for p in fused.prefetches],
         "stock_schedule": _schedule_rows(stock),
@@ -121,13 +142,26 @@ def _mb(b: int) -> str:
     return f"{b / 1e6:9.3f}"
 
 
+def _served_lines(r: dict[str, Any], width: int = 200) -> list[str]:
+    """The headline's word on a layer a server would not run rewritten (none for one it would); a
+    long reason (every stock kernel no rule fuses) is cut, ``--json`` holds it whole."""
+    if r["served"]:
+        return []
+    reason = r["not_served_reason"]
+    reason = reason if len(reason) <= width else f"{reason[:width - 3]}..."
+    return [f"not served: a server keeps this layer on vLLM's stock forward ({r['served_kernels']} kernels): {reason}"]
+
+
 def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
+    missing = r["fused_ops_without_kernel"]
     lines = [
         f"{r['model']} layer {r['layer']} ({r['layer_kind']}), TP {r['tp']} rank {r['rank']}, "
         f"batch {r['batch']} x q {r['q']} = {r['tokens']} tokens, context {r['context']}, {r['dtype']}, {r['arch']}"
         + (f", {r['experts']} routed experts" if r["experts"] else ""),
         f"kernels: {r['default_kernels']} stock -> {r['rewritten_kernels']} rewritten "
-        f"({r['fused_ops']} fused ops, {len(r['matches'])} matches, {len(r['refusals'])} refusals)",
+        f"({r['fused_ops']} fused ops, {len(r['matches'])} matches, {len(r['refusals'])} refusals)"
+        + (f"; {missing} fused op{'' if missing == 1 else 's'} without a GPU kernel" if missing else ""),
+        *_served_lines(r),
         f"HBM floor as served {r['floor_bytes'] / 1e6:.2f} MB = {r['hbm_floor_us']:.2f} us at {r['hbm_tbps']} TB/s "
         f"(the reference layer, replicated weights whole: {r['reference_floor_bytes'] / 1e6:.2f} MB = "
         f"{r['reference_floor_us']:.2f} us); schedule bound {r['schedule_bound_us']:.2f} us "
@@ -136,14 +170,16 @@ def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
         f"{'#':>3} {'kernel':<34}{'stream':<7}{'MB':>9}{'start us':>10}  from",
     ]
     for i, k in enumerate(r["schedule"]):
-        comm = " +comm" if k["communicates"] else ""
-        comm += f" ({k['launches']} kernels)" if k.get("launches", 1) > 1 else ""
+        note = " +comm" if k["communicates"] else ""
+        note += f" ({k['launches']} kernels)" if k.get("launches", 1) > 1 else ""
+        note += " [no GPU kernel]" if k["plan_status"] in NO_KERNEL else ""
         lines.append(f"{i:>3} {k['kernel'][:33]:<34}{k['stream']:<7}{_mb(k['bytes'])}{k['start_us']:>10.2f}  "
-                     f"{k['source']}{comm}")
+                     f"{k['source']}{note}")
     for e in r["events"]:
         lines.append(f"    event: {e['stream_waits']} stream waits for {e['record_after']} before {e['before']}")
     for p in r["prefetches"]:
-        lines.append(f"    prefetch point (not launched): {_human(p['bytes'])} of {p['kernel']} into L2 during {p['during']}")
+        lines.append(f"    prefetch point (not launched): {_human(p['bytes'])} of {p['kernel']} into L2 "
+                     f"during {p['during']}")
     lines.append("")
     for m in r["matches"]:
         lines.append(f"match   {m['rule']:<28} -> {m['kernel']:<28} {len(m['nodes'])} nodes")
@@ -208,8 +244,6 @@ def layer_row(result: RewriteResult, arch: str, sms: int | None = None) -> dict[
     """One layer's line of the whole-model report: whether the server would run it as a program
     (every scheduled kernel a CuTe DSL template's, ``rewriter.compiler.plan``, on a GPU of ``sms``
     SMs) and why not."""
-    from rewriter.compiler.plan import plan, program_refusal
-
     before, after = result.before, result.after
     reason = program_refusal(plan(result, arch, sms=sms))
     rewritten = sum(k.launches for k in build_schedule(after).kernels)

@@ -33,7 +33,6 @@ from rewriter.model.config import KimiK3Config
 from rewriter.model.shape import DecodeShape
 
 
-
 class RuleError(Exception):
     """A malformed rule: its pattern traces to nothing, its guard raised, ..."""
 
@@ -170,6 +169,9 @@ def fused_op(name: str, mutates_args: tuple[str, ...] = (), fake: Callable[..., 
     """
 
     def wrap(fn: Callable[..., Any]) -> Any:
+        if hasattr(torch.ops.k3f, name):  # torch would drop the op from under the graphs made with it
+            raise RuleError(f"k3f::{name} is already defined in this process (a fused op is defined once: "
+                            "give it another name)")
         op = torch.library.custom_op(f"k3f::{name}", fn, mutates_args=mutates_args)
         op.register_fake(fake or fn)
         return op
@@ -177,11 +179,23 @@ def fused_op(name: str, mutates_args: tuple[str, ...] = (), fake: Callable[..., 
     return wrap
 
 
+_LOADED: dict[tuple[Path, int, int], list[Rule]] = {}  # (resolved path, mtime_ns, size) -> its RULES
+
+
 def load_rules_file(path: str | Path) -> list[Rule]:
-    """The ``RULES`` list of a Python file: how users add their own rules to ``inspect``."""
+    """The ``RULES`` list of a Python file: how users add their own rules to ``inspect``.
+
+    A file runs once per process: running it again would define its ``k3f::`` ops again (which
+    ``fused_op`` refuses). So the same file, unchanged, gives back the rules of its first run, and a
+    file defining an op this process already has (another file's, a built-in's, or this file's
+    before it changed) fails to import, naming the op."""
     path = Path(path)
     if not path.is_file():
         raise RuleError(f"rules file not found: {path}")
+    stat = path.stat()
+    key = (path.resolve(), stat.st_mtime_ns, stat.st_size)
+    if key in _LOADED:
+        return list(_LOADED[key])
     spec = importlib.util.spec_from_file_location(f"k3_user_rules_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -191,4 +205,5 @@ def load_rules_file(path: str | Path) -> list[Rule]:
     rules = getattr(module, "RULES", None)
     if not isinstance(rules, (list, tuple)) or not all(isinstance(r, Rule) for r in rules):
         raise RuleError(f"rules file {path} must define RULES, a list of rewriter.compiler.rules.Rule")
+    _LOADED[key] = list(rules)
     return list(rules)

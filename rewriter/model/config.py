@@ -150,7 +150,7 @@ class KimiK3Config:
         elif not self.latent_moe_use_norm:
             reasons.append("latent_moe_use_norm is false (no routed_expert_norm)")
         if self.topk_method != "noaux_tc":
-            reasons.append(f"topk_method is {self.topk_method!r}, not 'noaux_tc'")
+            reasons.append(f"topk_method is {_show(self.topk_method)}, not 'noaux_tc'")
         if self.attn_res_block_size is None:
             reasons.append("attn_res_block_size is null (no AttnRes)")
         if self.hidden_act != "situ":
@@ -172,15 +172,15 @@ class KimiK3Config:
             _require(
                 raw.get("model_type") == "kimi_k3" or "KimiK3ForConditionalGeneration" in archs,
                 f"{name}: a config with text_config must be Kimi K3 (model_type 'kimi_k3'), "
-                f"got model_type={raw.get('model_type')!r}",
+                f"got model_type={_show(raw.get('model_type'))}",
             )
             text = raw["text_config"]
-            _require(isinstance(text, dict), f"{name}: text_config must be an object, got {text!r}")
+            _require(isinstance(text, dict), f"{name}: text_config must be an object, got {_show(text)}")
         else:
             text = raw
         _require(
             text.get("model_type") == "kimi_linear",
-            f"{name}: text config model_type must be 'kimi_linear', got {text.get('model_type')!r}",
+            f"{name}: text config model_type must be 'kimi_linear', got {_show(text.get('model_type'))}",
         )
         return cls(**_parse_text_config(text, name))
 
@@ -188,9 +188,11 @@ class KimiK3Config:
     def from_json(cls, path: str | Path) -> KimiK3Config:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON: {e}") from None
         return cls.from_dict(raw, name=str(path))
@@ -223,8 +225,19 @@ class KimiK3Config:
 _MISSING = object()
 
 
+def _show(value: Any, first: int = 8, width: int = 120) -> str:
+    """``value`` for an error message, kept to one short line: a long list as its first entries
+    and its length, any other long repr cut."""
+    if isinstance(value, (list, tuple)) and len(value) > first:
+        text = f"[{', '.join(map(repr, value[:first]))}, ... ({len(value)} in all)]"
+    else:
+        text = repr(value)
+    return text if len(text) <= width else f"{text[:width - 3]}..."
+
+
 def _field(d: dict, key: str, kind: type | tuple, name: str, default: Any = _MISSING, where: str = "") -> Any:
-    """d[key] checked against ``kind``; a missing or null field takes ``default`` or is an error."""
+    """d[key] checked against ``kind``; a missing or null field takes ``default`` or is an error.
+    A float must be finite (JSON files may hold NaN and Infinity)."""
     label = f"{where}{key}"
     value = d.get(key)
     if value is None:
@@ -232,23 +245,31 @@ def _field(d: dict, key: str, kind: type | tuple, name: str, default: Any = _MIS
             raise ConfigError(f"{name}: missing field {label}")
         return default
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if float in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past the float range
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{name}: field {label} must be a finite number, got {_show(value)}")
+        return number
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         want = " or ".join(k.__name__ for k in kinds)
-        raise ConfigError(f"{name}: field {label} must be {want}, got {value!r}")
+        raise ConfigError(f"{name}: field {label} must be {want}, got {_show(value)}")
     return value
 
 
 def _positive(v: int | None, label: str, name: str) -> None:
     if v is not None and v <= 0:
-        raise ConfigError(f"{name}: field {label} must be positive, got {v!r}")
+        raise ConfigError(f"{name}: field {label} must be positive, got {_show(v)}")
 
 
 def _parse_text_config(t: dict, name: str) -> dict[str, Any]:
-    f = lambda key, kind, default=_MISSING: _field(t, key, kind, name, default)
+    def f(key, kind, default=_MISSING):
+        return _field(t, key, kind, name, default)
     lac = _field(t, "linear_attn_config", dict, name)
-    g = lambda key, kind, default=_MISSING: _field(lac, key, kind, name, default, "linear_attn_config.")
+    def g(key, kind, default=_MISSING):
+        return _field(lac, key, kind, name, default, "linear_attn_config.")
     out: dict[str, Any] = dict(
         name=name,
         hidden_size=f("hidden_size", int),
@@ -293,7 +314,7 @@ def _parse_text_config(t: dict, name: str) -> dict[str, Any]:
         attn_res_block_size=f("attn_res_block_size", int, None),
     )
     for key in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
         "moe_intermediate_size", "moe_layer_freq", "num_expert_group", "topk_group",
         "min_moe_intermediate_per_partition", "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size",
@@ -302,33 +323,34 @@ def _parse_text_config(t: dict, name: str) -> dict[str, Any]:
     for key in ("num_heads", "head_dim", "short_conv_kernel_size"):
         _positive(out[{"num_heads": "kda_num_heads", "head_dim": "kda_head_dim"}.get(key, key)],
                   f"linear_attn_config.{key}", name)
-    _require(out["rms_norm_eps"] > 0, f"{name}: field rms_norm_eps must be positive, got {out['rms_norm_eps']!r}")
+    _require(out["rms_norm_eps"] > 0, f"{name}: field rms_norm_eps must be positive, got {_show(out['rms_norm_eps'])}")
     _require(out["num_shared_experts"] >= 0,
-             f"{name}: field num_shared_experts must be >= 0, got {out['num_shared_experts']!r}")
+             f"{name}: field num_shared_experts must be >= 0, got {_show(out['num_shared_experts'])}")
     _require(out["first_k_dense_replace"] >= 0,
-             f"{name}: field first_k_dense_replace must be >= 0, got {out['first_k_dense_replace']!r}")
+             f"{name}: field first_k_dense_replace must be >= 0, got {_show(out['first_k_dense_replace'])}")
     _require(out["hidden_act"] in ("situ", "silu"),
-             f"{name}: field hidden_act must be 'situ' or 'silu', got {out['hidden_act']!r}")
+             f"{name}: field hidden_act must be 'situ' or 'silu', got {_show(out['hidden_act'])}")
     if out["hidden_act"] == "situ":
         _require(out["activation_situ_beta"] is not None and out["activation_situ_beta"] > 0,
-                 f"{name}: field activation_situ_beta must be positive for SiTU, got {out['activation_situ_beta']!r}")
+                 f"{name}: field activation_situ_beta must be positive for SiTU, "
+                 f"got {_show(out['activation_situ_beta'])}")
     _require(out["moe_router_activation_func"] in ("sigmoid", "softmax"),
              f"{name}: field moe_router_activation_func must be 'sigmoid' or 'softmax', "
-             f"got {out['moe_router_activation_func']!r}")
+             f"got {_show(out['moe_router_activation_func'])}")
     _require(out["num_experts_per_token"] <= out["num_experts"],
-             f"{name}: field num_experts_per_token ({out['num_experts_per_token']}) exceeds "
-             f"num_experts ({out['num_experts']})")
+             f"{name}: field num_experts_per_token ({_show(out['num_experts_per_token'])}) exceeds "
+             f"num_experts ({_show(out['num_experts'])})")
     lb = out["gate_lower_bound"]
     _require(lb is None or -5.0 <= lb < 0,
-             f"{name}: field linear_attn_config.gate_lower_bound must be in [-5, 0), got {lb!r}")
+             f"{name}: field linear_attn_config.gate_lower_bound must be in [-5, 0), got {_show(lb)}")
     n = out["num_hidden_layers"]
     for key in ("kda_layers", "full_attn_layers"):
         bad = [x for x in out[key] if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= n]
-        _require(not bad, f"{name}: field linear_attn_config.{key} holds entries outside 1..{n}: {bad}")
+        _require(not bad, f"{name}: field linear_attn_config.{key} holds entries outside 1..{n}: {_show(bad)}")
     both = sorted(set(out["kda_layers"]) & set(out["full_attn_layers"]))
-    _require(not both, f"{name}: layers {both} are in both linear_attn_config.kda_layers and full_attn_layers")
+    _require(not both, f"{name}: layers {_show(both)} are in both linear_attn_config.kda_layers and full_attn_layers")
     missing = sorted(set(range(1, n + 1)) - set(out["kda_layers"]) - set(out["full_attn_layers"]))
-    _require(not missing, f"{name}: layers {missing} are in neither linear_attn_config.kda_layers "
+    _require(not missing, f"{name}: layers {_show(missing)} are in neither linear_attn_config.kda_layers "
                           f"nor full_attn_layers")
     return out
 
