@@ -239,6 +239,14 @@ def test_a_fused_op_without_a_gpu_kernel_is_not_a_win(capsys):
     assert any(line.endswith("fused:topk_routed_experts (2 kernels) [no GPU kernel]") for line in table)
 
 
+def test_a_layer_no_rule_touched_says_why_in_one_short_line(capsys):
+    """With no rules every region stays stock: the reason names the first regions and counts the
+    rest, instead of listing every stock kernel vLLM would launch."""
+    report = json.loads(_inspect(capsys, "--layer", "1", "--tp", "16", "--no-rules", "--json"))
+    assert report["not_served_reason"] == ("no rule fuses attn_res.pre_attn, kda.in_proj, kda.f_b_proj, kda.core and "
+                                           "10 more (their reference ops would run in the served step)")
+
+
 def test_shapes_a_kernel_refuses_leave_the_layer_stock(capsys):
     """9 tokens per request is beyond the kernels' 8: every rule still matches, but the KDA core's
     template refuses, so the layer would run stock; the headline says so and names the reason."""

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import independent as ind
 import pytest
 import torch
+
+import independent as ind
 from conftest import make_inputs, make_layer, rel_err
 
 TOL = 1e-5

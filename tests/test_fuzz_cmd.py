@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rewriter.commands.cli import main
-from rewriter.model.config import KimiK3Config
 from rewriter.commands.fuzz import draw, fuzz
 from rewriter.compiler.program import LayerRunner
+from rewriter.model.config import KimiK3Config
 
 
 def test_random_steps_are_rewritten_and_match_the_reference(capsys):
@@ -65,3 +65,32 @@ def test_the_routers_topk_gaps_are_recorded_for_the_comparison():
         assert len(margins) == calls and moe.route is real
         if calls:
             assert margins[0].shape == (5,) and (margins[0] >= 0).all() and (margins[0] > 0).any()
+
+
+@pytest.mark.parametrize("where", ["output", "state"])
+def test_a_step_whose_output_or_state_holds_nan_or_inf_is_a_nonfinite_failure_naming_it(monkeypatch, capsys, where):
+    """NaN compares false and is never equal to itself: without an explicit check a NaN output
+    passed the tolerance and read as 'nondeterministic' (an infinity as 'mismatch', a NaN in a
+    state as 'ok'). It is a failure of its own kind that names the tensor, in the counts, the
+    listed steps and the exit status."""
+    run = LayerRunner.run
+    bad = float(["nan", "inf", "-inf"][int(torch.randint(0, 3, ()))])
+
+    def poisoned(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        if where == "output":
+            out = (out[0], out[1].clone().index_fill_(0, torch.tensor([0]), bad), out[2])  # prefix, token 0
+        else:
+            state = next(a for a in args[3:] if a.dim() == 3)  # the conv state (KDA) or the latent cache (MLA)
+            state[-1, 0, 0] = bad
+        return out
+
+    monkeypatch.setattr(LayerRunner, "run", poisoned)
+    counts, odd = fuzz(KimiK3Config.preset("tiny"), 4, int(torch.randint(0, 1000, ())), "bf16", "cpu", "sm_90a",
+                       layer_ids=[1, 2])  # KDA and MLA: both hold a 3-d state
+    assert counts["nonfinite"] == 4 and counts["nondeterministic"] == 0, counts
+    name = "rewritten prefix" if where == "output" else ("rewritten conv_state", "rewritten kv_cache")
+    assert all(o == "nonfinite" and detail.startswith(name) for _, o, detail in odd), odd
+    monkeypatch.setattr("rewriter.commands.fuzz.fuzz", lambda *a, **k: (counts, odd))
+    assert main(["fuzz", "--model", "tiny", "--steps", "4"]) == 1
+    assert "nonfinite             4" in capsys.readouterr().out

@@ -12,7 +12,7 @@ dequantized values).
 
 Routing is a discontinuity: a token whose k-th and (k+1)-th expert scores are closer than
 the rounding differences between the two paths may pick another expert. So the outputs are
-compared on the tokens whose top-k margin in the reference is at least ``MARGIN`` (the
+compared on the tokens whose top-k margin in the reference is at least ``NEAR_TIE_MARGIN`` (the
 router bias is scaled up to widen the gaps; at least half the tokens must qualify, else the
 inputs are redrawn); the KDA states, which come before the router, are compared whole.
 """
@@ -30,14 +30,13 @@ from rewriter.compiler.schedule import build_schedule
 from rewriter.compiler.trace import trace
 from rewriter.model.config import KimiK3Config
 from rewriter.model.layers import build_layer
-from rewriter.model.layers.moe import recorded_topk_margins
+from rewriter.model.layers.moe import NEAR_TIE_MARGIN, recorded_topk_margins
 from rewriter.model.layers.state import conv_layout_of, decode_inputs, kda_state_pages
 from rewriter.model.layers.weights import init_random_
 from rewriter.model.shape import DecodeShape
 
 pytestmark = GPU_MARKS
 
-MARGIN = 2e-3  # least gap between a token's k-th and (k+1)-th selection score
 BF16_TOL, STATE_TOL = 1e-2, 2e-3
 
 
@@ -133,11 +132,11 @@ def _check_layer(layer_idx, tp, batch, experts, cache, q):
         ref_inputs = _copy(given)
         with torch.no_grad():
             ref_out, margin = _reference(layer, ref_inputs)
-        clear = margin >= MARGIN  # tokens whose expert choice rounding cannot flip
+        clear = margin >= NEAR_TIE_MARGIN  # tokens whose expert choice rounding cannot flip
         if 2 * int(clear.sum()) >= tokens:
             break
     else:
-        pytest.fail(f"no inputs with half the tokens' top-k margins >= {MARGIN} in 10 draws")
+        pytest.fail(f"no inputs with half the tokens' top-k margins >= {NEAR_TIE_MARGIN} in 10 draws")
     result = rewrite(trace(layer, shape))
     runner = LayerRunner(result, build_schedule(result.after), device="cuda")
     before = {op: c.get("reference", 0) for op, c in bind.stats().items()}

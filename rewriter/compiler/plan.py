@@ -98,6 +98,9 @@ def _plan_rows(result, arch: str, schedule) -> list[dict[str, Any]]:
     return rows
 
 
+SHOWN = 4  # regions left stock a refusal names (a layer no rule touched has 14 or more)
+
+
 def program_refusal(rows: list[dict[str, Any]]) -> str | None:
     """Why a layer with this plan cannot be served as a program (every reason, "; "-joined), or
     None: every scheduled kernel must be a template's (a region left unfused, or a fused op with
@@ -107,7 +110,8 @@ def program_refusal(rows: list[dict[str, Any]]) -> str | None:
     if missing:
         reasons.append(f"no CuTe DSL template yet for {', '.join(missing)}")
     reasons += [r["detail"] for r in rows if r["status"] == "refused"]
-    stock = [r["kernel"] for r in rows if r["status"] == "stock"]
+    stock = list(dict.fromkeys(r["kernel"].split(":")[0] for r in rows if r["status"] == "stock"))  # their regions
     if stock:
-        reasons.append(f"no rule fuses {', '.join(stock)} (their reference ops would run in the served step)")
+        named = ", ".join(stock[:SHOWN]) + (f" and {len(stock) - SHOWN} more" if len(stock) > SHOWN else "")
+        reasons.append(f"no rule fuses {named} (their reference ops would run in the served step)")
     return "; ".join(reasons) or None

@@ -189,6 +189,11 @@ def route(logits: Tensor, bias: Tensor, *, top_k: int, renormalize: bool, scalin
         return weights * scaling, ids
 
 
+# a gap between a token's k-th and (k+1)-th selection score below which two correct bf16 paths may
+# pick different experts (their rounding flips the choice): outputs of such tokens are not compared
+NEAR_TIE_MARGIN = 2e-3
+
+
 @contextlib.contextmanager
 def recorded_topk_margins() -> Iterator[list[Tensor]]:
     """While the block runs eagerly, each ``route`` call's per-token gap between its k-th and
