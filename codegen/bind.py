@@ -30,7 +30,7 @@ import torch
 
 from codegen.targets import arch_of
 from codegen.template import Specs, Template
-from codegen.templates import TEMPLATES, spec_for_call, template
+from codegen.templates import spec_for_call, template
 
 NAMESPACE = "k3f"
 _lock = threading.Lock()
@@ -229,15 +229,16 @@ def forget_loaded() -> None:
 
 def install_cuda_kernels(arch: str | None = None, *, allow_without_cuda: bool = False,
                          strict: bool = False) -> list[str]:
-    """Register a ``TemplateLauncher`` for every fused op some template serves; returns the ops.
+    """Register a ``TemplateLauncher`` for every fused op defined in this process (the built-in
+    ``patterns``, imported here, and the rules files loaded before); returns the ops. An op with
+    no hand-written template is served by a generated one where its reference lowers, else its
+    calls decline: they run the reference on the GPU, or, ``strict``, raise."""
+    from torch._library.custom_ops import OPDEFS
 
-    Imports the built-in ``patterns`` (which define the ``k3f`` ops). Ops without a template keep
-    running their reference on the GPU; ``strict`` launchers raise for calls no template takes."""
     from patterns import builtin_modules
 
     builtin_modules()
-
-    ops = sorted({op for t in TEMPLATES.values() for op in t.ops})
+    ops = sorted(op for op in OPDEFS if op.startswith(f"{NAMESPACE}::"))
     for op in ops:
         current = _launchers.get(op)
         if isinstance(current, TemplateLauncher) and current.arch == arch and current.strict == strict:

@@ -1,5 +1,6 @@
 """What a fused op's launcher needs of the model around it, handed over by the compiler:
-the collectives it runs between its kernels, and how the model lays out its decode state.
+the collectives it runs between its kernels, how the model lays out its decode state, and the
+lowering of a fused op's reference into a program a generated kernel runs.
 
 codegen imports nothing of the model: the compiler installs a ``Host`` (``install``) before it
 plans kernels or registers launchers (``rewriter.compiler.plan``), and the templates read it
@@ -7,7 +8,7 @@ back with ``host()`` when they make specs or launch.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ class Host:
     conv_layout: Callable[[Tensor], str | None]
     # whether an MLA latent cache holds fp8 (E4M3 with a per-tensor scale) rather than bf16
     kv_cache_is_fp8: Callable[[Tensor], bool]
+    # (fused op "k3f::name", a call's arguments) -> its reference as a codegen.lowered.Program, or why not
+    lower: Callable[[str, Sequence[Any]], Any]
 
 
 _installed: list[Host] = []

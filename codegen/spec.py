@@ -17,7 +17,8 @@ from typing import Any
 from codegen.targets import ARCHES
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3")
-_QUIET = {"eps", "rows_per_warp", "warps_per_cta", "unroll", "stream_weights", "pipeline"}  # left out of labels
+# left out of labels: tiling, and a generated kernel's program (its op names the computation)
+_QUIET = {"eps", "rows_per_warp", "warps_per_cta", "unroll", "stream_weights", "pipeline", "program"}
 
 
 class SpecError(ValueError):

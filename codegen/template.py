@@ -82,6 +82,9 @@ class Template:
     # (stage spec, device) -> whether it made one: what that stage's kernels keep on the device from
     # one step to the next (zeroed once), before any CUDA graph capture (``templates.make_workspaces``)
     workspace: Callable[[KernelSpec, Any], bool] | None = None
+    # generated from the fused op's reference (``codegen/launchers/generated.py``): serves any op
+    # the compiler can lower, after the op's hand-written templates; ``ops`` is empty
+    generated: bool = False
 
 
 def check_tensors(named: dict[str, Any], dtype: torch.dtype) -> str | None:

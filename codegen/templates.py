@@ -2,9 +2,11 @@
 
 Each module of ``codegen/launchers/`` that defines ``TEMPLATE`` (or ``TEMPLATES``, tried in
 their order) contributes its templates; nothing else lists them. Every template of one fused
-op lives in one module, so the order in which a call tries them is written in one place. A
-fused op that no template serves, or a call every template refuses, runs the op's CPU
-reference (plain torch, which runs on the GPU too): see ``codegen.bind``.
+op lives in one module, so the order in which a call tries them is written in one place. After
+an op's hand-written templates a call tries the generated ones (``Template.generated``: a kernel
+made from the op's own reference, for any op the compiler can lower). A fused op that no
+template serves, or a call every template refuses, runs the op's CPU reference (plain torch,
+which runs on the GPU too): see ``codegen.bind``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def _discover() -> dict[str, Template]:
 
 
 TEMPLATES: dict[str, Template] = _discover()
+GENERATED: tuple[Template, ...] = tuple(t for t in TEMPLATES.values() if t.generated)
 
 
 def template(kernel: str) -> Template | None:
@@ -43,20 +46,26 @@ def template(kernel: str) -> Template | None:
 
 
 def templates_for_op(op: str) -> list[Template]:
+    """The hand-written templates of ``op``, in the order a call tries them (the generated ones
+    come after them: ``spec_for_call``)."""
     op = op if "::" in op else f"k3f::{op}"
     return [t for t in TEMPLATES.values() if op in t.ops]
 
 
 def spec_for_call(op: str, arch: str, args: Sequence[Any]) -> tuple[Template | None, Specs | str]:
-    """The first template that accepts this call of ``op``, with its specs (one per stage);
-    else (None, the reasons)."""
+    """The first template that accepts this call of ``op`` (its hand-written ones, then a
+    generated one), with its specs (one per stage); else (None, the reasons)."""
+    op = op if "::" in op else f"k3f::{op}"
+    hand_written = templates_for_op(op)
     reasons = []
-    for t in templates_for_op(op):
-        specs = t.make_specs(op if "::" in op else f"k3f::{op}", arch, args)
+    for t in (*hand_written, *GENERATED):
+        specs = t.make_specs(op, arch, args)
         if not isinstance(specs, str):
             return t, specs
         reasons.append(f"{t.kernel}: {specs}")
-    return None, "; ".join(reasons) or f"no CuTe DSL template for {op} yet"
+    if not hand_written:
+        reasons.insert(0, f"no hand-written CuTe DSL template for {op}")
+    return None, "; ".join(reasons)
 
 
 def make_workspaces(specs: Iterable[Any], device: Any) -> int:

@@ -219,23 +219,28 @@ def test_every_layer_is_rewritten_at_other_tp_sizes(capsys, tp, batch, rewritten
         assert all("dense_mlp_gemm template: I 1056" in r["reason"] for r in stock)
 
 
+MISSING = ("no GPU kernel for topk_routed_experts: no hand-written CuTe DSL template; not generated: not lowered: "
+           "aten.topk.default (node topk) has no lowering")
+
+
 def test_a_fused_op_without_a_gpu_kernel_is_not_a_win(capsys):
-    """The custom rule's op has no CuTe DSL template: 12 -> 11 kernels on paper, but a server keeps
-    the layer on vLLM's stock forward, and the headline (table and JSON) says so and why."""
+    """The custom rule's op has no hand-written template, and its reference (top-k routing) does not
+    lower into a generated one: 12 -> 11 kernels on paper, but a server keeps the layer on vLLM's
+    stock forward, and the headline (table and JSON) says so and why."""
     args = ["--layer", "1", "--tp", "16", "--rules", "examples/custom_rule.py"]
     report = json.loads(_inspect(capsys, *args, "--json"))
     assert CONTRACT <= report.keys() and report["rewritten_kernels"] == 11
     assert (report["served"], report["fused_ops_without_kernel"]) == (False, 1)
-    assert report["not_served_reason"] == "no CuTe DSL template yet for topk_routed_experts"
+    assert report["not_served_reason"].startswith(MISSING)
     assert report["served_kernels"] == report["default_kernels"] == 23
-    status = {row["kernel"]: row["plan_status"] for row in report["schedule"]}
-    assert status["topk_routed_experts"] == "no_template"
-    assert {s for k, s in status.items() if k != "topk_routed_experts"} == {"pending"}
+    status = {row["kernel"]: (row["plan_status"], row["implementation"]) for row in report["schedule"]}
+    assert status["topk_routed_experts"] == ("missing", "missing")
+    assert {s for k, s in status.items() if k != "topk_routed_experts"} == {("pending", "hand-written")}
     table = _inspect(capsys, *args).splitlines()
     assert table[1] == ("kernels: 23 stock -> 11 rewritten (8 fused ops, 8 matches, 1 refusals); "
                         "1 fused op without a GPU kernel")
-    assert table[2] == ("not served: a server keeps this layer on vLLM's stock forward (23 kernels): "
-                        "no CuTe DSL template yet for topk_routed_experts")
+    assert table[2].startswith("not served: a server keeps this layer on vLLM's stock forward (23 kernels): "
+                               + MISSING[:60])
     assert any(line.endswith("fused:topk_routed_experts (2 kernels) [no GPU kernel]") for line in table)
 
 
@@ -252,11 +257,12 @@ def test_shapes_a_kernel_refuses_leave_the_layer_stock(capsys):
     template refuses, so the layer would run stock; the headline says so and names the reason."""
     report = json.loads(_inspect(capsys, "--layer", "1", "--tp", "16", "--q", "9", "--json"))
     assert not report["served"] and report["fused_ops_without_kernel"] == 1
-    assert report["not_served_reason"] == "refused by the kda_core template: 9 tokens per request outside 1..8"
+    assert report["not_served_reason"].startswith("refused by the kda_core template: 9 tokens per request outside "
+                                                  "1..8; not generated: not lowered: aten.permute.default")
     assert [row["plan_status"] for row in report["schedule"] if row["kernel"] == "kda_core"] == ["refused"]
     table = _inspect(capsys, "--layer", "1", "--tp", "16", "--q", "9")
     assert ("\nnot served: a server keeps this layer on vLLM's stock forward (23 kernels): refused by the kda_core "
-            "template: 9 tokens per request outside 1..8\n") in table
+            "template: 9 tokens per request outside 1..8; not generated") in table
     served = json.loads(_inspect(capsys, "--layer", "1", "--tp", "16", "--q", "8", "--json"))
     assert served["served"] and served["not_served_reason"] is None and served["fused_ops_without_kernel"] == 0
     assert served["served_kernels"] == served["rewritten_kernels"]

@@ -109,7 +109,8 @@ def test_inspect_all_layers_with_a_rules_file():
     p = _run("inspect", "--model", "kimi-k3", "--tp", "16", "--all-layers", "--rules", "examples/custom_rule.py")
     assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
     assert "1 of 93 layers rewritten" in p.stdout  # the dense layer 0: no routed experts for the rule to take
-    assert p.stdout.count("no CuTe DSL template yet for topk_routed_experts") == 92
+    assert p.stdout.count("no GPU kernel for topk_routed_experts: no hand-written CuTe DSL template; not generated: "
+                          "not lowered: aten.topk.default (node topk) has no lowering") == 92
 
 
 def test_compile_all_layers_plans_the_rules_files(tmp_path):
@@ -122,10 +123,13 @@ def test_compile_all_layers_plans_the_rules_files(tmp_path):
     summary = json.loads(p.stdout)
     assert summary["rules_files"] == [str(EXAMPLE)]
     assert summary["layers_served"] == 1 and summary["compiled"] == 0  # the dense layer 0 only
-    assert set(summary["refusals"].values()) == {"no CuTe DSL template yet for topk_routed_experts"}
+    assert {r.split(" (docs")[0] for r in summary["refusals"].values()} == {
+        "no GPU kernel for topk_routed_experts: no hand-written CuTe DSL template; not generated: not lowered: "
+        "aten.topk.default (node topk) has no lowering: the programs take pointwise arithmetic, activations, casts "
+        "and reductions over a token's row"}
     assert len(summary["refusals"]) == 23  # every structure but the dense layer's, at batch 1
     assert f"rules added from {EXAMPLE}" in p.stderr
-    assert "not served: 23 plans: no CuTe DSL template yet for topk_routed_experts" in p.stderr
+    assert "not served: 23 plans: no GPU kernel for topk_routed_experts" in p.stderr
     assert not (tmp_path / "programs").exists()  # graphs of user rules are not the server's: not cached
 
 

@@ -2,9 +2,11 @@
 ``--all-layers``: of every layer and served batch (``rewriter/commands/compile_all.py``).
 
 Traces and rewrites the layer as ``inspect`` does, builds its schedule, and for each kernel
-prints one line: ``compiled`` (time, cache hit or miss) when a CuTe DSL template takes it,
-``no CuTe DSL template yet`` for a fused op without one, ``refused`` with the template's
-reason, or ``vLLM stock kernel`` for what no rule fused. The compiled kernels land in the
+prints one line: ``compiled`` (time, cache hit or miss; ``generated`` where the kernel is made
+from the fused op's reference rather than a hand-written template) when a CuTe DSL template
+takes it, ``no hand-written CuTe DSL template; not generated: ...`` for a fused op with
+neither, ``refused`` with the templates' reasons, or ``vLLM stock kernel`` for what no rule
+fused. The compiled kernels land in the
 disk cache (``$K3_REWRITER_CACHE``, default ``~/.cache/k3-rewriter``) that a server
 process reads at start. ``--sass`` adds each kernel's registers, spills and SASS instruction
 counts (``codegen/sass.py``). Exit status 0 when every template kernel compiled, 1 when one
@@ -109,9 +111,10 @@ def run_compile(args: argparse.Namespace) -> int:
     failed = 0
     for row in rows:
         specs = row.get("specs")
+        made = " (generated)" if row.get("implementation") == "generated" else ""
         if specs and args.dry_run:
             row["status"] = "planned"
-            row["detail"] = f"\n{'':38}".join(f"would compile {s.label()}" for s in specs)
+            row["detail"] = f"\n{'':38}".join(f"would compile{made} {s.label()}" for s in specs)
         elif specs:
             row["stages"] = []
             for spec in specs:
@@ -123,7 +126,7 @@ def run_compile(args: argparse.Namespace) -> int:
                 how = "miss" if k.cache == "miss" else "hit"
                 row["stages"].append({"spec": spec, "status": "compiled", "cache": how, "seconds": k.seconds,
                                       "key": k.key, "path": k.path,
-                                      "detail": f"compiled {k.seconds:.2f}s (cache {how})  {spec.label()}"})
+                                      "detail": f"compiled{made} {k.seconds:.2f}s (cache {how})  {spec.label()}"})
                 if args.sass:
                     row["stages"][-1].update(_sass(k, args.sass_dir))
             bad = [st for st in row["stages"] if st["status"] == "failed"]
@@ -136,11 +139,12 @@ def run_compile(args: argparse.Namespace) -> int:
             print(f"  {row['index']:>2} {row['kernel']:<32} {row['detail']}", file=out, flush=True)
     done = [st for r in rows for st in r.get("stages", ()) if st["status"] == "compiled"]
     hits = sum(st["cache"] == "hit" for st in done)
-    no_tpl = sum(r["status"] == "no_template" for r in rows)
+    no_kernel = sum(r["status"] == "missing" for r in rows)
+    generated = sum(r.get("implementation") == "generated" for r in rows)
     planned = sum(r["status"] == "planned" for r in rows)
     dry = f", {planned} planned (dry run)" if planned else ""
     summary = (f"{len(done)} compiled ({len(done) - hits} cache miss, {hits} hit){dry} in "
-               f"{time.perf_counter() - t0:.2f}s; {no_tpl} fused ops without a template yet; "
+               f"{time.perf_counter() - t0:.2f}s; {generated} generated; {no_kernel} fused ops without a GPU kernel; "
                f"{sum(r['status'] == 'stock' for r in rows)} stock; {failed} failed; cache {cache.root}")
     if args.json:
         for r in rows:

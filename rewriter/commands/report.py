@@ -14,8 +14,9 @@ scheduled kernel is a CuTe DSL template's at these shapes (``rewriter.compiler.p
 the server applies), ``not_served_reason`` why not (the server then keeps the layer on vLLM's
 stock forward: ``served_kernels`` is ``default_kernels``), ``fused_ops_without_kernel`` how
 many fused ops have no GPU kernel (no template, or one that refuses these shapes), and each
-schedule row its ``plan_status`` (``pending``: a template takes it, ``no_template``,
-``refused``, ``stock``) and ``plan_detail``.
+schedule row its ``plan_status`` (``pending``: a template takes it, ``missing``, ``refused``,
+``stock``), its ``implementation`` (``hand-written``, ``generated`` from the fused op's reference,
+``missing``, ``stock``) and ``plan_detail``.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _schedule_rows(s: Schedule) -> list[dict[str, Any]]:
              "end_us": round(k.end_us, 3), "after": sorted(s.dag.predecessors(k.name))} for k in s.kernels]
 
 
-NO_KERNEL = ("no_template", "refused")  # plan statuses of a fused op with no GPU kernel at its shapes
+NO_KERNEL = ("missing", "refused")  # plan statuses of a fused op with no GPU kernel at its shapes
 
 
 def _nodes(lg: LayerGraph) -> list[dict[str, Any]]:
@@ -83,7 +84,8 @@ def build_report(result: RewriteResult, model: str, hbm_tbps: float = H200_COPY_
     stock, fused = build_schedule(before, hbm_tbps), build_schedule(after, hbm_tbps)
     planned = plan(result, shape.arch, schedule=fused)
     not_served = program_refusal(planned)
-    schedule = [{**row, "plan_status": p["status"], "plan_detail": p.get("detail")}
+    schedule = [{**row, "plan_status": p["status"], "implementation": p["implementation"],
+                 "plan_detail": p.get("detail")}
                 for row, p in zip(_schedule_rows(fused), planned, strict=True)]
     rewritten = sum(k.launches for k in fused.kernels)
     per_region_bytes = region_bytes(before.graph, shape)
@@ -173,6 +175,7 @@ def render_table(r: dict[str, Any], show_nodes: bool = False) -> str:
         note = " +comm" if k["communicates"] else ""
         note += f" ({k['launches']} kernels)" if k.get("launches", 1) > 1 else ""
         note += " [no GPU kernel]" if k["plan_status"] in NO_KERNEL else ""
+        note += " [generated]" if k["implementation"] == "generated" else ""
         lines.append(f"{i:>3} {k['kernel'][:33]:<34}{k['stream']:<7}{_mb(k['bytes'])}{k['start_us']:>10.2f}  "
                      f"{k['source']}{note}")
     for e in r["events"]:

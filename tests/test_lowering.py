@@ -1,0 +1,253 @@
+"""Kernels generated from a fused op's reference (``rewriter.compiler.lowering`` ->
+``codegen.lowered.Program`` -> ``codegen/kernels/rowwise.py``): what the lowering takes, what it
+refuses by name, that the program computes what the reference does (its interpreter against the
+reference in torch, over a corpus of random chains of every supported op at random shapes and
+dtypes), that the generated kernel compiles for sm_90a and sm_100a with the PTX its class
+promises, and, on a GPU, that it matches the program on fresh random inputs, alone and inside a
+CUDA graph."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from codegen.lowered import LoweringError, Program, interpret
+from codegen.templates import spec_for_call
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
+from rewriter.compiler.lowering import lower
+from rewriter.compiler.rules import fused_op
+from rewriter.model.layers.common import rms_norm
+
+F = torch.nn.functional
+
+
+def _rand(shape, dtype, gen, positive=False):
+    t = torch.randn(shape, generator=gen)
+    return (t.abs() + 0.5 if positive else t).to(dtype)
+
+
+# ---- the corpus: random chains of the supported ops ----------------------------------------------
+UNARY = {
+    "neg": torch.neg, "exp": lambda x: torch.exp(x.clamp(-8, 8)), "log": lambda x: torch.log(x.abs() + 1),
+    "sqrt": lambda x: torch.sqrt(x.abs() + 0.1), "rsqrt": lambda x: torch.rsqrt(x.abs() + 0.1), "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "abs": torch.abs, "relu": torch.relu, "erf": torch.erf, "silu": F.silu,
+    "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "square": lambda x: x.pow(2),
+    "reciprocal": lambda x: torch.reciprocal(x.abs() + 0.5),
+}
+BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": lambda a, b: a / (b.abs() + 0.5),
+          "max": torch.maximum, "min": torch.minimum}
+REDUCE = {"mean": lambda x: x.mean(-1, keepdim=True), "sum": lambda x: x.sum(-1, keepdim=True) * 0.01,
+          "amax": lambda x: x.amax(-1, keepdim=True), "amin": lambda x: x.amin(-1, keepdim=True)}
+
+
+def random_chain(seed: int):
+    """(fn, its inputs): a random chain over a row input, a second row, a column and a statistic:
+    steps of unary, binary (with a row, a column, the statistic, a reduction of the chain or a
+    constant), casts to bf16 and back; one or two outputs, a row and maybe a statistic."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens, width = rng.choice([1, 2, 3, 8, 17]), 8 * rng.choice([1, 4, 32, 97, 128, 448, 896, 1024, 2048])
+    dtypes = [rng.choice([torch.bfloat16, torch.float32]) for _ in range(4)]
+    inputs = [_rand((tokens, width), dtypes[0], gen), _rand((tokens, width), dtypes[1], gen),
+              _rand((width,), dtypes[2], gen), _rand((tokens, 1), dtypes[3], gen)]
+    steps = []
+    for _ in range(rng.randint(2, 7)):
+        kind = rng.choice(["unary", "binary", "binary", "cast", "reduce"])
+        steps.append((kind, rng.choice(sorted({"unary": UNARY, "binary": BINARY, "reduce": REDUCE,
+                                                 "cast": {"bf16": 0}}[kind])), rng.choice(["row", "col", "stat",
+                                                                                          "const", "self"])))
+    with_stat = rng.random() < 0.5
+
+    def fn(x, r, c, s):
+        h = x.float()  # every chain computes in fp32 from its first step
+        for kind, name, other in steps:
+            if kind == "unary":
+                h = UNARY[name](h)
+            elif kind == "cast":
+                h = h.to(torch.bfloat16).float()
+            elif kind == "reduce":
+                h = h * torch.rsqrt(REDUCE[name](h).abs() + 1.0) if name == "mean" else h - REDUCE[name](h)
+            else:
+                b = {"row": r.float(), "col": c.float(), "stat": s.float(), "const": torch.tensor(0.75),
+                     "self": h}[other]
+                if other != "const":
+                    h = BINARY[name](h, b)
+                elif name in ("max", "min"):  # a bound: clamp
+                    h = h.clamp(min=0.75) if name == "max" else h.clamp(max=0.75)
+                else:
+                    h = BINARY[name](h, torch.tensor(0.75))
+        out = h.to(torch.bfloat16)
+        return (out, h.amax(-1, keepdim=True)) if with_stat else out
+
+    return fn, inputs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_chains_lower_to_what_the_reference_computes(seed):
+    fn, inputs = random_chain(seed)
+    program = lower(fn, inputs)
+    want = fn(*inputs)
+    want = want if isinstance(want, tuple) else (want,)
+    got = interpret(program, inputs)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert not torch.isnan(g).any() and not torch.isinf(g).any()
+        # bf16 results may round one ulp apart where a sum is taken in another order
+        assert rel_err(g, w) <= (8e-3 if w.dtype == torch.bfloat16 else 1e-5), (seed, program.ops)
+
+
+def test_the_models_rms_norm_lowers_exactly():
+    gen = torch.Generator().manual_seed(0)
+    x, w = _rand((5, 7168), torch.bfloat16, gen), _rand((7168,), torch.bfloat16, gen)
+    program = lower(lambda x, w: rms_norm(x, w, 1e-5), [x, w])
+    assert program.inputs == (("row", "bf16"), ("col", "bf16")) and program.reductions == 1
+    assert torch.equal(interpret(program, [x, w])[0], rms_norm(x, w, 1e-5))
+
+
+def test_softmax_and_statistics_as_outputs():
+    gen = torch.Generator().manual_seed(1)
+    x = _rand((3, 256), torch.float32, gen)
+
+    def fn(x):
+        return torch.softmax(x, -1), x.amax(-1)
+
+    program = lower(fn, [x])
+    soft, top = interpret(program, [x])
+    assert rel_err(soft, torch.softmax(x, -1)) < 1e-6 and top.shape == (3,) and torch.equal(top, x.amax(-1))
+    assert program.outputs[1][2] == 1  # a [T] statistic, as the reference returns it
+
+
+@pytest.mark.parametrize("fn,named", [
+    (lambda x: torch.cumsum(x, -1), "aten.cumsum.default (node cumsum) has no lowering"),
+    (lambda x: torch.topk(x, 4, -1).values, "aten.topk.default (node topk) has no lowering"),
+    (lambda x: x @ x.t(), "aten.permute.default (node permute) has no lowering"),
+    (lambda x: x.sum(0, keepdim=True) + x, "reduces dims [0]: the programs reduce a token's row"),
+    (lambda x: x.pow(1.7), "raises to 1.7"),
+    (lambda x: torch.ops.k3.all_reduce(x, "tp", 2), "k3.all_reduce.default (node all_reduce) has no lowering"),
+    (lambda x: x.double(), "makes torch.float64"),
+])
+def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):
+    x = torch.randn(4, 64)
+    with pytest.raises(LoweringError, match=re.escape(named)):
+        lower(fn, [x])
+
+
+def test_programs_refuse_malformed_data():
+    with pytest.raises(LoweringError, match="'cumsum' is not an op of the lowered programs"):
+        Program(8, (("row", "bf16"),), (("cumsum", (0,)),), ((1, "bf16", 2),))
+    with pytest.raises(LoweringError, match="reads 5, which is not an earlier value"):
+        Program(8, (("row", "bf16"),), (("exp", (5,)),), ((1, "bf16", 2),))
+    with pytest.raises(LoweringError, match="reduces one row"):
+        Program(8, (("col", "bf16"),), (("sum", (0,)),), ((1, "fp32", 2),))
+
+
+@fused_op("lowering_probe_add_norm")
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A fused op no hand-written template serves: a residual add, then RMSNorm."""
+    return rms_norm((x.float() + residual.float()).to(torch.bfloat16), weight, eps)
+
+
+def _add_norm_args(tokens=4, width=7168, device="meta", gen=None):
+    if device == "meta":
+        return (torch.empty(tokens, width, dtype=torch.bfloat16, device="meta"),
+                torch.empty(tokens, width, dtype=torch.bfloat16, device="meta"),
+                torch.empty(width, dtype=torch.bfloat16, device="meta"), 1e-5)
+    x, r = (_rand((tokens, width), torch.bfloat16, gen).to(device) for _ in range(2))
+    return x, r, _rand((width,), torch.bfloat16, gen).to(device), 1e-5
+
+
+def test_a_fused_op_without_a_template_gets_a_generated_one():
+    tpl, specs = spec_for_call("k3f::lowering_probe_add_norm", "sm_90a", _add_norm_args())
+    assert tpl is not None and tpl.generated and [s.module for s in specs] == ["rowwise"]
+    program = Program.from_params(specs[0].param_dict["program"])
+    assert program.width == 7168 and program.reductions == 1
+    tpl, why = spec_for_call("k3f::lowering_probe_add_norm", "sm_90a", _add_norm_args(width=4100))
+    assert tpl is None and "4100 values is not whole 128-bit vectors" in why
+
+
+def test_the_plan_says_which_kernels_are_generated():
+    """What inspect, compile and the server read: hand-written, generated, or missing and why."""
+    from codegen.templates import GENERATED, template
+    from rewriter.compiler.plan import _kernel_for
+
+    row = _kernel_for(None, GENERATED, ("k3f::lowering_probe_add_norm", _add_norm_args()), "sm_90a")
+    assert (row["status"], row["implementation"], [s.module for s in row["specs"]]) == ("pending", "generated",
+                                                                                        ["rowwise"])
+    x = torch.empty(1, 7168, dtype=torch.bfloat16, device="meta")
+    hand = _kernel_for(template("attn_in_proj_gemv"), GENERATED,
+                       ("k3f::kda_in_proj", (x, torch.empty(3216, 7168, dtype=torch.bfloat16, device="meta"),
+                                             [2304, 768, 128, 6, 10])), "sm_90a")
+    assert (hand["status"], hand["implementation"]) == ("pending", "hand-written")
+    missing = _kernel_for(None, GENERATED, ("k3f::lowering_probe_add_norm", _add_norm_args(width=4100)), "sm_90a")
+    assert (missing["status"], missing["implementation"]) == ("missing", "missing")
+    assert missing["detail"].startswith("no hand-written CuTe DSL template; not generated: a row of 4100 values")
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("seed", [0, 3, 7, 11])
+def test_generated_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, seed):
+    """Vector loads and stores, one butterfly per reduction, no local memory (a spill)."""
+    from codegen.compiler import compile_kernel
+    from codegen.launchers.generated import TEMPLATE
+
+    fn, inputs = random_chain(seed)
+
+    @fused_op(f"lowering_probe_chain_{seed}_{arch}")
+    def chain(x: torch.Tensor, r: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        out = fn(x, r, c, s)
+        return out[0] if isinstance(out, tuple) else out
+
+    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in inputs]
+    (spec,) = TEMPLATE.make_specs(f"k3f::lowering_probe_chain_{seed}_{arch}", arch, metas)
+    ptx = compile_kernel(spec, cache=kcache).ptx
+    program = Program.from_params(spec.param_dict["program"])
+    assert "ld.global.v4" in ptx or "ld.global.v2" in ptx
+    assert "st.global.v4" in ptx
+    assert ptx.count("shfl.sync.bfly") >= 5 * program.reductions
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "griddepcontrol.wait" in ptx
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens,width", [(1, 7168), (8, 7168), (64, 3584), (5, 1000)])
+def test_the_generated_kernel_matches_its_program(tokens, width):
+    """Fresh random inputs, poisoned outputs, alone and inside a CUDA graph."""
+    gen = torch.Generator().manual_seed(tokens * width)
+    args = _add_norm_args(tokens, width, "cuda", gen)
+    tpl, specs, fns = gpu_kernels("k3f::lowering_probe_add_norm", args)
+    want = interpret(Program.from_params(specs[0].param_dict["program"]), [a for a in args if torch.is_tensor(a)])[0]
+    got = tpl.launch(fns, specs, args)  # the launcher allocates its outputs: poisoned by the allocator's reuse
+    torch.cuda.synchronize()
+    assert not torch.isnan(got).any() and rel_err(got, want) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tpl.launch(fns, specs, args)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.isnan(captured).any() and rel_err(captured, want) < 1e-2
+
+
+@on_gpu
+@pytest.mark.parametrize("seed", range(16))
+def test_random_chains_run_as_their_programs_on_the_gpu(seed):
+    """Every corpus chain's generated kernel against its program (every output), fresh inputs."""
+    fn, inputs = random_chain(seed)
+    name = f"lowering_gpu_chain_{seed}"
+
+    @fused_op(name)
+    def chain(x: torch.Tensor, r: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> list[torch.Tensor]:
+        out = fn(x, r, c, s)
+        return list(out) if isinstance(out, tuple) else [out]
+
+    args = [t.cuda() for t in inputs]
+    tpl, specs, fns = gpu_kernels(f"k3f::{name}", args)
+    want = interpret(Program.from_params(specs[0].param_dict["program"]), args)
+    got = tpl.launch(fns, specs, args)
+    torch.cuda.synchronize()
+    for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want, strict=True):
+        assert not torch.isnan(g).any() and rel_err(g, w) < 1e-2, (seed, rel_err(g, w))
