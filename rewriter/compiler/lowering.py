@@ -91,7 +91,7 @@ class _Builder:
         return self.value(ROUND, ref, name) if name != "fp32" else ref
 
 
-def _reduced_dims(node: fx.Node, width: int) -> None:
+def _reduced_dims(node: fx.Node) -> None:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     rank = node.args[0].meta["val"].dim()
@@ -143,7 +143,7 @@ def _translate(b: _Builder, node: fx.Node) -> int:
     if t is aten.rsub.Scalar or t is aten.rsub.Tensor:
         return b.value("sub", b.arg(args[1], node), b.arg(args[0], node))
     if t in _REDUCE:
-        _reduced_dims(node, b.width)
+        _reduced_dims(node)
         x = b.arg(args[0], node)
         if not isinstance(x, int):
             raise LoweringError(f"{node.name} ({t}) reduces a constant")
@@ -164,7 +164,7 @@ def _translate(b: _Builder, node: fx.Node) -> int:
     if t is aten.gelu.default:
         return _gelu(b, b.arg(args[0], node), node.kwargs.get("approximate", "none"))
     if t is aten._softmax.default:
-        _reduced_dims(node, b.width)
+        _reduced_dims(node)
         return _softmax(b, b.arg(args[0], node))
     raise LoweringError(f"{t} (node {node.name}) has no lowering: the programs take pointwise arithmetic, "
                         "activations, casts and reductions over a token's row (docs/CODEGEN.md)")
@@ -221,9 +221,7 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program:
             for r in results:
                 if not isinstance(r, fx.Node) or r not in b.refs:
                     raise LoweringError(f"the reference returns {r!r}, which is not a computed value")
-                val = r.meta["val"]
-                if _kind_of_shape(val.shape, tokens, width) not in ("row", "stat"):
-                    raise LoweringError(f"a result of shape {tuple(val.shape)} is not per token")
+                val = r.meta["val"]  # a result the same for every token is refused by the Program
                 outputs.append((b.refs[r], _DTYPE_NAMES[val.dtype], val.dim()))
             continue
         if node.op == "get_attr":  # a constant the reference made (torch.tensor(0.5)): one number, or refused
