@@ -9,6 +9,8 @@ CAPABILITIES: dict[str, tuple[int, int]] = {"sm_90a": (9, 0), "sm_100a": (10, 0)
 ARCHES: tuple[str, ...] = tuple(CAPABILITIES)
 MAX_TOKENS = 64  # tokens in a decode step (requests x tokens per request)
 MAX_Q = 8  # tokens per request of a verify step (k + 1 <= 8)
+BITS = 128  # the widest load or store a thread issues
+VEC = BITS // 16  # 16-bit values (bf16) in one
 
 
 def arch_of(capability: tuple[int, int]) -> str | None:

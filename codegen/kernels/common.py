@@ -6,8 +6,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-VEC = 8  # 16-bit elements per 128-bit vector
-BITS = 128
+from codegen.targets import BITS, VEC  # noqa: F401  (the kernels take them from here)
 
 
 def g2r_atom(dtype, *, invariant: bool = True, bits: int = BITS):

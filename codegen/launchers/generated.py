@@ -18,9 +18,9 @@ import torch
 from codegen.host import host
 from codegen.lowered import DTYPES, Program
 from codegen.spec import KernelSpec
+from codegen.targets import VEC
 from codegen.template import Template, aligned
 
-VEC = 8  # values of a 128-bit vector of bf16 (codegen/kernels/common.py)
 MAX_INPUTS = 8
 MAX_OUTPUTS = 4
 MAX_THREADS = 1024

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from codegen.lowered import ROUND, LoweringError, Program, fold
+from codegen.lowered import DTYPES, ROUND, LoweringError, Program, fold
 
 aten = torch.ops.aten
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # ATen op -> program op, for the ops whose arguments map one to one
 _UNARY = {aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log", aten.sqrt.default: "sqrt",
