@@ -171,3 +171,140 @@ def interpret(program: Program, inputs: Sequence[torch.Tensor]) -> list[torch.Te
             vals.append(get(args[0]).to(DTYPES[args[1]]).float())
     return [vals[v].to(DTYPES[dtype]).reshape(-1) if dims == 1 else vals[v].to(DTYPES[dtype])
             for v, dtype, dims in program.outputs]
+
+
+# ---- programs around matrix products ------------------------------------------------------------
+# Where a program's input comes from, in a stage of a product program:
+#   ("arg", i, c0)  the op's tensor argument i (a row from its column c0 on: a view of a wider row)
+#   ("acc", p)      the fp32 accumulator of the stage's product p (epilogue only)
+#   ("pro", j)      output j of the stage's prologue (epilogue only: a statistic the prologue computed)
+#   ("temp", k)     intermediate k, written by an earlier stage
+# Where a program's output goes:
+#   ("product",)    the prologue's first output: the products' activation (bf16)
+#   ("keep",)       a prologue statistic only the epilogue reads
+#   ("result", r)   the op's result r
+#   ("temp", k)     intermediate k, read by a later stage
+SOURCES = ("arg", "acc", "pro", "temp")
+DESTS = ("product", "keep", "result", "temp")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One kernel of a product program: ``a = prologue(...)`` over rows of K values;
+    ``acc_p = a @ W_p[rows]^T`` for each product p (bf16 a and W, fp32 sums), all N wide; then
+    ``epilogue(acc_0, ..., ...)`` over rows of N values, which is pointwise (no reduction: a
+    row of N is spread over the kernel's CTAs)."""
+    prologue: Program
+    prologue_from: tuple[tuple, ...]
+    prologue_to: tuple[tuple, ...]
+    weights: tuple[tuple[int, int], ...]  # (op tensor argument, first row) of each product's [N, K] bf16 rows
+    epilogue: Program
+    epilogue_from: tuple[tuple, ...]
+    epilogue_to: tuple[tuple, ...]
+
+    def __post_init__(self) -> None:
+        pro, epi = self.prologue, self.epilogue
+        if len(self.prologue_from) != len(pro.inputs) or len(self.epilogue_from) != len(epi.inputs):
+            raise LoweringError("a program input without its source")
+        if len(self.prologue_to) != len(pro.outputs) or len(self.epilogue_to) != len(epi.outputs):
+            raise LoweringError("a program output without its destination")
+        if not pro.outputs or self.prologue_to[0] != ("product",) or pro.outputs[0][1] != "bf16" \
+                or pro.kinds[pro.outputs[0][0]] != "row":
+            raise LoweringError("the prologue's first output is the products' activation, a bf16 row")
+        if epi.reductions:
+            raise LoweringError("the epilogue reduces a product's row: a row of N is spread over the kernel's "
+                                "CTAs, so the epilogue is pointwise")
+        if not self.weights:
+            raise LoweringError("a stage without a product")
+        for src in (*self.prologue_from, *self.epilogue_from):
+            if src[0] not in SOURCES or (src[0] in ("acc", "pro") and src in self.prologue_from):
+                raise LoweringError(f"source {src!r}: the prologue reads arguments and intermediates, the epilogue "
+                                    "also accumulators and the prologue's statistics")
+            if src[0] == "acc" and not 0 <= src[1] < len(self.weights):
+                raise LoweringError(f"source {src!r}: the stage has {len(self.weights)} products")
+            if src[0] == "pro" and not (0 < src[1] < len(pro.outputs) and self.prologue_to[src[1]] != ("product",)):
+                raise LoweringError(f"source {src!r} names no statistic of the prologue")
+        for dest in (*self.prologue_to[1:], *self.epilogue_to):
+            if dest[0] not in DESTS[1:] or (dest[0] == "keep" and dest in self.epilogue_to):
+                raise LoweringError(f"destination {dest!r}")
+
+    @property
+    def k(self) -> int:
+        return self.prologue.width
+
+    @property
+    def n(self) -> int:
+        return self.epilogue.width
+
+    def to_params(self) -> tuple:
+        return (self.prologue.to_params(), self.prologue_from, self.prologue_to, self.weights,
+                self.epilogue.to_params(), self.epilogue_from, self.epilogue_to)
+
+    @classmethod
+    def from_params(cls, p: Sequence) -> Stage:
+        pro, pro_from, pro_to, weights, epi, epi_from, epi_to = p
+
+        def tuples(xs):
+            return tuple(tuple(x) for x in xs)
+        return cls(Program.from_params(pro), tuples(pro_from), tuples(pro_to), tuples(weights),
+                   Program.from_params(epi), tuples(epi_from), tuples(epi_to))
+
+
+@dataclass(frozen=True)
+class Products:
+    """A fused op made of matrix products with pointwise work around them: its stages, run in
+    order (one kernel each), the intermediates between them ([T, width] in a dtype) and how many
+    results the op returns."""
+    stages: tuple[Stage, ...]
+    temps: tuple[tuple[int, str], ...]  # (width, dtype) of each intermediate
+    results: int
+    # (result, group, ranks): a result the reference all-reduces last (``k3.all_reduce``), summed
+    # over the group's ranks by the host's collective once the stages have run
+    reduced: tuple[tuple[int, str, int], ...] = ()
+
+    def to_params(self) -> tuple:
+        return (tuple(s.to_params() for s in self.stages), self.temps, self.results, self.reduced)
+
+    @classmethod
+    def from_params(cls, p: Sequence) -> Products:
+        stages, temps, results, *reduced = p
+        return cls(tuple(Stage.from_params(s) for s in stages), tuple(tuple(t) for t in temps), int(results),
+                   tuple(tuple(r) for r in (reduced[0] if reduced else ())))
+
+
+def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The results of ``products`` for the op's tensor arguments ``args``, computed as the kernels
+    do: each stage's prologue, its products in fp32 from bf16 operands, its epilogue (on one rank:
+    an all-reduce over one rank is the result itself)."""
+    temps: dict[int, torch.Tensor] = {}
+    results: dict[int, torch.Tensor] = {}
+
+    def source(src, program: Program, kind: str, acc=(), pro=()):
+        if src[0] == "arg":
+            t = args[src[1]]
+            return t[:, src[2]:src[2] + program.width] if kind == "row" else \
+                t[src[2]:src[2] + program.width] if kind == "col" else t.reshape(-1, 1)
+        if src[0] == "temp":
+            return temps[src[1]]
+        return acc[src[1]] if src[0] == "acc" else pro[src[1]]
+
+    def place(dest, value):
+        if dest[0] == "result":
+            results[dest[1]] = value
+        elif dest[0] == "temp":
+            temps[dest[1]] = value
+
+    for stage in products.stages:
+        pro_in = [source(s, stage.prologue, kind) for s, (kind, _) in zip(stage.prologue_from, stage.prologue.inputs,
+                                                                           strict=True)]
+        pro = interpret(stage.prologue, pro_in)
+        for dest, value in zip(stage.prologue_to, pro, strict=True):
+            place(dest, value)
+        a = pro[0].float()
+        acc = [a @ args[w][r0:r0 + stage.n].float().t() for w, r0 in stage.weights]
+        pro_stats = [p.reshape(-1, 1) for p in pro]
+        epi_in = [source(s, stage.epilogue, kind, acc, pro_stats)
+                  for s, (kind, _) in zip(stage.epilogue_from, stage.epilogue.inputs, strict=True)]
+        for dest, value in zip(stage.epilogue_to, interpret(stage.epilogue, epi_in), strict=True):
+            place(dest, value)
+    return [results[r] for r in range(products.results)]

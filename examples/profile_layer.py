@@ -40,6 +40,7 @@ import torch
 
 def profile(args: argparse.Namespace) -> None:
     from codegen.bind import device_arch
+    from patterns import default_rules
     from rewriter.commands.bench import _Case, _rewritten
     from rewriter.compiler.plan import install_kernels
     from rewriter.model.config import KimiK3Config
@@ -54,7 +55,7 @@ def profile(args: argparse.Namespace) -> None:
             shape = DecodeShape(batch=batch, tp=args.tp, rank=0, arch=arch, context=args.context,
                                 kv_cache_dtype=args.kv_cache_dtype)
             case = _Case(cfg, args.layer, shape, 1, args.experts)
-            _, run_one, _ = _rewritten(case)
+            _, run_one, _ = _rewritten(case, default_rules())
             for _ in range(3):  # compile or load, then warm
                 run_one()
             torch.cuda.synchronize()

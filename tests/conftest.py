@@ -230,3 +230,17 @@ def ptxas_usage(ptx: str, arch: str) -> tuple[int, int]:
 
     res = sass_or_skip(lambda: assemble(ptx, arch))
     return res.registers, res.spill_bytes
+
+
+def hand_written_refusal(op: str, args, arch: str = "sm_90a") -> str:
+    """Why every hand-written template of ``op`` refuses this call (asserting that they all do): a
+    kernel generated from the op's reference may still serve it."""
+    from codegen.templates import templates_for_op
+
+    op = op if "::" in op else f"k3f::{op}"
+    reasons = []
+    for t in templates_for_op(op):
+        specs = t.make_specs(op, arch, args)
+        assert isinstance(specs, str), f"{t.kernel} takes the call"
+        reasons.append(f"{t.kernel}: {specs}")
+    return "; ".join(reasons)

@@ -125,8 +125,8 @@ def test_compile_all_layers_plans_the_rules_files(tmp_path):
     assert summary["layers_served"] == 1 and summary["compiled"] == 0  # the dense layer 0 only
     assert {r.split(" (docs")[0] for r in summary["refusals"].values()} == {
         "no GPU kernel for topk_routed_experts: no hand-written CuTe DSL template; not generated: not lowered: "
-        "aten.topk.default (node topk) has no lowering: the programs take pointwise arithmetic, activations, casts "
-        "and reductions over a token's row"}
+        "aten.topk.default (node topk) has no lowering: the programs take pointwise arithmetic, activations, casts, "
+        "reductions over a token's row and matrix products by weights"}
     assert len(summary["refusals"]) == 23  # every structure but the dense layer's, at batch 1
     assert f"rules added from {EXAMPLE}" in p.stderr
     assert "not served: 23 plans: no GPU kernel for topk_routed_experts" in p.stderr

@@ -19,6 +19,7 @@ inputs are redrawn); the KDA states, which come before the router, are compared 
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,13 +113,23 @@ def test_rewritten_verify_layer_matches_the_reference(layer_idx, tp, batch, q, c
     check_layer(layer_idx, tp, batch, "mxfp4" if layer_idx else None, cache, q)
 
 
-def check_layer(layer_idx, tp, batch, experts, cache, q=1):
+@pytest.mark.parametrize("tp,batch", [(16, 1), (16, 8), (8, 64)])
+def test_the_generated_rule_example_serves_its_layer(tp, batch):
+    """``examples/generated_rule.py``: the shared experts as a fused op of the user's, on kernels
+    generated from its reference (no hand-written template), inside the whole layer."""
+    from rewriter.commands.layer_args import rule_set
+
+    rules = rule_set([Path(__file__).resolve().parents[1] / "examples" / "generated_rule.py"])
+    check_layer(1, tp, batch, "mxfp4", "bf16", rules=rules, fused="k3f::my_shared_experts")
+
+
+def check_layer(layer_idx, tp, batch, experts, cache, q=1, rules=None, fused=None):
     with alone_if_large(layer_test_bytes(tp, batch * q, layer_idx, experts)):
-        _check_layer(layer_idx, tp, batch, experts, cache, q)
+        _check_layer(layer_idx, tp, batch, experts, cache, q, rules, fused)
         gc.collect()  # the layer and its tensors, before the lock lets the next large test in
 
 
-def _check_layer(layer_idx, tp, batch, experts, cache, q):
+def _check_layer(layer_idx, tp, batch, experts, cache, q, rules=None, fused=None):
     from codegen import bind
 
     layer = _layer(tp, experts or "bf16", layer_idx)
@@ -137,7 +148,9 @@ def _check_layer(layer_idx, tp, batch, experts, cache, q):
             break
     else:
         pytest.fail(f"no inputs with half the tokens' top-k margins >= {NEAR_TIE_MARGIN} in 10 draws")
-    result = rewrite(trace(layer, shape))
+    result = rewrite(trace(layer, shape), rules)
+    if fused:
+        assert any(n.target == getattr(torch.ops.k3f, fused.split("::")[1]).default for n in result.after.graph.nodes)
     runner = LayerRunner(result, build_schedule(result.after), device="cuda")
     before = {op: c.get("reference", 0) for op, c in bind.stats().items()}
     rw_inputs = _copy(given)

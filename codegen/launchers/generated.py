@@ -1,12 +1,16 @@
-"""The generated template: a fused op with no hand-written template runs on a kernel generated
+"""The generated templates: a fused op with no hand-written template runs on kernels generated
 from its own reference, when the compiler can lower that reference (``codegen.host``'s
-``lower``: the op's reference traced at the call's shapes into a ``codegen.lowered.Program``).
+``lower``: the op's reference traced at the call's shapes into a ``codegen.lowered.Program`` or
+``Products``).
 
-Today the generated kernel is ``rowwise`` (``codegen/kernels/rowwise.py``): pointwise chains,
-broadcasts and reductions over each token's row, one CTA a token. A call the lowering refuses
-(an op it does not know, a shape it does not take) is refused here with that reason, so the
-plan, ``inspect`` and the server name it. The templates of ``codegen.templates`` try this one
-after every hand-written template of the op.
+- ``rowwise`` (``codegen/kernels/rowwise.py``): a reference without matrix products: pointwise
+  chains, broadcasts and reductions over each token's row, one CTA a token;
+- ``product_gemv`` (``codegen/kernels/product_gemv.py``): a reference with products by weights:
+  one kernel a stage (prologue, products, epilogue) on the skinny GEMV's main loop.
+
+A call the lowering refuses (an op it does not know, a shape it does not take) is refused here
+with that reason, so the plan, ``inspect`` and the server name it. ``codegen.templates`` tries
+these after every hand-written template of the op.
 """
 from __future__ import annotations
 
@@ -16,14 +20,19 @@ from typing import Any
 import torch
 
 from codegen.host import host
-from codegen.lowered import DTYPES, Program
+from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
+from codegen.lowered import DTYPES, Products, Program, Stage
 from codegen.spec import KernelSpec
-from codegen.targets import VEC
+from codegen.targets import MAX_TOKENS, VEC
 from codegen.template import Template, aligned
 
 MAX_INPUTS = 8
 MAX_OUTPUTS = 4
 MAX_THREADS = 1024
+# what one product_gemv stage takes: tensor slots of each kind, registers of weights a lane holds
+PRODUCT_SLOTS = {"prologue_inputs": 4, "weights": 4, "epilogue_inputs": 4, "prologue_results": 2, "outputs": 4}
+MAX_WEIGHT_VECTORS = 24  # 128-bit weight vectors a lane holds (4 registers each)
+STAGED_BYTES = 160 * 1024  # shared memory for a chunk's activations where the prologue computes them
 
 
 def threads_for(width: int, vectors: int) -> int:
@@ -45,6 +54,8 @@ def _specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | 
     program = host().lower(op, args)
     if isinstance(program, str):
         return program
+    if isinstance(program, Products):
+        return "the reference has matrix products (the product_gemv kernel)"
     if program.width % VEC:
         return f"a row of {program.width} values is not whole 128-bit vectors of {VEC} (the rowwise kernel)"
     if len(program.inputs) > MAX_INPUTS or len(program.outputs) > MAX_OUTPUTS:
@@ -80,6 +91,164 @@ def _launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     return results[0] if len(returns) == 1 and str(returns[0].type) == "Tensor" else tuple(results)
 
 
-TEMPLATE = Template("generated", (), _specs, _runtime, _launch, generated=True,
-                    doc="a kernel generated from the fused op's reference: pointwise chains and row reductions, "
-                        "one CTA a token")
+ROWWISE = Template("generated", (), _specs, _runtime, _launch, generated=True,
+                   doc="a kernel generated from the fused op's reference: pointwise chains and row reductions, "
+                       "one CTA a token")
+
+
+# ---- products: one product_gemv kernel a stage --------------------------------------------------
+def is_plain(stage: Stage) -> bool:
+    """The prologue only reads a bf16 activation (read from memory in the K loop, not staged)."""
+    p = stage.prologue
+    return not p.ops and p.inputs == (("row", "bf16"),) and p.outputs == ((0, "bf16", 2),)
+
+
+def _tiling(stage: Stage, tokens: int) -> dict[str, Any] | str:
+    k, products = stage.k, len(stage.weights)
+    if k % VEC:
+        return f"K {k} is not whole 128-bit vectors of {VEC}"
+    chunk = token_chunk(tokens)
+    if not is_plain(stage):
+        while chunk > 1 and chunk * k * 2 > STAGED_BYTES:
+            chunk -= 1
+        if k * 2 > STAGED_BYTES:
+            return f"K {k}: a token's staged activation exceeds {STAGED_BYTES // 1024} KB of shared memory"
+    vec = -(-k // 256)  # vectors a lane of one warp (the last lanes' past the end where 256 does not divide K)
+    tiling = skinny_gemv_tiling(chunk, vec * 256, stage.n * products, norm=not is_plain(stage))
+    if isinstance(tiling, str):
+        return tiling
+    cols = tiling["rows_per_warp"] if products == 1 else 1
+    ks = tiling["ksplit"]
+    while cols * products * -(-vec // ks) > MAX_WEIGHT_VECTORS and ks < 8 and vec % (2 * ks) == 0:
+        ks *= 2
+    if cols * products * -(-vec // ks) > MAX_WEIGHT_VECTORS:
+        return (f"{products} products of K {k}: {cols * products * -(-vec // ks)} weight vectors a lane, at most "
+                f"{MAX_WEIGHT_VECTORS} in registers")
+    return {"chunk": chunk, "cols": cols, "ksplit": ks, "warps_per_cta": ks * max(1, tiling["warps_per_cta"] // ks)}
+
+
+def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] | None, kind: str, width: int):
+    """The tensor a program input reads (a view from its column), or its shape's stand-in."""
+    if src[0] == "temp":
+        return temps[src[1]] if temps is not None else None
+    t = tensors[src[1]]
+    if kind == "row":
+        return t[:, src[2]:src[2] + width]
+    if kind == "col":
+        return t.reshape(-1)[src[2]:src[2] + width]
+    return t.reshape(-1, 1)
+
+
+def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kind: str) -> int:
+    if kind != "row":
+        return 0
+    return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(0)
+
+
+def _tokens(products: Products, tensors: list[torch.Tensor]) -> int:
+    stage = products.stages[0]
+    return next(tensors[s[1]].shape[0] for s, (kind, _) in zip(stage.prologue_from, stage.prologue.inputs, strict=True)
+                if s[0] == "arg" and kind == "row")
+
+
+def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
+    products = host().lower(op, args)
+    if isinstance(products, str):
+        return products
+    if not isinstance(products, Products):
+        return "no matrix products (the rowwise kernel)"
+    tensors = _tensors(args)
+    tokens = _tokens(products, tensors)
+    if not 1 <= tokens <= MAX_TOKENS:
+        return f"{tokens} tokens outside 1..{MAX_TOKENS}"
+    specs = []
+    for i, stage in enumerate(products.stages):
+        pro, epi = stage.prologue, stage.epilogue
+        epi_args = [(s, kind) for s, (kind, _) in zip(stage.epilogue_from, epi.inputs, strict=True)
+                    if s[0] in ("arg", "temp")]
+        counts = {"prologue_inputs": len(pro.inputs), "weights": len(stage.weights), "epilogue_inputs": len(epi_args),
+                  "prologue_results": sum(d[0] == "result" for d in stage.prologue_to), "outputs": len(epi.outputs)}
+        for what, count in counts.items():
+            if count > PRODUCT_SLOTS[what]:
+                return f"stage {i}: {count} {what.replace('_', ' ')}, at most {PRODUCT_SLOTS[what]}"
+        if any(kind != "stat" and (s[0] == "arg" and s[2] % VEC) for s, (kind, _) in
+               zip(stage.prologue_from, pro.inputs, strict=True)):
+            return f"stage {i}: a prologue input starts inside a 128-bit vector"
+        tiling = _tiling(stage, tokens)
+        if isinstance(tiling, str):
+            return f"stage {i}: {tiling}"
+        pro_strides = [_row_stride(s, tensors, products, kind) for s, (kind, _) in
+                       zip(stage.prologue_from, pro.inputs, strict=True)]
+        if any(s % VEC for s in pro_strides):
+            return f"stage {i}: a prologue row's stride is not whole 128-bit vectors"
+        epi_strides = [_row_stride(s, tensors, products, kind) for s, kind in epi_args]
+        specs.append(KernelSpec.make("product_gemv", op, arch, shapes={"tokens": tokens, "k": stage.k, "n": stage.n},
+                                     params={"stage": stage.to_params(), **tiling, "pro_strides": tuple(pro_strides),
+                                             "epi_strides": tuple(epi_strides), "stage_index": i,
+                                             "temps": products.temps, "results": products.results,
+                                             "reduced": products.reduced}))
+    return tuple(specs)
+
+
+def _product_runtime(args: Sequence[Any]) -> str | None:
+    for i, t in enumerate(_tensors(args)):
+        if t.stride(-1) != 1 or (t.dim() == 2 and t.stride(0) != t.shape[1]):
+            return f"tensor argument {i} is not contiguous (strides {tuple(t.stride())})"
+    return aligned({f"tensor argument {i}": t for i, t in enumerate(_tensors(args))})
+
+
+def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
+    tensors = _tensors(args)
+    p0 = specs[0].param_dict
+    tokens, device = specs[0].shape_dict["tokens"], tensors[0].device
+    temps = [torch.empty((tokens, width), dtype=DTYPES[dtype], device=device) for width, dtype in p0["temps"]]
+    results: dict[int, torch.Tensor] = {}
+
+    def made(dest, kind, width, dtype):
+        t = torch.empty((tokens, width if kind == "row" else 1), dtype=DTYPES[dtype], device=device)
+        if dest[0] == "result":
+            results[dest[1]] = t
+        return temps[dest[1]] if dest[0] == "temp" else t
+
+    for fn, spec in zip(fns, specs, strict=True):
+        stage = Stage.from_params(spec.param_dict["stage"])
+        pro, epi = stage.prologue, stage.epilogue
+        pins = [_source(s, tensors, temps, kind, stage.k) for s, (kind, _) in
+                zip(stage.prologue_from, pro.inputs, strict=True)]
+        ws = [tensors[w][r0:r0 + stage.n] for w, r0 in stage.weights]
+        eins = [_source(s, tensors, temps, kind, stage.n) for s, (kind, _) in
+                zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in ("arg", "temp")]
+        pkinds, ekinds = pro.kinds, epi.kinds
+        qs = [made(d, pkinds[pro.outputs[j][0]], stage.k, pro.outputs[j][1])
+              for j, d in enumerate(stage.prologue_to) if d[0] == "result"]
+        ys = [made(d, ekinds[v], stage.n, dtype) for d, (v, dtype, _) in zip(stage.epilogue_to, epi.outputs,
+                                                                              strict=True)]
+
+        def pad(xs, size):
+            return [*xs, *[None] * (size - len(xs))]
+        fn(*pad(pins, 4), *pad(ws, 4), *pad(eins, 4), *pad(qs, 2), *pad(ys, 4))
+    for r, group, ranks in p0["reduced"]:  # a partial the reference sums over the ranks last
+        if host().collective_runs(ranks):
+            results[r] = host().all_reduce(results[r], group, ranks)
+    dims = _result_dims(specs)
+    outs = [results[r].view(-1) if dims[r] == 1 else results[r] for r in range(p0["results"])]
+    returns = getattr(torch.ops.k3f, specs[0].op.split("::")[-1]).default._schema.returns
+    return outs[0] if len(returns) == 1 and str(returns[0].type) == "Tensor" else tuple(outs)
+
+
+def _result_dims(specs: tuple[KernelSpec, ...]) -> dict[int, int]:
+    """How many dims each result has (a statistic the reference returns as [T] has 1)."""
+    dims = {}
+    for spec in specs:
+        stage = Stage.from_params(spec.param_dict["stage"])
+        for program, dests in ((stage.prologue, stage.prologue_to), (stage.epilogue, stage.epilogue_to)):
+            for (_, _, d), dest in zip(program.outputs, dests, strict=True):
+                if dest[0] == "result":
+                    dims[dest[1]] = d
+    return dims
+
+
+PRODUCTS = Template("product_gemv", (), _product_specs, _product_runtime, _product_launch, generated=True,
+                    doc="kernels generated from the fused op's reference: a prologue, matrix products by weights and "
+                        "a pointwise epilogue, on the skinny GEMV's main loop")
+TEMPLATES = (ROWWISE, PRODUCTS)

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from rewriter.commands.layer_args import add_rules_arg, rules_of
 from rewriter.commands.variant import kernel_sources_swapped, kernel_variant_files
 from rewriter.compiler.cost import H200_COPY_TBPS, hbm_us
 
@@ -129,6 +130,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--hbm-tbps", type=float, metavar="TBPS",
                    help=f"HBM bandwidth of the floor, TB/s (default: {H200_COPY_TBPS} on an H200, the copy measured "
                         "there; on any other GPU a copy measured at start)")
+    add_rules_arg(b)
     b.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     b.add_argument("--svg", type=Path, metavar="PATH",
                    help="also draw each rewritten row's replay timeline into PATH (rewriter/commands/timeline_svg.py)")
@@ -431,15 +433,16 @@ class _Case:
         return run
 
 
-def _rewritten(case: _Case) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
-    """(all copies, one copy, the rewrite of copy 0): each copy traced, rewritten and run by its schedule."""
+def _rewritten(case: _Case, rules) -> tuple[Callable[[], Any], Callable[[], Any], Any]:
+    """(all copies, one copy, the rewrite of copy 0): each copy traced, rewritten by ``rules`` and
+    run by its schedule."""
     from rewriter.compiler.program import LayerRunner
     from rewriter.compiler.rewrite import rewrite
     from rewriter.compiler.trace import trace
 
     runners, first = [], None
     for layer in case.layers:
-        result = rewrite(trace(layer, case.shape))
+        result = rewrite(trace(layer, case.shape), rules)
         first = first or result
         runners.append(LayerRunner.of(result, "cuda"))
 
@@ -527,7 +530,8 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
 
     meta_shape = DecodeShape(batch=batch, tp=tp, rank=0, arch=arch, q=args.q, context=args.context,
                              kv_cache_dtype=args.kv_cache_dtype)
-    planned = rewrite(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape))
+    rules = rules_of(args)
+    planned = rewrite(trace(build_layer(cfg, args.layer, tp=tp, experts=args.experts), meta_shape), rules)
     floor, ref_floor = planned.served_floor_bytes(), planned.reference_floor_bytes()
     floor_us, ref_floor_us = hbm_us(floor, args.floor_tbps), hbm_us(ref_floor, args.floor_tbps)
     copies = copies_for(floor, args.copies)
@@ -540,7 +544,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
     rows = []
     if "rewritten" in args.paths:
         install_kernels(arch)
-        run_all, run_one, result = _rewritten(case)
+        run_all, run_one, result = _rewritten(case, rules)
         specs = [s for row in plan(result, arch) for s in row.get("specs", ())]
         tree = _Captured.of(run_all, run_one, rounds)
         shown = dict(tp=tp, batch=batch, floor_us=floor_us, ref_floor_us=ref_floor_us, specs=specs, layers=layers,

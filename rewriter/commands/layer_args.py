@@ -53,17 +53,26 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
                    help="MLA latent cache: bf16 or fp8 (E4M3, one per-tensor scale: vLLM's --kv-cache-dtype fp8)")
     p.add_argument("--conv-layout", choices=CONV_LAYOUTS, default="SD",
                    help="how vLLM keeps a KDA slot's conv state (VLLM_SSM_CONV_STATE_LAYOUT; default SD, vLLM's)")
+    add_rules_arg(p)
+
+
+def add_rules_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rules", type=Path, metavar="FILE", action="append", default=[],
-                   help="a Python file whose RULES list is added to the built-in rules (repeatable)")
+                   help="a Python file whose RULES list is added to the built-in rules, tried before them "
+                        "(repeatable)")
 
 
 def rule_set(files: Iterable[str | Path]) -> RuleSet:
-    """The built-in rules plus every rules file's (a file loaded once per process:
-    ``load_rules_file``), for this process and for ``compile --all-layers``' workers alike."""
-    rules = default_rules()
+    """Every rules file's rules (a file loaded once per process: ``load_rules_file``), then the
+    built-in rules, for this process and for ``compile --all-layers``' workers alike. Patterns
+    match largest first; of two of one size, a file's rule comes first: a user's rule can take
+    the place of a built-in one."""
+    rules = RuleSet()
     for path in files:
         for rule in load_rules_file(path):
             rules.add(rule)
+    for rule in default_rules():
+        rules.add(rule)
     return rules
 
 

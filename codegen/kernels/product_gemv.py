@@ -1,0 +1,309 @@
+"""``product_gemv``: a generated kernel: one stage of a fused op's ``codegen.lowered.Products``
+(a prologue, matrix products of its result, a pointwise epilogue) on the skinny GEMV's main loop,
+1..64 tokens.
+
+The main loop is the one of ``codegen/kernels/gemv.py`` (decode reads every weight once from
+HBM): a warp owns ``cols`` output columns of every product (``cols x products`` weight rows),
+``ksplit`` warps split K, each lane loads its whole K slice of its rows at once
+(``ld.global.L1::no_allocate.L2::256B.v4``, before ``griddepcontrol.wait``: weights are never
+written by the layer) and keeps it in registers for every token; tokens run in chunks of at most
+8 (fp32 sums in registers); a butterfly sums the lanes, shared memory the K slices. The
+generated code goes into two hooks, emitted op by op from the programs
+(``codegen/kernels/emit.py``):
+- the prologue: a plain read of a bf16 activation (the programs' identity) reads x from memory
+  in the K loop, as the GEMV does; any other prologue runs per token of the chunk over the
+  whole row, spread over the CTA as in the rowwise kernel (reductions across the CTA), and
+  stages its bf16 result in shared memory; the statistics the epilogue reads stay in
+  registers; a result the op returns from the prologue is written by CTA 0;
+- the epilogue: lane ``c * chunk + t`` of a column group's first warp owns (column c, token t):
+  it reads its epilogue inputs (rows, columns, statistics) with the chunk's x, takes every
+  product's sum for its (c, t), runs the epilogue on scalars and stores each output.
+
+Programmatic dependent launch: weights before the wait; everything else after it, followed at
+once by ``launch_dependents`` (after the loads of a one-chunk activation, as the GEMV).
+"""
+from __future__ import annotations
+
+import operator
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float32, const_expr, cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
+from codegen.kernels.emit import CUTE_DTYPES, RowSplit, run
+from codegen.kernels.gemv import X_AHEAD
+from codegen.kernels.rowwise import load_row_value, store_vector
+from codegen.launchers.generated import PRODUCT_SLOTS, is_plain
+from codegen.lowered import Stage
+from codegen.targets import MAX_TOKENS
+
+
+class ProductGemv:
+    """Compile-time configuration: the stage, the tokens and their chunk, the tiling (columns per
+    warp, warps per CTA, K slices), and the row strides of the row inputs (views of wider rows)."""
+
+    def __init__(self, stage: Stage, tokens: int, *, chunk: int, cols: int, warps_per_cta: int, ksplit: int,
+                 pro_strides: tuple[int, ...], epi_strides: tuple[int, ...]):
+        if not 1 <= tokens <= MAX_TOKENS or not 1 <= chunk <= min(8, tokens):
+            raise ValueError(f"{tokens} tokens in chunks of {chunk}: 1..{MAX_TOKENS} in chunks of 1..8")
+        self.stage, self.tokens, self.chunk = stage, tokens, chunk
+        self.k, self.n, self.products = stage.k, stage.n, len(stage.weights)
+        if self.k % VEC or warps_per_cta % ksplit:
+            raise ValueError(f"K {self.k} is not whole 128-bit vectors, or {warps_per_cta} warps do not split into "
+                             f"groups of {ksplit}")
+        self.cols, self.ksplit, self.warps_per_cta = cols, ksplit, warps_per_cta
+        self.rows = cols * self.products  # weight rows a warp holds
+        self.k_vectors = self.k // VEC
+        self.slice = -(-self.k_vectors // (32 * ksplit))  # vectors a lane holds of each row
+        # K not whole vectors a lane: the lanes past the row's end read its last vector and add nothing
+        self.k_even = self.k_vectors == self.slice * 32 * ksplit
+        if cols * chunk > 32:
+            raise ValueError(f"{cols} columns x {chunk} tokens: one storing lane each, at most 32")
+        self.groups = warps_per_cta // ksplit
+        self.threads = 32 * warps_per_cta
+        self.grid = -(-self.n // (self.groups * cols))
+        self.num_chunks = -(-tokens // chunk)
+        self.padded = self.num_chunks * chunk != tokens
+        self.plain = is_plain(stage)
+        self.split = RowSplit(self.k // VEC, self.threads)
+        self.pro_strides, self.epi_strides = pro_strides, epi_strides
+        pro, epi = stage.prologue, stage.epilogue
+        self.pro_results = [(j, d) for j, d in enumerate(stage.prologue_to) if d[0] == "result"]
+        self.keeps = [j for j, d in enumerate(stage.prologue_to) if d[0] == "keep"]
+        self.epi_args = [i for i, s in enumerate(stage.epilogue_from) if s[0] in ("arg", "temp")]
+        counts = {"prologue_inputs": len(pro.inputs), "weights": self.products, "epilogue_inputs": len(self.epi_args),
+                  "prologue_results": len(self.pro_results), "outputs": len(epi.outputs)}
+        for what, count in counts.items():
+            if count > PRODUCT_SLOTS[what]:
+                raise ValueError(f"{count} {what.replace('_', ' ')}: the kernel takes at most {PRODUCT_SLOTS[what]}")
+
+    @cute.jit
+    def __call__(self, p0: cute.Tensor, p1: cute.Tensor | None, p2: cute.Tensor | None, p3: cute.Tensor | None,
+                 w0: cute.Tensor, w1: cute.Tensor | None, w2: cute.Tensor | None, w3: cute.Tensor | None,
+                 e0: cute.Tensor | None, e1: cute.Tensor | None, e2: cute.Tensor | None, e3: cute.Tensor | None,
+                 q0: cute.Tensor | None, q1: cute.Tensor | None,
+                 y0: cute.Tensor | None, y1: cute.Tensor | None, y2: cute.Tensor | None, y3: cute.Tensor | None,
+                 stream: cuda.CUstream):
+        self.kernel(p0, p1, p2, p3, w0, w1, w2, w3, e0, e1, e2, e3, q0, q1, y0, y1, y2, y3).launch(
+            grid=[self.grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, p0: cute.Tensor, p1: cute.Tensor | None, p2: cute.Tensor | None, p3: cute.Tensor | None,
+               w0: cute.Tensor, w1: cute.Tensor | None, w2: cute.Tensor | None, w3: cute.Tensor | None,
+               e0: cute.Tensor | None, e1: cute.Tensor | None, e2: cute.Tensor | None, e3: cute.Tensor | None,
+               q0: cute.Tensor | None, q1: cute.Tensor | None,
+               y0: cute.Tensor | None, y1: cute.Tensor | None, y2: cute.Tensor | None, y3: cute.Tensor | None):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        T, TC, C, P = const_expr(self.tokens), const_expr(self.chunk), const_expr(self.cols), const_expr(self.products)
+        R, S, KS, N = const_expr(self.rows), const_expr(self.slice), const_expr(self.ksplit), const_expr(self.n)
+        pro, epi = self.stage.prologue, self.stage.epilogue
+        pro_kinds, epi_kinds = pro.kinds, epi.kinds
+        pins = (p0, p1, p2, p3)[:len(pro.inputs)]
+        weights = (w0, w1, w2, w3)[:P]
+        eins = (e0, e1, e2, e3)[:len(self.epi_args)]
+        qouts = (q0, q1)[:len(self.pro_results)]
+        youts = (y0, y1, y2, y3)[:len(epi.outputs)]
+
+        group = warp // KS
+        ks = warp % KS
+        first = (bidx * self.groups + group) * C  # this warp's first output column
+
+        smem = cutlass.memory.SmemAllocator()
+        sRed = None
+        if const_expr(KS > 1):
+            sRed = smem.allocate_tensor(Float32, cute.make_layout((KS, self.groups, R, TC)), byte_alignment=16)
+        sX, sPro = None, None
+        if const_expr(not self.plain):
+            sX = smem.allocate_tensor(BFloat16, cute.make_layout((TC, self.k), stride=(self.k, 1)), byte_alignment=16)
+            if const_expr(pro.reductions > 0):
+                sPro = smem.allocate_tensor(Float32, cute.make_layout((TC * pro.reductions, self.split.warps)),
+                                            byte_alignment=16)
+
+        # the weight rows of this warp: column c of product p is row c * P + p, K slice ks; a
+        # column past the end (last CTA) re-reads the last one and stores nothing
+        rW = cute.make_rmem_tensor((VEC, S, R), BFloat16)
+        for c in cutlass.range_constexpr(C):
+            n = cutlass.min(first + c, N - 1)
+            for p in cutlass.range_constexpr(P):
+                for s in cutlass.range_constexpr(S):
+                    cute.copy(g2r_stream_atom(BFloat16),
+                              cute.local_tile(weights[p][n, None], (VEC,), (self.k_vector(ks, s, lane),)),
+                              rW[None, s, c * P + p])
+
+        cute.arch.griddepcontrol_wait()
+        ahead = const_expr(self.plain and self.num_chunks == 1 and S * TC <= X_AHEAD)
+        rXa = None
+        if const_expr(ahead):  # plain loads, before the trigger (gemv.py says why)
+            rXa = cute.make_rmem_tensor((VEC, S, TC), BFloat16)
+            for s in cutlass.range_constexpr(S):
+                for t in cutlass.range_constexpr(TC):
+                    cute.copy(g2r_atom(BFloat16, invariant=False),
+                              cute.local_tile(p0[self.x_row(0, t), None], (VEC,), (self.k_vector(ks, s, lane),)),
+                              rXa[None, s, t])
+        cute.arch.griddepcontrol_launch_dependents()
+        pro_cols = [load_row_value(self.split, t, kind, dtype, tidx, None) if const_expr(kind == "col") else None
+                    for t, (kind, dtype) in zip(pins, pro.inputs)] if const_expr(not self.plain) else []
+
+        # the (column, token) this lane stores, where it stores one
+        my_c = lane // TC
+        my_t = lane % TC
+        rX = cute.make_rmem_tensor((VEC,), BFloat16)
+        rAcc = cute.make_rmem_tensor((R, TC), Float32)
+        rOut = cute.make_rmem_tensor((R, TC), Float32)
+        rStat = cute.make_rmem_tensor((max(1, len(self.keeps)), TC), Float32)
+        rEpi = cute.make_rmem_tensor((max(1, len(self.epi_args)),), Float32)
+        for ch in cutlass.range(self.num_chunks, unroll=1):
+            base = ch * TC
+            n_mine = cutlass.min(first + my_c, N - 1)
+            t_mine = cutlass.min(base + my_t, T - 1)
+            # the epilogue's inputs at this lane's (column, token), read with the chunk's x (not
+            # after the sums: one more round trip before the store)
+            for i in cutlass.range_constexpr(len(self.epi_args)):
+                kind, _ = epi.inputs[self.epi_args[i]]
+                src = eins[i]
+                if const_expr(kind == "row"):
+                    rEpi[i] = src[t_mine, n_mine].to(Float32)
+                elif const_expr(kind == "col"):
+                    rEpi[i] = src[n_mine].to(Float32)
+                else:
+                    rEpi[i] = src[t_mine, 0].to(Float32)
+            if const_expr(not self.plain):
+                # the prologue hook: every token of the chunk over its whole row, spread over the
+                # CTA; the products' activation to shared memory, the kept statistics to
+                # registers, the op's results from CTA 0
+                for t in cutlass.range_constexpr(TC):
+                    tok = self.x_row(base, t)
+                    vals = [pro_cols[i] if const_expr(kind == "col") else
+                            load_row_value(self.split, pins[i], kind, dtype, tidx, tok)
+                            for i, (kind, dtype) in enumerate(pro.inputs)]
+                    run(pro, vals, self.split, tidx, sPro, slot=t * pro.reductions)
+                    for j in cutlass.range_constexpr(self.split.vectors):
+                        v = tidx + j * self.split.threads
+                        rA = cute.make_rmem_tensor((VEC,), BFloat16)
+                        for e in cutlass.range_constexpr(VEC):
+                            rA[e] = vals[pro.outputs[0][0]][j * VEC + e].to(BFloat16)
+                        if const_expr(self.split.even) or v < self.split.num_vec:
+                            cute.copy(r2s_atom(BFloat16), rA, cute.local_tile(sX[t, None], (VEC,), (v,)))
+                    for slot in cutlass.range_constexpr(len(self.keeps)):
+                        rStat[slot, t] = vals[pro.outputs[self.keeps[slot]][0]]
+                    for q in cutlass.range_constexpr(len(self.pro_results)):
+                        q_value, q_dtype, _ = pro.outputs[self.pro_results[q][0]]
+                        if const_expr(pro_kinds[q_value] == "row"):
+                            for j in cutlass.range_constexpr(self.split.vectors):
+                                rQ = cute.make_rmem_tensor((VEC,), CUTE_DTYPES[q_dtype])
+                                for e in cutlass.range_constexpr(VEC):
+                                    rQ[e] = vals[q_value][j * VEC + e].to(CUTE_DTYPES[q_dtype])
+                                if bidx == 0 and base + t < T and (const_expr(self.split.even) or
+                                                                   tidx + j * self.split.threads < self.split.num_vec):
+                                    store_vector(rQ, qouts[q][base + t, None], tidx + j * self.split.threads, q_dtype)
+                        elif bidx == 0 and tidx == 0 and base + t < T:
+                            qouts[q][base + t, 0] = vals[q_value].to(CUTE_DTYPES[q_dtype])
+                cute.arch.barrier()
+
+            # rAcc[r, t] = this lane's share of <W[row r], a[token t]> over the warp's K slice (fp32)
+            rAcc.fill(0.0)
+            for s in cutlass.range_constexpr(S):
+                v = self.k_vector(ks, s, lane)
+                w = [rW[None, s, r].load().to(Float32) for r in range(R)]
+                for t in cutlass.range_constexpr(TC):
+                    if const_expr(not self.plain):
+                        cute.autovec_copy(cute.local_tile(sX[t, None], (VEC,), (v,)), rX)
+                    elif const_expr(ahead):
+                        rX.store(rXa[None, s, t].load())
+                    else:
+                        cute.copy(g2r_atom(BFloat16), cute.local_tile(p0[self.x_row(base, t), None], (VEC,), (v,)),
+                                  rX)
+                    xf = rX.load().to(Float32)
+                    for r in cutlass.range_constexpr(R):
+                        dot = (w[r] * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        if const_expr(not self.k_even):
+                            dot = cutlass.select_((ks * S + s) * 32 + lane < self.k_vectors, dot, Float32(0.0))
+                        rAcc[r, t] = rAcc[r, t] + dot
+
+            # sums over the warp (butterfly: every lane holds every sum), then over the K slices
+            for r in cutlass.range_constexpr(R):
+                for t in cutlass.range_constexpr(TC):
+                    rOut[r, t] = cute.arch.warp_reduction(rAcc[r, t], operator.add)
+            if const_expr(KS > 1):
+                if lane == 0:
+                    for r in cutlass.range_constexpr(R):
+                        for t in cutlass.range_constexpr(TC):
+                            sRed[ks, group, r, t] = rOut[r, t]
+                cute.arch.barrier()
+                for r in cutlass.range_constexpr(R):
+                    for t in cutlass.range_constexpr(TC):
+                        total = sRed[0, group, r, t]
+                        for q in cutlass.range_constexpr(1, KS):
+                            total = total + sRed[q, group, r, t]
+                        rOut[r, t] = total
+
+            # the epilogue hook: this lane's (column, token): every product's sum, the kept
+            # statistics and its inputs, through the epilogue program, to the outputs
+            rSel = cute.make_rmem_tensor((P + max(1, len(self.keeps)),), Float32)
+            for c in cutlass.range_constexpr(C):
+                for t in cutlass.range_constexpr(TC):
+                    if lane == c * TC + t:
+                        for p in cutlass.range_constexpr(P):
+                            rSel[p] = rOut[c * P + p, t]
+                        for slot in cutlass.range_constexpr(len(self.keeps)):
+                            rSel[P + slot] = rStat[slot, t]
+            evals = [rSel[src[1]] if const_expr(src[0] == "acc") else
+                     rSel[P + self.keeps.index(src[1])] if const_expr(src[0] == "pro") else
+                     rEpi[self.epi_args.index(i)] for i, src in enumerate(self.stage.epilogue_from)]
+            run(epi, evals)
+            n = first + my_c
+            tg = base + my_t
+            if lane < C * TC and ks == 0 and n < N and tg < T:
+                for o in cutlass.range_constexpr(len(epi.outputs)):
+                    if const_expr(epi_kinds[epi.outputs[o][0]] == "row"):
+                        youts[o][tg, n] = evals[epi.outputs[o][0]].to(CUTE_DTYPES[epi.outputs[o][1]])
+                    elif n == 0:
+                        youts[o][tg, 0] = evals[epi.outputs[o][0]].to(CUTE_DTYPES[epi.outputs[o][1]])
+            if const_expr(self.num_chunks > 1 and (KS > 1 or not self.plain)):
+                cute.arch.barrier()  # shared memory is reused by the next chunk
+
+    def k_vector(self, ks, s, lane):
+        """The K vector lane ``lane`` of K slice ``ks`` holds at step ``s`` (clamped to the last)."""
+        v = (ks * self.slice + s) * 32 + lane
+        return v if const_expr(self.k_even) else cutlass.min(v, self.k_vectors - 1)
+
+    def x_row(self, base, t):
+        """The row of token ``t`` of the chunk at ``base``: a padded last chunk re-reads token T-1."""
+        return cutlass.min(base + t, self.tokens - 1) if self.padded else base + t
+
+
+def build(spec) -> tuple[ProductGemv, tuple]:
+    """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
+    p = spec.param_dict
+    stage = Stage.from_params(p["stage"])
+    t = spec.shape_dict["tokens"]
+    kernel = ProductGemv(stage, t, chunk=p["chunk"], cols=p["cols"], warps_per_cta=p["warps_per_cta"],
+                         ksplit=p["ksplit"], pro_strides=tuple(p["pro_strides"]), epi_strides=tuple(p["epi_strides"]))
+    k, n = stage.k, stage.n
+
+    def tensor(kind, dtype, width, stride, vectors):
+        ct = CUTE_DTYPES[dtype]
+        align = 16 if vectors else ct.width // 8
+        if kind == "row":
+            return make_fake_tensor(ct, (t, width), (stride, 1), assumed_align=align)
+        if kind == "stat":
+            return make_fake_tensor(ct, (t, 1), (1, 1), assumed_align=ct.width // 8)
+        return make_fake_tensor(ct, (width,), (1,), assumed_align=align)
+
+    pro, epi = stage.prologue, stage.epilogue
+    pins = [tensor(kind, dtype, k, stride, True) for (kind, dtype), stride in zip(pro.inputs, kernel.pro_strides)]
+    ws = [make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16) for _ in stage.weights]
+    eins = [tensor(*epi.inputs[i], n, stride, False) for i, stride in zip(kernel.epi_args, kernel.epi_strides)]
+    pkinds, ekinds = pro.kinds, epi.kinds
+    qs = [tensor(pkinds[pro.outputs[j][0]], pro.outputs[j][1], k, k, True) for j, _ in kernel.pro_results]
+    ys = [tensor(ekinds[v], dtype, n, n, False) for v, dtype, _ in epi.outputs]
+
+    def pad(xs, size):
+        return [*xs, *[None] * (size - len(xs))]
+    return kernel, (*pad(pins, 4), *pad(ws, 4), *pad(eins, 4), *pad(qs, 2), *pad(ys, 4),
+                    make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -1,0 +1,291 @@
+"""The op-by-op translation of ATen ops into the ops of a ``codegen.lowered.Program``.
+
+A ``Builder`` writes one program over rows of ``width`` values. It is demand-driven: asked for
+a node's value at a column offset (``get(node, c0)``: columns ``c0 .. c0 + width`` of that
+node's rows, so that a split or slice of a wider row is a window into it), it translates the
+node's ATen op from its operands' values, or asks its ``resolve`` hook, which decides what a
+node the program does not compute itself is (an input: an argument, a product's accumulator,
+a statistic of the prologue, an intermediate). An op the table does not know is refused with
+its name and the node, never approximated. To teach the lowering one more op, add it to a
+table below (or to ``translate``) and to ``rowwise._UNARY_OPS`` / ``_BINARY_OPS`` where it is a
+new program op.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from codegen.lowered import DTYPES, ROUND, LoweringError, Program, Ref, fold
+
+aten = torch.ops.aten
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+# ATen op -> program op, for the ops whose arguments map one to one
+UNARY = {aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log", aten.sqrt.default: "sqrt",
+         aten.rsqrt.default: "rsqrt", aten.tanh.default: "tanh", aten.sigmoid.default: "sigmoid",
+         aten.abs.default: "abs", aten.relu.default: "relu", aten.reciprocal.default: "reciprocal",
+         aten.erf.default: "erf"}
+BINARY = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub",
+          aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
+          aten.maximum.default: "max", aten.minimum.default: "min"}
+REDUCE = {aten.sum.dim_IntList: "sum", aten.amax.default: "rmax", aten.amin.default: "rmin",
+          aten.mean.dim: "sum"}
+# ATen ops translate writes as several program ops
+OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.clamp.default, aten.clamp_min.default,
+         aten.clamp_max.default, aten.gelu.default, aten._softmax.default)
+CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+SHAPE_ONLY = (aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+              aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+              aten.clone.default, aten.alias.default, aten.detach.default)
+# a window of a wider row: the columns of a split or a slice along the last dim
+WINDOWS = (aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor, operator.getitem)
+POINTWISE = (*UNARY, *BINARY, *REDUCE, *OTHER, *CASTS, *SHAPE_ONLY, *WINDOWS)
+
+
+def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0) -> str | None:
+    """What a tensor of ``shape`` is in a program over [tokens, width] rows, read from column
+    ``c0``: a row [T, >= c0 + width], a statistic [T, 1] or [T], a column [>= c0 + width] or
+    [1, ...] (a 1-D tensor is a column, also where T = N), or None."""
+    shape = tuple(shape)
+    if len(shape) == 2 and shape[0] == tokens and shape[1] == 1 and width > 1:
+        return "stat"
+    if len(shape) == 2 and shape[0] == tokens and shape[1] >= c0 + width:
+        return "row"
+    if len(shape) == 2 and shape[0] == 1 and shape[1] >= c0 + width:
+        return "col"
+    if len(shape) == 1 and shape[0] >= c0 + width and (shape[0] != tokens or shape[0] == width):
+        return "col"
+    if len(shape) == 1 and shape[0] == tokens:
+        return "stat"
+    return None
+
+
+def columns(node: fx.Node) -> int:
+    """How many columns ``node``'s value has (1 for a statistic or a number): which operands
+    share a window with it."""
+    shape = tuple(node.meta["val"].shape)
+    return shape[-1] if shape else 1
+
+
+class Builder:
+    """One program as it is written, demand by demand. ``resolve(builder, node, c0)`` returns the
+    value of a node the builder does not translate (or None to translate it)."""
+
+    def __init__(self, tokens: int, width: int, resolve: Callable[[Builder, fx.Node, int], Ref | None]):
+        self.tokens, self.width, self.resolve = tokens, width, resolve
+        self.inputs: list[tuple[str, str]] = []
+        self.sources: list[tuple] = []
+        self.ops: list[tuple[str, tuple]] = []
+        self.outputs: list[tuple[int, str, int]] = []
+        self.refs: dict[tuple[fx.Node, int], Ref] = {}
+
+    def input(self, kind: str, dtype: str, source: tuple) -> int:
+        """The input read from ``source`` (one input per source and kind)."""
+        for i, (k, s) in enumerate(zip(self.inputs, self.sources, strict=True)):
+            if s == source and k[0] == kind:
+                return -1 - i
+        self.inputs.append((kind, dtype))
+        self.sources.append(source)
+        return -len(self.inputs)  # inputs are numbered -1, -2, ... while ops are written: program() renumbers
+
+    def value(self, op: str, *args) -> Ref:
+        """A new value of the program: op's result, or a constant where its operands all are."""
+        if all(isinstance(a, tuple) or isinstance(a, str) for a in args):
+            return ("c", fold(op, tuple(args)))
+        self.ops.append((op, tuple(args)))
+        return len(self.ops) - 1
+
+    def get(self, node: fx.Node, c0: int = 0) -> Ref:
+        """``node``'s value, columns ``c0 ..`` (a statistic or a number: c0 is 0)."""
+        if columns(node) == 1:
+            c0 = 0
+        key = (node, c0)
+        if key not in self.refs:
+            self.refs[key] = self._make(node, c0)
+        return self.refs[key]
+
+    def _make(self, node: fx.Node, c0: int) -> Ref:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and \
+                kind_of(tuple(val.shape), self.tokens, self.width, c0) is None:
+            raise LoweringError(f"{node.name} ({node.target}) makes a tensor of shape {tuple(val.shape)}: a program "
+                                f"over rows of {self.width} values holds rows [{self.tokens}, {self.width}], "
+                                "statistics and columns")
+        found = self.resolve(self, node, c0)
+        if found is not None:
+            return found
+        if node.op == "get_attr":  # a constant the reference made (torch.tensor(0.5)): one number, or refused
+            held = getattr(node.graph.owning_module, node.target)
+            if not isinstance(held, torch.Tensor) or held.numel() != 1:
+                raise LoweringError(f"{node.name} holds a tensor constant of shape {tuple(held.shape)}: the programs "
+                                    "take tensors as the op's arguments")
+            return ("c", float(held.item()))
+        if node.op != "call_function":
+            raise LoweringError(f"{node.name} ({node.op} {node.target}): the reference holds state the programs "
+                                "cannot read")
+        if node.target in SHAPE_ONLY:
+            ref = self.arg(node.args[0], node, c0)
+        elif node.target in WINDOWS:
+            ref = self._window(node, c0)
+        elif node.target in CASTS:
+            ref = self.rounded(self.arg(node.args[0], node, c0), node)
+        else:
+            ref = self.rounded(translate(self, node, c0), node)
+        if val.dim() == 0 and not isinstance(ref, tuple):
+            raise LoweringError(f"{node.name} ({node.target}) makes one number of the whole step: the programs "
+                                "compute per token")
+        return ref
+
+    def arg(self, a: Any, node: fx.Node, c0: int = 0) -> Ref:
+        """Operand ``a`` of ``node`` (read at ``node``'s window ``c0`` where it has node's columns)."""
+        if isinstance(a, fx.Node):
+            return self.get(a, c0 if columns(a) == columns(node) else 0)
+        if isinstance(a, bool) or not isinstance(a, (int, float)):
+            raise LoweringError(f"{node.name} ({node.target}) takes {a!r}, which is not a number")
+        return ("c", float(a))
+
+    def rounded(self, ref: Ref, node: fx.Node) -> Ref:
+        """``ref``, rounded where the reference's result is bf16 or fp16."""
+        name = DTYPE_NAMES.get(node.meta["val"].dtype)
+        if name is None:
+            raise LoweringError(f"{node.name} ({node.target}) makes {node.meta['val'].dtype}: the programs compute "
+                                "bf16, fp16 and fp32")
+        return self.value(ROUND, ref, name) if name != "fp32" else ref
+
+    def _window(self, node: fx.Node, c0: int) -> Ref:
+        """A split's piece or a slice along the last dim: a window further into the operand."""
+        if node.target is operator.getitem:
+            split = node.args[0]
+            if not (isinstance(split, fx.Node) and split.target in WINDOWS[:2]):
+                raise LoweringError(f"{node.name} takes an item of {split}: the programs take the pieces of a split")
+            src, size = split.args[0], split.args[1]
+            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+            last_dim(split, dim)
+            sizes = size if isinstance(size, (list, tuple)) else [size] * -(-columns(src) // size)
+            return self.get(src, c0 + sum(sizes[:node.args[1]]))
+        if node.target is aten.slice.Tensor:
+            src, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+            step = node.args[4] if len(node.args) > 4 else 1
+            last_dim(node, dim)
+            if step != 1:
+                raise LoweringError(f"{node.name} slices with step {step}: the programs take contiguous columns")
+            return self.get(src, c0 + max(0, start + columns(src) if start < 0 else start))
+        raise LoweringError(f"{node.name} ({node.target}): a split is read through its pieces")
+
+    def program(self) -> Program:
+        """The program, its values numbered as ``Program`` does: the inputs, then the ops' results."""
+        n = len(self.inputs)
+
+        def number(ref):
+            return ref if isinstance(ref, tuple) or isinstance(ref, str) else (-1 - ref if ref < 0 else n + ref)
+        ops = tuple((op, tuple(number(a) for a in args)) for op, args in self.ops)
+        return Program(self.width, tuple(self.inputs), ops, tuple((number(v), d, k) for v, d, k in self.outputs))
+
+    def output(self, node: fx.Node, c0: int = 0) -> int:
+        """``node`` (from column c0) as the program's next output; returns its index."""
+        ref = self.get(node, c0)
+        if not isinstance(ref, int):
+            raise LoweringError(f"{node.name} is a constant, not a computed value")
+        val = node.meta["val"]
+        self.outputs.append((ref, DTYPE_NAMES[val.dtype], val.dim()))
+        return len(self.outputs) - 1
+
+
+def last_dim(node: fx.Node, dim: int) -> None:
+    rank = node.args[0].meta["val"].dim()
+    if dim % rank != rank - 1:
+        raise LoweringError(f"{node.name} ({node.target}) cuts dim {dim}: the programs cut a token's row "
+                            "(the last dim) only")
+
+
+def reduced_dims(node: fx.Node) -> None:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    rank = node.args[0].meta["val"].dim()
+    if [d % rank for d in dims] != [rank - 1]:
+        raise LoweringError(f"{node.name} ({node.target}) reduces dims {dims}: the programs reduce a token's row "
+                            "(the last dim) only")
+
+
+def _pow(b: Builder, x: Ref, exponent: float, node: fx.Node) -> Ref:
+    if exponent == 2:
+        return b.value("mul", x, x)
+    if exponent == 3:
+        return b.value("mul", b.value("mul", x, x), x)
+    if exponent == 1:
+        return x
+    named = {0.5: "sqrt", -0.5: "rsqrt", -1: "reciprocal"}
+    if exponent in named:
+        return b.value(named[exponent], x)
+    raise LoweringError(f"{node.name} ({node.target}) raises to {exponent}: the programs take 1, 2, 3, 0.5, -0.5 "
+                        "and -1")
+
+
+def _gelu(b: Builder, x: Ref, approximate: str) -> Ref:
+    if approximate == "tanh":  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        cube = b.value("mul", b.value("mul", x, x), x)
+        inner = b.value("mul", b.value("add", x, b.value("mul", cube, ("c", 0.044715))), ("c", math.sqrt(2 / math.pi)))
+        return b.value("mul", b.value("mul", x, ("c", 0.5)), b.value("add", b.value("tanh", inner), ("c", 1.0)))
+    erf = b.value("erf", b.value("mul", x, ("c", 1 / math.sqrt(2))))  # 0.5 x (1 + erf(x / sqrt(2)))
+    return b.value("mul", b.value("mul", x, ("c", 0.5)), b.value("add", erf, ("c", 1.0)))
+
+
+def _softmax(b: Builder, x: Ref) -> Ref:
+    shifted = b.value("sub", x, b.value("rmax", x))
+    e = b.value("exp", shifted)
+    return b.value("div", e, b.value("sum", e))
+
+
+def _reduced(b: Builder, node: fx.Node) -> Ref:
+    """The row a reduction reduces: the whole of its operand, which must be as wide as the program."""
+    reduced_dims(node)
+    src = node.args[0]
+    if columns(src) != b.width:
+        raise LoweringError(f"{node.name} ({node.target}) reduces a row of {columns(src)} values in a program over "
+                            f"rows of {b.width}")
+    x = b.get(src, 0)
+    if not isinstance(x, int):
+        raise LoweringError(f"{node.name} ({node.target}) reduces a constant")
+    return x
+
+
+def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
+    """The program value of one ATen node at window ``c0`` (before its result's rounding)."""
+    t, args = node.target, node.args
+    if t in UNARY:
+        return b.value(UNARY[t], b.arg(args[0], node, c0))
+    if t in BINARY:
+        alpha = node.kwargs.get("alpha", 1)
+        rhs = b.arg(args[1], node, c0)
+        if alpha != 1:
+            rhs = b.value("mul", rhs, ("c", float(alpha))) if isinstance(rhs, int) else ("c", rhs[1] * alpha)
+        return b.value(BINARY[t], b.arg(args[0], node, c0), rhs)
+    if t is aten.rsub.Scalar or t is aten.rsub.Tensor:
+        return b.value("sub", b.arg(args[1], node, c0), b.arg(args[0], node, c0))
+    if t in REDUCE:
+        r = b.value(REDUCE[t], _reduced(b, node))
+        return b.value("div", r, ("c", float(b.width))) if t is aten.mean.dim else r
+    if t is aten.pow.Tensor_Scalar:
+        return _pow(b, b.arg(args[0], node, c0), float(args[1]), node)
+    if t is aten.clamp.default or t is aten.clamp_min.default or t is aten.clamp_max.default:
+        x = b.arg(args[0], node, c0)
+        lo = args[1] if t is not aten.clamp_max.default else None
+        hi = (args[2] if len(args) > 2 else node.kwargs.get("max")) if t is aten.clamp.default else \
+            (args[1] if t is aten.clamp_max.default else None)
+        if lo is not None:
+            x = b.value("max", x, b.arg(lo, node))
+        if hi is not None:
+            x = b.value("min", x, b.arg(hi, node))
+        return x
+    if t is aten.gelu.default:
+        return _gelu(b, b.arg(args[0], node, c0), node.kwargs.get("approximate", "none"))
+    if t is aten._softmax.default:
+        return _softmax(b, _reduced(b, node))
+    raise LoweringError(f"{t} (node {node.name}) has no lowering: the programs take pointwise arithmetic, "
+                        "activations, casts and reductions over a token's row (docs/CODEGEN.md)")

@@ -1,0 +1,514 @@
+"""Fused ops with matrix products (``rewriter.compiler.products`` -> ``codegen.lowered.Products``):
+that the stages compute what the reference does (``interpret_products`` against the reference in
+torch, over a corpus of random prologue -> products -> epilogue functions, sometimes with a
+second stage), that named shapes (an RMSNorm'd linear with a residual, a SiLU-gated MLP) cut
+into the stages the kernels expect, that what the stages cannot express is refused by name, and
+that the stages survive the kernel spec's parameters (plain, hashable data), and that slices of
+weights and of products read the right rows. CPU only."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from codegen.lowered import LoweringError, Products, Program, Stage, interpret_products
+from codegen.spec import KernelSpec
+from conftest import rel_err
+from rewriter.compiler.lowering import lower
+from rewriter.model.layers.common import rms_norm, silu_and_mul, situ_and_mul
+
+F = torch.nn.functional
+BF16 = torch.bfloat16
+EPS = 1e-5
+
+
+def _rand(shape, dtype, gen, scale=1.0, positive=False):
+    t = torch.randn(shape, generator=gen)
+    return ((t.abs() + 0.5 if positive else t) * scale).to(dtype)
+
+
+def _weight(rows, k, gen):
+    """A bf16 [rows, k] weight scaled so that a product of an O(1) activation is O(1)."""
+    return _rand((rows, k), BF16, gen, scale=k ** -0.5)
+
+
+def _check(products, fn, args, seed=None):
+    """Every result of ``products`` against the reference: dtype, shape, finite, close."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    want = fn(*args)
+    want = want if isinstance(want, tuple) else (want,)
+    got = interpret_products(products, tensors)
+    assert len(got) == len(want) == products.results
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (seed, i, g.dtype, w.dtype, g.shape, w.shape)
+        assert torch.isfinite(g).all(), (seed, i)
+        # a product's bf16 rounding may land one ulp apart where its sums are taken in another order
+        assert rel_err(g, w) <= (1e-2 if w.dtype == BF16 else 1e-4), (seed, i, rel_err(g, w))
+
+
+def _weights_are_bf16_rows(products, tensors):
+    """Every product reads whole bf16 rows [row0, row0 + N) of a [rows, K] argument."""
+    for stage in products.stages:
+        for w, row0 in stage.weights:
+            t = tensors[w]
+            assert t.dtype == BF16 and t.dim() == 2 and t.shape[1] == stage.k, (w, tuple(t.shape), stage.k)
+            assert 0 <= row0 and row0 + stage.n <= t.shape[0], (w, row0, stage.n, tuple(t.shape))
+
+
+# ---- the corpus: prologue -> products -> epilogue (-> a second stage) ------------------------------
+TOKENS = (1, 2, 5, 8, 64)
+PRO_UNARY = {"tanh": torch.tanh, "silu": F.silu, "gelu": F.gelu, "relu": torch.relu}
+PRO_STEPS = ("norm", "residual", "cast", "unary")
+EPI_STEPS = ("tanh", "sigmoid_gate", "residual", "col", "stat", "argstat", "cast")
+EPI2_STEPS = ("tanh", "residual", "col", "cast")
+
+
+def random_products(seed: int):
+    """(fn, args, info: the stage count, the first stage's product count, the choices made): a
+    bf16 activation x [T, K] through a prologue (RMSNorm with a column weight, a residual add,
+    casts, activations), multiplied by 1-3 bf16 weights (separate [N, K] ones, or a packed
+    [2N, K] gate-and-up weight whose output is chunked), an epilogue (SiLU(g) * u, SiTU, gates,
+    residual rows, columns, a statistic of the prologue, casts) to a bf16 row; sometimes a
+    second stage (that row times [N2, N]); one or two results."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens, k, n = rng.choice(TOKENS), 8 * rng.randint(8, 64), 8 * rng.randint(8, 64)
+    names: list[str] = []
+    args: list[torch.Tensor] = []
+
+    def arg(name, t):
+        names.append(name)
+        args.append(t)
+
+    arg("x", _rand((tokens, k), BF16, gen))
+    pro = [rng.choice(PRO_STEPS) for _ in range(rng.randint(0, 3))]
+    unary = [rng.choice(sorted(PRO_UNARY)) for _ in pro]
+    if "norm" in pro:
+        arg("norm_w", _rand((k,), BF16, gen, positive=True))
+    if "residual" in pro:
+        arg("res", _rand((tokens, k), BF16, gen))
+
+    packed = rng.random() < 0.5
+    if packed:
+        count = rng.choice([2, 3])
+        start = rng.choice(["silu_and_mul", "situ_and_mul", "chunk"])
+        arg("w_gu", _weight(2 * n, k, gen))
+        if count == 3:
+            arg("w_2", _weight(n, k, gen))
+    else:
+        count = rng.choice([1, 2, 3])
+        start = rng.choice(["silu_mul", "sigmoid_gate", "add"])
+        for i in range(count):
+            arg(f"w_{i}", _weight(n, k, gen))
+    third = rng.choice(["add", "tanh_mul"])
+    situ_linear_beta = rng.choice([None, 3.0])
+
+    epi = [rng.choice(EPI_STEPS) for _ in range(rng.randint(0, 3))]
+    if "residual" in epi:
+        arg("r", _rand((tokens, n), BF16, gen))
+    if "col" in epi:
+        arg("c", _rand((n,), BF16, gen, positive=True))
+    if "argstat" in epi:
+        arg("sc", _rand((tokens, 1), torch.float32, gen, positive=True))
+
+    second = rng.random() < 0.4
+    n2 = 8 * rng.randint(8, 64)
+    epi2 = [rng.choice(EPI2_STEPS) for _ in range(rng.randint(0, 2))] if second else []
+    if second:
+        arg("w2", _weight(n2, n, gen))
+        if "residual" in epi2:
+            arg("r2", _rand((tokens, n2), BF16, gen))
+        if "col" in epi2:
+            arg("c2", _rand((n2,), BF16, gen, positive=True))
+    extra = rng.choice([None, None, "product", "depth0", "fp32"] + (["packed_whole"] if packed else []))
+
+    def fn(*ts):
+        v = dict(zip(names, ts, strict=True))
+        x = v["x"]
+        hp = x.float()
+        for step, name in zip(pro, unary):
+            if step == "norm":
+                hp = rms_norm(hp.to(BF16), v["norm_w"], EPS).float()
+            elif step == "residual":
+                hp = hp + v["res"].float()
+            elif step == "cast":
+                hp = hp.to(BF16).float()
+            else:
+                hp = PRO_UNARY[name](hp)
+        a = hp.to(BF16) if pro else x
+        stat = torch.rsqrt(hp.pow(2).mean(-1, keepdim=True) + 1.0)  # a statistic of the prologue
+
+        if packed:
+            gu = F.linear(a, v["w_gu"])
+            g, u = gu.chunk(2, -1)
+            if start == "silu_and_mul":
+                h = silu_and_mul(gu).float()
+            elif start == "situ_and_mul":
+                h = situ_and_mul(gu, 2.0, situ_linear_beta).float()
+            else:
+                h = F.silu(g.float()) * u.float()
+            products = [g, u] + ([F.linear(a, v["w_2"])] if count == 3 else [])
+        else:
+            products = [F.linear(a, v[f"w_{i}"]) for i in range(count)]
+            g = products[0]
+            h = products[0].float()
+            if count >= 2:
+                p = products[1].float()
+                h = F.silu(h) * p if start == "silu_mul" else h * torch.sigmoid(p) if start == "sigmoid_gate" else h + p
+        if count == 3:
+            p = products[2].float()
+            h = h + p if third == "add" else h * torch.tanh(p)
+        for step in epi:
+            if step == "tanh":
+                h = torch.tanh(h)
+            elif step == "sigmoid_gate":
+                h = h * torch.sigmoid(h)
+            elif step == "residual":
+                h = h + v["r"].float()
+            elif step == "col":
+                h = h * v["c"].float()
+            elif step == "stat":
+                h = h * stat
+            elif step == "argstat":
+                h = h * v["sc"]
+            else:
+                h = h.to(BF16).float()
+        out = h.to(BF16)
+        if second:
+            h2 = F.linear(out, v["w2"]).float()
+            for step in epi2:
+                if step == "tanh":
+                    h2 = torch.tanh(h2)
+                elif step == "residual":
+                    h2 = h2 + v["r2"].float()
+                elif step == "col":
+                    h2 = h2 * v["c2"].float()
+                else:
+                    h2 = h2.to(BF16).float()
+            out = h2.to(BF16)
+        if extra is None:
+            return out
+        return out, {"product": g, "depth0": a if pro else torch.tanh(x.float()), "fp32": h,
+                     "packed_whole": gu if packed else None}[extra]
+
+    # a kernel per (products' depth, output width): the packed weight's whole output is one more
+    stages = 1 + second + (extra == "packed_whole")
+    info = {"stages": stages, "count": count, "tokens": tokens, "start": start, "pro": set(pro), "epi": set(epi),
+            "second": second, "extra": extra}
+    return fn, args, info
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_products_lower_to_what_the_reference_computes(seed):
+    fn, args, info = random_products(seed)
+    products = lower(fn, args)
+    assert isinstance(products, Products), type(products)
+    assert len(products.stages) == info["stages"], (seed, [(s.k, s.n, s.weights) for s in products.stages])
+    assert len(products.stages[0].weights) == info["count"], (seed, products.stages[0].weights)
+    assert all(s.epilogue.reductions == 0 for s in products.stages)
+    _weights_are_bf16_rows(products, args)
+    _check(products, fn, args, seed)
+
+
+def test_the_corpus_covers_its_shapes():
+    """The seeds above take every token count, stage count, way of combining the products, step
+    of the prologue and of the epilogue and extra result."""
+    seen: dict[str, set] = {}
+    for seed in range(40):
+        info = random_products(seed)[2]
+        for key, value in info.items():
+            seen.setdefault(key, set()).update(value if isinstance(value, set) else {value})
+    assert seen["tokens"] == set(TOKENS) and seen["count"] == {1, 2, 3} and seen["second"] == {False, True}
+    assert seen["stages"] >= {1, 2} and seen["pro"] == set(PRO_STEPS) and seen["epi"] == set(EPI_STEPS)
+    assert seen["start"] == {"silu_and_mul", "situ_and_mul", "chunk", "silu_mul", "sigmoid_gate", "add"}
+    assert seen["extra"] == {None, "product", "depth0", "fp32", "packed_whole"}, seen
+
+
+# ---- named shapes ------------------------------------------------------------------------------------
+def _latent_tail(x, w, weight, r):
+    return F.linear(rms_norm(x, w, EPS), weight) + r
+
+
+def _latent_tail_args(tokens=5, k=1024, n=384, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [_rand((tokens, k), BF16, gen), _rand((k,), BF16, gen, positive=True), _weight(n, k, gen),
+            _rand((tokens, n), BF16, gen)]
+
+
+def test_a_normed_linear_with_a_residual_is_one_stage():
+    """``F.linear(rms_norm(x, w), W) + r``: the norm in the prologue (one reduction), the product,
+    the residual add in the epilogue (one accumulator and one row argument)."""
+    args = _latent_tail_args()
+    products = lower(_latent_tail, args)
+    assert isinstance(products, Products)
+    assert len(products.stages) == 1 and products.temps == () and products.results == 1
+    (stage,) = products.stages
+    assert (stage.k, stage.n, stage.weights) == (1024, 384, ((2, 0),))
+    assert stage.prologue.reductions == 1 and stage.epilogue.reductions == 0
+    assert sorted(stage.prologue_from) == [("arg", 0, 0), ("arg", 1, 0)]
+    assert stage.prologue_to == (("product",),)
+    assert sorted(stage.epilogue_from) == [("acc", 0), ("arg", 3, 0)]
+    assert [kind for kind, _ in stage.epilogue.inputs] == ["row", "row"]
+    assert stage.epilogue_to == (("result", 0),)
+    _check(products, _latent_tail, args)
+
+
+def _reads(program: Program, value: int) -> int:
+    """The input ``value`` is, through roundings."""
+    while value >= len(program.inputs):
+        op, args = program.ops[value - len(program.inputs)]
+        assert op == "round", (op, args)
+        value = args[0]
+    return value
+
+
+def _mlp_args(tokens=8, hidden=256, inter=192, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [_rand((tokens, hidden), BF16, gen), _rand((hidden,), BF16, gen, positive=True),
+            _weight(2 * inter, hidden, gen), _weight(hidden, inter, gen)]
+
+
+@pytest.mark.parametrize("act", ["silu", "situ", "situ_linear"])
+def test_a_gated_mlp_is_two_stages(act):
+    """``F.linear(silu_and_mul(F.linear(rms_norm(x), W_gu)), W_d)``: the first stage multiplies
+    the packed weight's gate rows [0, I) and up rows [I, 2I) and writes the gated [T, I] row in
+    bf16; the second multiplies it by the down weight."""
+    hidden, inter = 256, 192
+    gated = {"silu": silu_and_mul, "situ": lambda gu: situ_and_mul(gu, 2.0, None),
+             "situ_linear": lambda gu: situ_and_mul(gu, 2.0, 3.0)}[act]
+
+    def mlp(x, w, w_gu, w_d):
+        return F.linear(gated(F.linear(rms_norm(x, w, EPS), w_gu)), w_d)
+
+    args = _mlp_args(hidden=hidden, inter=inter)
+    products = lower(mlp, args)
+    assert isinstance(products, Products)
+    assert len(products.stages) == 2 and products.results == 1
+    assert products.temps == ((inter, "bf16"),)
+    up, down = products.stages
+    assert (up.k, up.n, down.k, down.n) == (hidden, inter, inter, hidden)
+    assert sorted(up.weights) == [(2, 0), (2, inter)]  # in the order the epilogue asks for them
+    assert up.prologue.reductions == 1 and up.epilogue_to == (("temp", 0),)
+    assert sorted(up.epilogue_from) == [("acc", 0), ("acc", 1)]
+    # the gate (rows [0, I)) is the accumulator the sigmoid reads
+    (sigmoid,) = [operands for op, operands in up.epilogue.ops if op == "sigmoid"]
+    gate = up.epilogue_from[_reads(up.epilogue, sigmoid[0])]
+    assert up.weights[gate[1]] == (2, 0)
+    assert down.prologue_from == (("temp", 0),) and down.prologue.ops == ()
+    assert down.weights == ((3, 0),) and down.epilogue_to == (("result", 0),)
+    _check(products, mlp, args)
+
+
+def test_products_of_one_activation_at_two_widths_are_two_kernels():
+    """q and kv projections of one normed row: one stage per output width, each its own prologue."""
+    gen = torch.Generator().manual_seed(2)
+    args = [_rand((3, 512), BF16, gen), _rand((512,), BF16, gen, positive=True), _weight(128, 512, gen),
+            _weight(320, 512, gen)]
+
+    def fn(x, w, wq, wkv):
+        a = rms_norm(x, w, EPS)
+        return F.linear(a, wq), F.linear(a, wkv), a
+
+    products = lower(fn, args)
+    assert [(s.k, s.n, s.weights) for s in products.stages] == [(512, 128, ((2, 0),)), (512, 320, ((3, 0),))]
+    assert all(s.prologue.reductions == 1 for s in products.stages)
+    assert ("result", 2) in products.stages[0].prologue_to  # the normed row, written by the first stage
+    _check(products, fn, args)
+
+
+def test_a_statistic_of_the_prologue_reaches_the_epilogue():
+    """A per-token scale of the activation's row, computed in the prologue and kept for the epilogue."""
+    gen = torch.Generator().manual_seed(3)
+    args = [_rand((5, 256), BF16, gen), _weight(128, 256, gen)]
+
+    def fn(x, weight):
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
+        return (F.linear(x, weight).float() * scale).to(BF16), scale
+
+    products = lower(fn, args)
+    (stage,) = products.stages
+    assert stage.prologue.reductions == 1 and ("keep",) in stage.prologue_to
+    keep = stage.prologue_to.index(("keep",))
+    assert ("pro", keep) in stage.epilogue_from
+    _check(products, fn, args)
+
+
+# ---- refusals ----------------------------------------------------------------------------------------
+def _refusal_args(gen):
+    return {"x": _rand((4, 128), BF16, gen), "y": _rand((4, 128), BF16, gen), "w": _weight(64, 128, gen),
+            "w2": _weight(64, 128, gen), "b": _rand((64,), BF16, gen)}
+
+
+@pytest.mark.parametrize("fn,named", [
+    (lambda v: F.linear(v["x"].float(), v["w"].float()).to(BF16), None),  # exact casts to fp32: accepted
+    (lambda v: torch.softmax(F.linear(v["x"], v["w"]).float(), -1), "the epilogue reduces a product's row"),
+    (lambda v: (lambda y: y - y.amax(-1, keepdim=True))(F.linear(v["x"], v["w"]).float()),
+     "the epilogue reduces a product's row"),
+    # a statistic of a product's row as a result: refused (its message names the reduction, not the epilogue)
+    (lambda v: F.linear(v["x"], v["w"]).float().sum(-1), "a statistic of a product's row"),
+    (lambda v: F.linear(v["x"], v["w"]) + F.linear(v["y"], v["w2"]),
+     "read arg0_1 and arg1_1: the products of one stage read one activation"),
+    (lambda v: v["x"] @ (v["w"] * 2).t(), "product operand permute is computed (mul: aten.mul.Tensor): the generated "
+                                          "products read weights as the op's arguments"),
+    (lambda v: torch.cumsum(F.linear(v["x"], v["w"]), -1), "aten.cumsum.default (node cumsum) has no lowering"),
+    (lambda v: F.linear(v["x"], v["w"], v["b"]), "aten.addmm.default (node addmm) has no lowering"),
+    (lambda v: F.linear(v["x"].float() * 2, v["w"].float()), "multiplies mul, torch.float32: the generated products "
+                                                             "multiply bf16 activations"),
+    (lambda v: (F.linear(v["x"], v["w"]), v["w"]), "the reference returns its argument"),
+])
+def test_what_the_products_cannot_express_is_refused_by_name(fn, named):
+    gen = torch.Generator().manual_seed(4)
+    v = _refusal_args(gen)
+    names = list(v)
+
+    def call(*ts):
+        return fn(dict(zip(names, ts, strict=True)))
+
+    args = list(v.values())
+    if named is None:
+        _check(lower(call, args), call, args)
+        return
+    with pytest.raises(LoweringError, match=re.escape(named)):
+        lower(call, args)
+
+
+def test_an_fp32_weight_is_refused():
+    gen = torch.Generator().manual_seed(5)
+    x, w = _rand((4, 128), BF16, gen), _rand((64, 128), torch.float32, gen)
+    with pytest.raises(LoweringError, match=re.escape("weight arg1_1 is torch.float32: the generated products read "
+                                                      "bf16 weights")):
+        lower(lambda x, w: F.linear(x.float(), w), [x, w])
+
+
+def test_a_norm_between_two_products_is_refused():
+    """A norm of a product's row before the next product is a reduction in the first epilogue."""
+    gen = torch.Generator().manual_seed(6)
+    args = [_rand((4, 128), BF16, gen), _weight(64, 128, gen), _rand((64,), BF16, gen), _weight(96, 64, gen)]
+    with pytest.raises(LoweringError, match="the epilogue reduces a product's row"):
+        lower(lambda x, w, nw, w2: F.linear(rms_norm(F.linear(x, w), nw, EPS), w2), args)
+
+
+def test_stages_refuse_malformed_data():
+    pro = Program(8, (("row", "bf16"),), (), ((0, "bf16", 2),))
+    epi = Program(4, (("row", "fp32"),), (("round", (0, "bf16")),), ((1, "bf16", 2),))
+    good = Stage(pro, (("arg", 0, 0),), (("product",),), ((1, 0),), epi, (("acc", 0),), (("result", 0),))
+    assert good.k == 8 and good.n == 4
+    with pytest.raises(LoweringError, match="the stage has 1 products"):
+        Stage(pro, (("arg", 0, 0),), (("product",),), ((1, 0),), epi, (("acc", 1),), (("result", 0),))
+    with pytest.raises(LoweringError, match="a stage without a product"):
+        Stage(pro, (("arg", 0, 0),), (("product",),), (), epi, (("acc", 0),), (("result", 0),))
+    summed = Program(4, (("row", "fp32"),), (("sum", (0,)), ("mul", (0, 1))), ((2, "fp32", 2),))
+    with pytest.raises(LoweringError, match="the epilogue reduces"):
+        Stage(pro, (("arg", 0, 0),), (("product",),), ((1, 0),), summed, (("acc", 0),), (("result", 0),))
+    fp32_out = Program(8, (("row", "fp32"),), (), ((0, "fp32", 2),))
+    with pytest.raises(LoweringError, match="the products' activation, a bf16 row"):
+        Stage(fp32_out, (("arg", 0, 0),), (("product",),), ((1, 0),), epi, (("acc", 0),), (("result", 0),))
+
+
+# ---- as a kernel spec's parameter --------------------------------------------------------------------
+def _examples():
+    fn0, args0, _ = random_products(3)
+    mlp_args = _mlp_args()
+
+    def mlp(x, w, w_gu, w_d):
+        return F.linear(silu_and_mul(F.linear(rms_norm(x, w, EPS), w_gu)), w_d)
+
+    return [(_latent_tail, _latent_tail_args()), (mlp, mlp_args), (fn0, args0)]
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_products_round_trip_through_their_params(i):
+    fn, args = _examples()[i]
+    products = lower(fn, args)
+    params = products.to_params()
+    assert Products.from_params(params) == products
+    assert hash(params) == hash(lower(fn, args).to_params())  # the kernel cache keys on it: the same each time
+    # through a spec's canonical JSON (lists come back as tuples) and back
+    spec = KernelSpec.make("products", "k3f::probe", "sm_90a", params={"products": params})
+    again = KernelSpec.from_json(json.loads(spec.canonical()))
+    assert again == spec and hash(again) == hash(spec)
+    assert Products.from_params(again.param_dict["products"]) == products
+
+
+# ---- slices of weights and of products, and results that must be whole -----------------------------
+def _lowers_right_or_refuses(fn, args):
+    try:
+        products = lower(fn, args)
+    except LoweringError:
+        return False
+    _weights_are_bf16_rows(products, args)
+    _check(products, fn, args)
+    return True
+
+
+@pytest.mark.parametrize("which", ["slice", "chunk", "slice_after_t"])
+def test_a_row_slice_of_a_weight_is_a_product_of_those_rows(which):
+    gen = torch.Generator().manual_seed(7)
+    x, w = _rand((4, 128), BF16, gen), _weight(192, 128, gen)
+    fn = {"slice": lambda x, w: F.linear(x, w[64:]), "chunk": lambda x, w: F.linear(x, w[:128].chunk(2)[1]),
+          "slice_after_t": lambda x, w: x @ w.t()[:, 64:128]}[which]
+    products = lower(fn, [x, w])
+    assert products.stages[0].weights == ((1, 64),)
+    _check(products, fn, [x, w])
+
+
+def test_a_k_slice_of_a_weight_is_refused_or_lowered_right():
+    gen = torch.Generator().manual_seed(8)
+    x, w = _rand((4, 64), BF16, gen), _weight(64, 128, gen)
+    _lowers_right_or_refuses(lambda x, w: F.linear(x, w[:, :64]), [x, w])
+
+
+def test_a_negative_slice_of_a_product_is_its_last_columns():
+    gen = torch.Generator().manual_seed(9)
+    x, w = _rand((4, 128), BF16, gen), _weight(128, 128, gen)
+    _lowers_right_or_refuses(lambda x, w: F.linear(x, w)[:, -64:], [x, w])
+
+
+def test_a_wide_result_of_the_arguments_is_refused_or_whole():
+    gen = torch.Generator().manual_seed(10)
+    x, w, r = _rand((4, 128), BF16, gen), _weight(64, 128, gen), _rand((4, 256), BF16, gen)
+    _lowers_right_or_refuses(lambda x, w, r: (F.linear(x, w), (r.float() * 2).to(BF16)), [x, w, r])
+
+
+def test_the_generated_rule_example_is_served_by_generated_kernels():
+    """``examples/generated_rule.py`` takes the shared experts from the built-in rule, and the plan
+    (what inspect, compile and the server read) serves its op on two generated kernels."""
+    from pathlib import Path
+
+    from rewriter.commands.layer_args import rule_set
+    from rewriter.compiler.pipeline import decode_shape, rewritten_layer
+    from rewriter.compiler.plan import plan
+    from rewriter.model.config import KimiK3Config
+
+    rules = rule_set([Path(__file__).resolve().parents[1] / "examples" / "generated_rule.py"])
+    cfg = KimiK3Config.preset("kimi-k3")
+    for batch in (1, 8, 64):
+        result = rewritten_layer(cfg, 1, decode_shape(cfg, batch=batch, tp=16, arch="sm_90a"), rules)
+        rows = {r["op"]: r for r in plan(result, "sm_90a") if r.get("op")}
+        row = rows["k3f::my_shared_experts"]
+        assert (row["status"], row["implementation"]) == ("pending", "generated"), row
+        assert [s.module for s in row["specs"]] == ["product_gemv", "product_gemv"]
+        assert "k3f::shared_experts" not in rows
+        assert all(r["implementation"] == "hand-written" for op, r in rows.items() if op != "k3f::my_shared_experts")
+
+
+def test_a_result_all_reduced_last_is_the_hosts_collective():
+    """The dense MLP's reference ends in ``k3.all_reduce``: the stages compute the partial, and
+    the result is marked for the host's all-reduce; one in the middle is refused by name."""
+    gen = torch.Generator().manual_seed(11)
+    x, gu, down = _rand((3, 256), BF16, gen), _weight(2 * 64, 256, gen), _weight(256, 64, gen)
+
+    def mlp(x, gu, down):
+        return torch.ops.k3.all_reduce(F.linear(silu_and_mul(F.linear(x, gu)), down), "tp", 4)
+
+    products = lower(mlp, [x, gu, down])
+    assert len(products.stages) == 2 and products.reduced == ((0, "tp", 4),)
+    assert Products.from_params(products.to_params()) == products
+    (got,) = interpret_products(products, [x, gu, down])
+    assert rel_err(got, F.linear(silu_and_mul(F.linear(x, gu)), down)) < 1e-2
+    with pytest.raises(LoweringError, match=r"k3\.all_reduce\.default \(node all_reduce\) has no lowering"):
+        lower(lambda x, gu, down: F.linear(torch.ops.k3.all_reduce(F.linear(x, gu), "tp", 4)[:, :64], down),
+              [x, gu, down])

@@ -1,0 +1,134 @@
+"""Kernels generated for fused ops made of matrix products (``codegen.lowered.Products`` ->
+``codegen/kernels/product_gemv.py``): that each class of stage compiles for sm_90a and sm_100a
+with the PTX its main loop promises, and, on a GPU, that the kernels match the program and the
+reference on fresh random inputs, alone and inside a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codegen.lowered import Products, interpret_products
+from codegen.templates import spec_for_call
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
+from rewriter.compiler.rules import fused_op
+from rewriter.model.layers.common import rms_norm, silu_and_mul, situ_and_mul
+
+F = torch.nn.functional
+
+
+# ---- the probes: one fused op per class of stage ------------------------------------------------
+@fused_op("products_probe_norm_proj_res")
+def _norm_proj_res(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """A norm prologue (a reduction over K), one product, a residual epilogue: the latent tail."""
+    return F.linear(rms_norm(x, norm_weight, 1e-6), w) + r
+
+
+@fused_op("products_probe_mlp")
+def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Two stages: a packed gate-and-up weight as two products meeting in a SiLU epilogue, then down."""
+    return F.linear(silu_and_mul(F.linear(x, gate_up)), down)
+
+
+@fused_op("products_probe_situ_mlp")
+def _situ_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(situ_and_mul(F.linear(x, gate_up), 6.0, 12.0), down)
+
+
+@fused_op("products_probe_scaled_two_outputs")
+def _scaled(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor) -> list[torch.Tensor]:
+    """A plain activation, an epilogue reading a column and a statistic, two outputs (fp32 and bf16)."""
+    y = F.linear(x, w).float() * scale.float()
+    return [y, (y * torch.sigmoid(gate.float())).to(torch.bfloat16)]
+
+
+@fused_op("products_probe_add_norm_proj")
+def _add_norm_proj(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                   w: torch.Tensor) -> list[torch.Tensor]:
+    """A prologue that adds the residual, returns the sum (written by the prologue) and norms it."""
+    h = (x.float() + residual.float()).to(torch.bfloat16)
+    return [F.linear(rms_norm(h, norm_weight, 1e-5), w), h]
+
+
+@fused_op("products_probe_mlp_all_reduced")
+def _mlp_all_reduced(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The dense MLP's shape: the all-reduce last (one rank here: the partial is the result)."""
+    return torch.ops.k3.all_reduce(F.linear(silu_and_mul(F.linear(x, gate_up)), down), "tp", 1)
+
+
+def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
+    def t(*shape, dtype=torch.bfloat16, positive=False):
+        if device == "meta":
+            return torch.empty(shape, dtype=dtype, device="meta")
+        x = torch.randn(shape, generator=gen)
+        return (x.abs() + 0.5 if positive else x).to(dtype).to(device)
+
+    if name == "norm_proj_res":
+        return (t(tokens, 3584), t(3584, positive=True), t(2048, 3584) * 0.05 if device != "meta" else
+                t(2048, 3584), t(tokens, 2048))
+    if name in ("mlp", "situ_mlp", "mlp_all_reduced"):
+        return (t(tokens, 2048), t(2 * 768, 2048), t(2048, 768))
+    if name == "scaled_two_outputs":
+        return (t(tokens, 1024), t(1536, 1024), t(1536, positive=True), t(tokens, 1, dtype=torch.float32))
+    return (t(tokens, 1024), t(tokens, 1024), t(1024, positive=True), t(1536, 1024))
+
+
+PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced"]
+STAGES = {"mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
+
+
+@pytest.mark.parametrize("name", PROBES)
+def test_every_probe_takes_the_generated_product_template(name):
+    tpl, specs = spec_for_call(f"k3f::products_probe_{name}", "sm_90a", _args(name, 8, "meta", None))
+    assert tpl is not None and tpl.kernel == "product_gemv", specs
+    assert [s.module for s in specs] == ["product_gemv"] * STAGES.get(name, 1)
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name,tokens", [("norm_proj_res", 1), ("mlp", 8), ("scaled_two_outputs", 64),
+                                         ("add_norm_proj", 5)])
+def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
+    """Streamed weight loads, a butterfly per sum, PDL, no local memory (a spill)."""
+    from codegen.compiler import compile_kernel
+
+    _, specs = spec_for_call(f"k3f::products_probe_{name}", arch, _args(name, tokens, "meta", None))
+    for spec in specs:
+        ptx = compile_kernel(spec, cache=kcache).ptx
+        assert "ld.global.L1::no_allocate.L2::256B.v4" in ptx
+        assert "shfl.sync.bfly" in ptx and "griddepcontrol.wait" in ptx
+        assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@on_gpu
+@pytest.mark.parametrize("name", PROBES)
+@pytest.mark.parametrize("tokens", [1, 5, 8, 64])
+def test_generated_products_match_program_and_reference(name, tokens):
+    """Fresh random inputs, outputs poisoned by the allocator's reuse, alone and in a CUDA graph."""
+    gen = torch.Generator().manual_seed(tokens * 131 + len(name))
+    args = _args(name, tokens, "cuda", gen)
+    op = f"k3f::products_probe_{name}"
+    tpl, specs, fns = gpu_kernels(op, args)
+    p = specs[0].param_dict
+    products = Products.from_params((tuple(s.param_dict["stage"] for s in specs), p["temps"], p["results"],
+                                     p["reduced"]))
+    want = interpret_products(products, [a for a in args if torch.is_tensor(a)])
+    ref = getattr(torch.ops.k3f, op.split("::")[1])(*[a.cpu() for a in args])
+    ref = ref if isinstance(ref, (list, tuple)) else [ref]
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN bytes for the outputs to reuse
+    got = tpl.launch(fns, specs, args)
+    torch.cuda.synchronize()
+    got = got if isinstance(got, (list, tuple)) else [got]
+    for g, w, r in zip(got, want, ref, strict=True):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert not torch.isnan(g).any() and not torch.isinf(g).any()
+        assert rel_err(g, w) < 1e-2 and rel_err(g, r) < 1e-2, (name, tokens, rel_err(g, w), rel_err(g, r))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tpl.launch(fns, specs, args)
+    captured = captured if isinstance(captured, (list, tuple)) else [captured]
+    for c in captured:
+        c.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for c, w in zip(captured, want, strict=True):
+        assert not torch.isnan(c).any() and rel_err(c, w) < 1e-2
