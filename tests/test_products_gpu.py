@@ -1,6 +1,6 @@
 """Kernels generated for fused ops made of matrix products (``codegen.lowered.Products`` ->
-``codegen/kernels/product_gemv.py``): that each class of stage compiles for sm_90a and sm_100a
-with the PTX its main loop promises, and, on a GPU, that the kernels match the program and the
+``codegen/kernels/product_gemv.py`` and ``product_gemm.py``): that each class of stage compiles
+for sm_90a and sm_100a with the PTX its main loop promises, and, on a GPU, that the kernels match the program and the
 reference on fresh random inputs, alone and inside a CUDA graph."""
 from __future__ import annotations
 
@@ -74,36 +74,49 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced"]
 STAGES = {"mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
+COMPUTED_PROLOGUE = {"norm_proj_res", "add_norm_proj"}  # the GEMV's staged prologue at any token count
 
 
 @pytest.mark.parametrize("name", PROBES)
-def test_every_probe_takes_the_generated_product_template(name):
-    tpl, specs = spec_for_call(f"k3f::products_probe_{name}", "sm_90a", _args(name, 8, "meta", None))
-    assert tpl is not None and tpl.kernel == "product_gemv", specs
-    assert [s.module for s in specs] == ["product_gemv"] * STAGES.get(name, 1)
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_every_probe_takes_the_generated_product_template(name, tokens):
+    """One token: the GEMV main loop; more: the tensor-core GEMM's, where the prologue only reads."""
+    tpl, specs = spec_for_call(f"k3f::products_probe_{name}", "sm_90a", _args(name, tokens, "meta", None))
+    assert tpl is not None and tpl.kernel == "products", specs
+    module = "product_gemv" if tokens == 1 or name in COMPUTED_PROLOGUE else "product_gemm"
+    assert [s.module for s in specs] == [module] * STAGES.get(name, 1)
+
+
+# what each main loop's PTX holds: streamed 128-bit weight loads and butterflies (GEMV); cp.async
+# into shared memory, ldmatrix and the bf16 MMA (GEMM)
+PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
+            "product_gemm": ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4",
+                             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")}
 
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name,tokens", [("norm_proj_res", 1), ("mlp", 8), ("scaled_two_outputs", 64),
-                                         ("add_norm_proj", 5)])
+@pytest.mark.parametrize("name,tokens", [("norm_proj_res", 1), ("mlp", 1), ("mlp", 8), ("scaled_two_outputs", 64),
+                                         ("add_norm_proj", 5), ("situ_mlp", 17)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
-    """Streamed weight loads, a butterfly per sum, PDL, no local memory (a spill)."""
+    """The main loop's instructions, PDL, no local memory (a spill)."""
     from codegen.compiler import compile_kernel
 
     _, specs = spec_for_call(f"k3f::products_probe_{name}", arch, _args(name, tokens, "meta", None))
     for spec in specs:
         ptx = compile_kernel(spec, cache=kcache).ptx
-        assert "ld.global.L1::no_allocate.L2::256B.v4" in ptx
-        assert "shfl.sync.bfly" in ptx and "griddepcontrol.wait" in ptx
+        for promised in PROMISES[spec.module]:
+            assert promised in ptx, (spec.module, promised)
+        assert "griddepcontrol.wait" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 @on_gpu
 @pytest.mark.parametrize("name", PROBES)
-@pytest.mark.parametrize("tokens", [1, 5, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 17, 64])
 def test_generated_products_match_program_and_reference(name, tokens):
-    """Fresh random inputs, outputs poisoned by the allocator's reuse, alone and in a CUDA graph."""
+    """Fresh random inputs, outputs poisoned by the allocator's reuse, alone and in a CUDA graph;
+    GEMV (1 token), GEMM at a full and at a partial token tile (17 of 32)."""
     gen = torch.Generator().manual_seed(tokens * 131 + len(name))
     args = _args(name, tokens, "cuda", gen)
     op = f"k3f::products_probe_{name}"

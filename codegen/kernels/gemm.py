@@ -50,6 +50,9 @@ Work split (decode is bound by reading W once from HBM; x is small and stays in 
 - programmatic dependent launch: the kernel launches with PDL; the prologue's ``stages - 1``
   weight tiles are issued before ``griddepcontrol.wait`` (no kernel writes W), x and every
   global write only after it, and ``launch_dependents`` follows the wait at once.
+
+The main loop (``multiply``) and the ring are also the generated kernels' (``product_gemm.py``,
+a subclass with its own weight tiles and epilogue).
 """
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ class SkinnyGemm:
             raise ValueError(f"x row stride {self.x_stride} (K {k}, 16-byte rows) or r row stride {self.r_stride}")
         self.glu = glu is not None
         self.beta, self.linear_beta = glu if glu is not None else (None, None)
-        self.tile_out = rows_per_cta // 2 if self.glu else rows_per_cta  # output rows (channels) per CTA tile
+        self.tile_out = rows_per_cta // self.weights_per_row()  # output rows (channels) per CTA tile
         if split_k not in (1, 2, 4, 8) or self.tile_out % (split_k * ACC_VEC):
             raise ValueError(f"split_k {split_k}: 1, 2, 4 or 8 (a portable cluster), dividing the CTA's "
                              f"{self.tile_out} output rows by 4s")
@@ -156,10 +159,20 @@ class SkinnyGemm:
                              f"{' and the norm prologue' if self.norm else ''}: {total} bytes of shared memory, "
                              f"more than the {GEMM_SMEM_ONE_CTA} one CTA may take")
 
+    def weights_per_row(self) -> int:
+        """Weight rows a CTA tile multiplies for each output row (2 gated: the gate's and the up's)."""
+        return 2 if self.glu else 1
+
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
                  mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
                  mW1: cute.Tensor | None, stream: cuda.CUstream):
+        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, mW1, *self.machinery()).launch(
+            grid=[self.grid, 1, 1], block=[self.threads, 1, 1], cluster=self.cluster(), stream=stream, use_pdl=True)
+
+    def machinery(self) -> tuple:
+        """The kernel's shared-memory layouts, its global -> shared copy and its MMA (traced in
+        the launching function)."""
         # K-major tiles in shared memory: 8 rows x 128 bytes per atom, the 16-byte chunks XOR-ed with
         # the row (Swizzle<3,4,3> on byte addresses), so ldmatrix's 8 row reads hit 8 distinct banks
         atom = cute.make_layout((8, TILE_K), stride=(TILE_K, 1))
@@ -174,9 +187,10 @@ class SkinnyGemm:
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, MMA_SHAPE),
                                         cute.make_layout((self.warps_m, 1, 1)),
                                         permutation_mnk=(self.warps_m * MMA_SHAPE[0], 16, MMA_SHAPE[2]))
-        cluster = [self.split_k, 1, 1] if const_expr(self.split_k > 1) else None
-        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, mW1, sW_layout, sX_layout, tiled_g2s, tiled_mma).launch(
-            grid=[self.grid, 1, 1], block=[self.threads, 1, 1], cluster=cluster, stream=stream, use_pdl=True)
+        return sW_layout, sX_layout, tiled_g2s, tiled_mma
+
+    def cluster(self) -> list[int] | None:
+        return [self.split_k, 1, 1] if self.split_k > 1 else None
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
@@ -186,9 +200,7 @@ class SkinnyGemm:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         C = const_expr(self.split_k)
-        S = const_expr(self.stages)
         NK = const_expr(self.k_tiles)
-        KB = const_expr(TILE_K // MMA_SHAPE[2])  # 16-K MMA steps per tile
         BM = const_expr(self.tile_m)
         TO = const_expr(self.tile_out)
         tokens = mX.shape[0]
@@ -223,13 +235,7 @@ class SkinnyGemm:
         cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.tile_n, TILE_K), (0, None))
 
         smem = SmemAllocator()
-        base = smem.allocate(self.smem_bytes, byte_alignment=1024)
-        swizzle = cute.make_swizzle(3, 4, 3)
-        sW = cute.make_tensor(cute.recast_ptr(base, swizzle, dtype=BFloat16), sW_layout)
-        sX = cute.make_tensor(cute.recast_ptr(base + S * self.w_stage_bytes, swizzle, dtype=BFloat16), sX_layout)
-        # after the main loop the same bytes hold the fp32 partial tile, (rows, tokens), rows contiguous
-        sP = cute.make_tensor(cute.recast_ptr(base, dtype=Float32),
-                              cute.make_layout((BM, self.tile_n), stride=(1, BM + PAD)))
+        sW, sX, sP = self.ring(smem, sW_layout, sX_layout)
         # norm prologue: this CTA's K slice of the norm weight, and the tokens' sums of squares
         sNw = sSq = None
         if const_expr(self.norm):
@@ -253,23 +259,88 @@ class SkinnyGemm:
         w_ok = cute.make_rmem_tensor((WR,), cutlass.Boolean)
         for j in cutlass.range_constexpr(WR):
             w_ok[j] = row0 + tWcW[0, j, 0, 0][0] < bound
-        tXgX = thr_g2s.partition_S(gX)
-        tXsX = thr_g2s.partition_D(sX)
-        tXcX = thr_g2s.partition_S(cX)
+        tXgX, tXsX, tXcX, x_ok = self.x_rows(thr_g2s, gX, sX, cX, tokens)
         XR = const_expr(cute.size(tXgX, mode=[1]))  # x rows per thread and stage
-        x_ok = cute.make_rmem_tensor((XR,), cutlass.Boolean)
-        for j in cutlass.range_constexpr(XR):
-            x_ok[j] = tXcX[0, j, 0, 0][0] < tokens
         rSq = cute.make_rmem_tensor((XR,), Float32)  # the norm prologue's sums of squares, per x row
         rSq.fill(0.0)
 
+        loads = (tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second)
+
+        def after_wait():
+            # the residuals this thread adds in the epilogue, read now: after the sums their load
+            # would be one more round trip before the stores
+            rRes = cute.make_rmem_tensor((ACC_VEC, self.store_rounds), BFloat16)
+            if const_expr(self.residual):
+                self.load_residual(mR, rRes, tidx, rank, row0, tokens)
+            return rRes
+
+        def on_tile(kt, stage):
+            self.norm_tile(tXsX, sNw, rSq, x_ok, kt, stage, tidx)
+        rRes = self.multiply(tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sW, sX, sP, tiled_mma, after_wait,
+                             on_tile if const_expr(self.norm) else None)
+        if const_expr(self.norm):  # this CTA's sums of squares per token (8 threads share an x row)
+            for j in cutlass.range_constexpr(XR):
+                total = cute.arch.warp_reduction(rSq[j], operator.add, threads_in_group=8)
+                if tidx % 8 == 0 and x_ok[j]:
+                    sSq[tXcX[0, j, 0, 0][0]] = total
+        if const_expr(C > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens, second, bound)
+        if const_expr(C > 1):
+            # peers may still be reading this CTA's partials: an execution barrier only (relaxed:
+            # a released arrive would first wait for this CTA's output stores to be acknowledged)
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+
+    # helpers inlined into the kernel
+    @cute.jit
+    def ring(self, smem, sW_layout, sX_layout):
+        """(sW, sX, sP): the pipeline's swizzled W and x stages, and over the same bytes the fp32
+        partial tile the main loop leaves."""
+        base = smem.allocate(self.smem_bytes, byte_alignment=1024)
+        swizzle = cute.make_swizzle(3, 4, 3)
+        sW = cute.make_tensor(cute.recast_ptr(base, swizzle, dtype=BFloat16), sW_layout)
+        sX = cute.make_tensor(cute.recast_ptr(base + self.stages * self.w_stage_bytes, swizzle, dtype=BFloat16),
+                              sX_layout)
+        # after the main loop the same bytes hold the fp32 partial tile, (rows, tokens), rows contiguous
+        sP = cute.make_tensor(cute.recast_ptr(base, dtype=Float32),
+                              cute.make_layout((self.tile_m, self.tile_n), stride=(1, self.tile_m + PAD)))
+        return sW, sX, sP
+
+    @cute.jit
+    def x_rows(self, thr_g2s, gX, sX, cX, tokens):
+        """This thread's x copies (global, shared, coordinates) and which of its rows are tokens < T."""
+        tXgX = thr_g2s.partition_S(gX)
+        tXsX = thr_g2s.partition_D(sX)
+        tXcX = thr_g2s.partition_S(cX)
+        x_ok = cute.make_rmem_tensor((cute.size(tXgX, mode=[1]),), cutlass.Boolean)
+        for j in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+            x_ok[j] = tXcX[0, j, 0, 0][0] < tokens
+        return tXgX, tXsX, tXcX, x_ok
+
+    @cute.jit
+    def multiply(self, tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sW, sX, sP, tiled_mma, after_wait, on_tile):
+        """The main loop: the prologue's tiles (weights before ``griddepcontrol.wait``, x after
+        it), then every K tile through the ring into the MMAs, and this CTA's fp32 partial tile
+        into ``sP``. ``loads``: what ``load_w`` reads the weight tiles with; ``after_wait()``
+        runs once x is in flight (it reads what the epilogue adds; its result is returned);
+        ``on_tile(kt, stage)``, where given, runs on each x tile once it is resident, before its
+        first fragments are read (the norm prologue)."""
+        S = const_expr(self.stages)
+        NK = const_expr(self.k_tiles)
+        KB = const_expr(TILE_K // MMA_SHAPE[2])  # 16-K MMA steps per tile
+        BM = const_expr(self.tile_m)
+        XR = const_expr(cute.size(tXgX, mode=[1]))
         # prologue: tiles 0 .. S-2 in flight, their weights first, before the wait (PDL): no kernel
         # writes W, so their DRAM latency overlaps the previous kernel's tail; x is that kernel's
         # output, read only after the wait. All of it is commit group 0 (groups complete in order,
         # so the first fragments wait for every prologue weight tile anyway); groups 1 .. S-2 are
         # empty and keep group kt = tile kt for the main loop's waits.
         for s in cutlass.range_constexpr(S - 1):
-            self.load_w(tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, s, s)
+            self.load_w(loads, s, s)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         for j in cutlass.range_constexpr(XR):
@@ -278,11 +349,7 @@ class SkinnyGemm:
                     cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
         for _ in cutlass.range_constexpr(S - 1):
             cute.arch.cp_async_commit_group()
-        # the residuals this thread adds in the epilogue, read now: after the sums their load would
-        # be one more round trip before the stores
-        rRes = cute.make_rmem_tensor((ACC_VEC, self.store_rounds), BFloat16)
-        if const_expr(self.residual):
-            self.load_residual(mR, rRes, tidx, rank, row0, tokens)
+        ready = after_wait()
 
         # the MMA's threads: one token group's warps, over the group's tokens of x and of the partials
         mtid = tidx
@@ -313,11 +380,11 @@ class SkinnyGemm:
 
         # the first K step's fragments
         cute.arch.cp_async_wait_group(S - 2)
-        if const_expr(self.norm):
+        if const_expr(on_tile is not None):
             # the norm weight's vectors were copied by other threads: their waits must pass before
             # tile 0 reads them (without this barrier it was a read-after-write race on sNw)
             cute.arch.sync_threads()
-            self.norm_tile(tXsX, sNw, rSq, x_ok, 0, 0, tidx)
+            on_tile(0, 0)
         cute.arch.sync_threads()
         cute.copy(s2r_W, tLsW[None, None, 0, 0], tLrW[None, None, 0])
         cute.copy(s2r_X, tLsX[None, None, 0, 0], tLrX[None, None, 0])
@@ -330,9 +397,9 @@ class SkinnyGemm:
                     # tile kt + 1 must be resident (and every warp done with tile kt's last
                     # fragments, issued one step ago) before its first fragments are read
                     cute.arch.cp_async_wait_group(S - 2)
-                    if const_expr(self.norm):
+                    if const_expr(on_tile is not None):
                         if kt + 1 < NK:
-                            self.norm_tile(tXsX, sNw, rSq, x_ok, kt + 1, (read + 1) % S, tidx)
+                            on_tile(kt + 1, (read + 1) % S)
                     cute.arch.sync_threads()
                 nxt = const_expr((kb + 1) % KB)
                 stage = read if const_expr(kb < KB - 1) else (read + 1) % S
@@ -341,39 +408,23 @@ class SkinnyGemm:
                 if const_expr(kb == 0):
                     # refill the stage freed by tile kt - 1 (empty groups at the end keep the count)
                     if kt + (S - 1) < NK:
-                        self.load_tile(tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, tXgX, tXsX, x_ok, kt + (S - 1),
-                                       write)
+                        self.load_tile(loads, tiled_g2s, tXgX, tXsX, x_ok, kt + (S - 1), write)
                     cute.arch.cp_async_commit_group()
                 cute.gemm(tiled_mma, acc, tCrW[None, None, kb], tCrX[None, None, kb], acc)
             write = read
             read = (read + 1) % S
 
-        # epilogue: partial tile -> shared memory, reduce across the cluster, store bf16
+        # this CTA's partial tile -> shared memory (the epilogue sums the cluster's)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         cute.autovec_copy(acc, tCsP)
-        if const_expr(self.norm):  # this CTA's sums of squares per token (8 threads share an x row)
-            for j in cutlass.range_constexpr(XR):
-                total = cute.arch.warp_reduction(rSq[j], operator.add, threads_in_group=8)
-                if tidx % 8 == 0 and x_ok[j]:
-                    sSq[tXcX[0, j, 0, 0][0]] = total
-        if const_expr(C > 1):
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
-        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens, second, bound)
-        if const_expr(C > 1):
-            # peers may still be reading this CTA's partials: an execution barrier only (relaxed:
-            # a released arrive would first wait for this CTA's output stores to be acknowledged)
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
+        return ready
 
-    # helpers inlined into the kernel
     @cute.jit
-    def load_w(self, tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, kt, stage):
+    def load_w(self, loads, kt, stage):
         """Issue the cp.async copies of W's K tile ``kt`` into ``stage`` (with a second weight:
         from W1 on its tiles, only the rows within the weight)."""
+        tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second = loads
         if const_expr(self.two):
             for j in cutlass.range_constexpr(cute.size(tWgW, mode=[1])):
                 if w_ok[j]:
@@ -385,9 +436,9 @@ class SkinnyGemm:
             cute.copy(tiled_g2s, tWgW[None, None, None, kt], tWsW[None, None, None, stage])
 
     @cute.jit
-    def load_tile(self, tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, tXgX, tXsX, x_ok, kt, stage):
-        """Issue the cp.async copies of K tile ``kt`` (W tile, x rows < T) into ``stage``."""
-        self.load_w(tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second, kt, stage)
+    def load_tile(self, loads, tiled_g2s, tXgX, tXsX, x_ok, kt, stage):
+        """Issue the cp.async copies of K tile ``kt`` (W tile by ``load_w``, x rows < T) into ``stage``."""
+        self.load_w(loads, kt, stage)
         for j in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
             if x_ok[j]:
                 cute.copy(tiled_g2s, tXgX[None, j, None, kt], tXsX[None, j, None, stage])

@@ -38,7 +38,7 @@ def two_cta_stages(rows_per_cta: int, token_tile: int, k: int, split: int) -> in
     return max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes(rows_per_cta, token_tile), k // GEMM_TILE_K // split))
 
 
-def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False,
+def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False, products: int = 1,
                 weights: Sequence[int] = (), norm: bool = False) -> dict[str, Any]:
     """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
     128 weight rows per CTA (x then costs at most half the weight bytes in L2 traffic), 64
@@ -60,11 +60,12 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     of 4 warps (2 on 32-row tiles) where the token tile is a multiple of 32 and the grid is one
     CTA an SM at most, so each warp's MMA chain is half as long (the input projection's 208
     CTAs keep one group: with 8 warps its registers hold one CTA an SM, and it ran 1 us
-    slower). ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many
-    outputs. ``weights``: the row counts of two weights whose tiles do not mix
-    (``second_weight``). ``norm``: the RMSNorm prologue's shared memory (``norm_bytes``) comes
-    out of the one-CTA ring's (the dense down stage at TP 3 asked for 64 bytes more than a CTA
-    may have, and failed at its launch)."""
+    slower). ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many outputs;
+    ``products``: likewise, a generated stage's rows are shared by that many products. ``weights``:
+    the row counts of two weights whose tiles do not mix (``second_weight``). ``norm``: the RMSNorm
+    prologue's shared memory (``norm_bytes``) comes out of the one-CTA ring's (the dense down stage
+    at TP 3 asked for 64 bytes more than a CTA may have, and failed at its launch).
+    """
     token_tile = -(-tokens // 16) * 16
     groups = 2 if token_tile % 32 == 0 else 1
     k_tiles = k // GEMM_TILE_K
@@ -72,10 +73,11 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     limit = int(1.6 * sms)
     best = None
     for rows_per_cta in (GEMM_ROWS_PER_CTA, GEMM_ROWS_PER_CTA // 2, GEMM_ROWS_PER_CTA // 4):
-        per_tile = rows_per_cta // 2 if glu else rows_per_cta
+        per_tile = rows_per_cta // (2 if glu else products)
         if rows_out < per_tile and not weights:
             continue
-        if rows_per_cta == GEMM_ROWS_PER_CTA // 4 and (glu or groups == 1 or best is None or best[0] >= sms // 2):
+        if rows_per_cta == GEMM_ROWS_PER_CTA // 4 and (glu or products > 1 or groups == 1 or best is None
+                                                       or best[0] >= sms // 2):
             continue
         tiles = sum(-(-n // per_tile) for n in weights) if weights else -(-rows_out // per_tile)
         split = next(c for c in (8, 4, 2, 1)

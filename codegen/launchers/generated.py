@@ -5,8 +5,10 @@ from its own reference, when the compiler can lower that reference (``codegen.ho
 
 - ``rowwise`` (``codegen/kernels/rowwise.py``): a reference without matrix products: pointwise
   chains, broadcasts and reductions over each token's row, one CTA a token;
-- ``product_gemv`` (``codegen/kernels/product_gemv.py``): a reference with products by weights:
-  one kernel a stage (prologue, products, epilogue) on the skinny GEMV's main loop.
+- ``products``: a reference with products by weights: one kernel a stage (prologue, products,
+  epilogue), on the skinny tensor-core GEMM's main loop from ``GEMM_MIN_TOKENS`` tokens where the
+  stage reads its activation as it is (``codegen/kernels/product_gemm.py``), else on the skinny
+  GEMV's (``codegen/kernels/product_gemv.py``).
 
 A call the lowering refuses (an op it does not know, a shape it does not take) is refused here
 with that reason, so the plan, ``inspect`` and the server name it. ``codegen.templates`` tries
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from codegen.host import host
+from codegen.launchers.gemm_specs import GEMM_ROWS_PER_CTA, GEMM_TILE_K, gemm_tiling
 from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
 from codegen.lowered import DTYPES, Products, Program, Stage
 from codegen.spec import KernelSpec
@@ -33,6 +36,10 @@ MAX_THREADS = 1024
 PRODUCT_SLOTS = {"prologue_inputs": 4, "weights": 4, "epilogue_inputs": 4, "prologue_results": 2, "outputs": 4}
 MAX_WEIGHT_VECTORS = 24  # 128-bit weight vectors a lane holds (4 registers each)
 STAGED_BYTES = 160 * 1024  # shared memory for a chunk's activations where the prologue computes them
+# from here the GEMM main loop: every hand-written projection's GEMM wins from 2 tokens, or ties
+# (codegen/launchers/in_proj.py, o_proj.py, dense_mlp.py; BENCHMARKS.md)
+GEMM_MIN_TOKENS = 2
+GEMM_PRODUCTS = (1, 2, 4)  # products sharing a GEMM tile's 128 rows
 
 
 def threads_for(width: int, vectors: int) -> int:
@@ -55,7 +62,7 @@ def _specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | 
     if isinstance(program, str):
         return program
     if isinstance(program, Products):
-        return "the reference has matrix products (the product_gemv kernel)"
+        return "the reference has matrix products (the products template)"
     if program.width % VEC:
         return f"a row of {program.width} values is not whole 128-bit vectors of {VEC} (the rowwise kernel)"
     if len(program.inputs) > MAX_INPUTS or len(program.outputs) > MAX_OUTPUTS:
@@ -96,11 +103,33 @@ ROWWISE = Template("generated", (), _specs, _runtime, _launch, generated=True,
                        "one CTA a token")
 
 
-# ---- products: one product_gemv kernel a stage --------------------------------------------------
+# ---- products: one product_gemm or product_gemv kernel a stage ----------------------------------
 def is_plain(stage: Stage) -> bool:
     """The prologue only reads a bf16 activation (read from memory in the K loop, not staged)."""
     p = stage.prologue
     return not p.ops and p.inputs == (("row", "bf16"),) and p.outputs == ((0, "bf16", 2),)
+
+
+def _gemm_tiling(stage: Stage, tokens: int, arch: str) -> dict[str, Any] | str:
+    """The GEMM's tiling for a stage (``gemm_tiling``, its rows shared by the products), or why
+    the GEMM does not take it."""
+    k, n, products = stage.k, stage.n, len(stage.weights)
+    if tokens < GEMM_MIN_TOKENS:
+        return f"{tokens} token: the GEMV main loop"
+    if not is_plain(stage):
+        return "the prologue computes (the GEMM multiplies its activation as it is read)"
+    if products not in GEMM_PRODUCTS:
+        return f"{products} products: a GEMM tile's rows are shared by {', '.join(map(str, GEMM_PRODUCTS))}"
+    if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
+        return f"K {k} is not a multiple of {GEMM_TILE_K} of at least two tiles"
+    if n < GEMM_ROWS_PER_CTA // 2 // products:
+        return f"{n} columns: fewer than a tile's {GEMM_ROWS_PER_CTA // 2 // products}"
+    tiling = gemm_tiling(tokens, k, n, arch, products=products)
+    per_tile = tiling["rows_per_cta"] // products
+    pass_rows = 4 * min(4, tiling["rows_per_cta"] // 16) * tiling["token_groups"]  # threads / 8
+    if per_tile % pass_rows or n < per_tile:
+        return f"{products} products of {per_tile} columns a tile, copied {pass_rows} rows a pass"
+    return tiling
 
 
 def _tiling(stage: Stage, tokens: int) -> dict[str, Any] | str:
@@ -145,8 +174,8 @@ def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kin
     return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(0)
 
 
-def _tokens(products: Products, tensors: list[torch.Tensor]) -> int:
-    stage = products.stages[0]
+def _tokens(stage: Stage, tensors: list[torch.Tensor]) -> int:
+    """The call's tokens: the rows of the first stage's row input."""
     return next(tensors[s[1]].shape[0] for s, (kind, _) in zip(stage.prologue_from, stage.prologue.inputs, strict=True)
                 if s[0] == "arg" and kind == "row")
 
@@ -158,7 +187,7 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
     if not isinstance(products, Products):
         return "no matrix products (the rowwise kernel)"
     tensors = _tensors(args)
-    tokens = _tokens(products, tensors)
+    tokens = _tokens(products.stages[0], tensors)
     if not 1 <= tokens <= MAX_TOKENS:
         return f"{tokens} tokens outside 1..{MAX_TOKENS}"
     specs = []
@@ -174,19 +203,25 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
         if any(kind != "stat" and (s[0] == "arg" and s[2] % VEC) for s, (kind, _) in
                zip(stage.prologue_from, pro.inputs, strict=True)):
             return f"stage {i}: a prologue input starts inside a 128-bit vector"
-        tiling = _tiling(stage, tokens)
-        if isinstance(tiling, str):
-            return f"stage {i}: {tiling}"
         pro_strides = [_row_stride(s, tensors, products, kind) for s, (kind, _) in
                        zip(stage.prologue_from, pro.inputs, strict=True)]
         if any(s % VEC for s in pro_strides):
             return f"stage {i}: a prologue row's stride is not whole 128-bit vectors"
         epi_strides = [_row_stride(s, tensors, products, kind) for s, kind in epi_args]
+        plumbing = {"stage": stage.to_params(), "epi_strides": tuple(epi_strides), "stage_index": i,
+                    "temps": products.temps, "results": products.results, "reduced": products.reduced}
+        tiling = _gemm_tiling(stage, tokens, arch)
+        if not isinstance(tiling, str):
+            token_tile = tiling.pop("token_tile")
+            specs.append(KernelSpec.make("product_gemm", op, arch,
+                                         shapes={"token_tile": token_tile, "k": stage.k, "n": stage.n},
+                                         params={**plumbing, **tiling, "x_stride": pro_strides[0]}))
+            continue
+        tiling = _tiling(stage, tokens)
+        if isinstance(tiling, str):
+            return f"stage {i}: {tiling}"
         specs.append(KernelSpec.make("product_gemv", op, arch, shapes={"tokens": tokens, "k": stage.k, "n": stage.n},
-                                     params={"stage": stage.to_params(), **tiling, "pro_strides": tuple(pro_strides),
-                                             "epi_strides": tuple(epi_strides), "stage_index": i,
-                                             "temps": products.temps, "results": products.results,
-                                             "reduced": products.reduced}))
+                                     params={**plumbing, **tiling, "pro_strides": tuple(pro_strides)}))
     return tuple(specs)
 
 
@@ -200,7 +235,7 @@ def _product_runtime(args: Sequence[Any]) -> str | None:
 def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     tensors = _tensors(args)
     p0 = specs[0].param_dict
-    tokens, device = specs[0].shape_dict["tokens"], tensors[0].device
+    tokens, device = _tokens(Stage.from_params(p0["stage"]), tensors), tensors[0].device
     temps = [torch.empty((tokens, width), dtype=DTYPES[dtype], device=device) for width, dtype in p0["temps"]]
     results: dict[int, torch.Tensor] = {}
 
@@ -226,7 +261,10 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
 
         def pad(xs, size):
             return [*xs, *[None] * (size - len(xs))]
-        fn(*pad(pins, 4), *pad(ws, 4), *pad(eins, 4), *pad(qs, 2), *pad(ys, 4))
+        if spec.module == "product_gemm":  # its activation is the prologue's one input, read as it is
+            fn(pins[0], *pad(ws, 4), *pad(eins, 4), *pad(ys, 4))
+        else:
+            fn(*pad(pins, 4), *pad(ws, 4), *pad(eins, 4), *pad(qs, 2), *pad(ys, 4))
     for r, group, ranks in p0["reduced"]:  # a partial the reference sums over the ranks last
         if host().collective_runs(ranks):
             results[r] = host().all_reduce(results[r], group, ranks)
@@ -248,7 +286,8 @@ def _result_dims(specs: tuple[KernelSpec, ...]) -> dict[int, int]:
     return dims
 
 
-PRODUCTS = Template("product_gemv", (), _product_specs, _product_runtime, _product_launch, generated=True,
+PRODUCTS = Template("products", (), _product_specs, _product_runtime, _product_launch, generated=True,
                     doc="kernels generated from the fused op's reference: a prologue, matrix products by weights and "
-                        "a pointwise epilogue, on the skinny GEMV's main loop")
+                        "a pointwise epilogue, on the skinny tensor-core GEMM's main loop from "
+                        f"{GEMM_MIN_TOKENS} tokens, else the skinny GEMV's")
 TEMPLATES = (ROWWISE, PRODUCTS)

@@ -16,6 +16,7 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from rewriter.commands.bench import add_bench_parser, run_bench  # noqa: E402
+from rewriter.commands.bench_ops import add_bench_ops_parser, run_bench_ops  # noqa: E402
 from rewriter.commands.compile import add_compile_parser, run_compile  # noqa: E402
 from rewriter.commands.decode import add_decode_parser, run_decode  # noqa: E402
 from rewriter.commands.fuzz import add_fuzz_parser, run_fuzz  # noqa: E402
@@ -34,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub)
     add_compile_parser(sub)
     add_bench_parser(sub)
+    add_bench_ops_parser(sub)
     add_decode_parser(sub)
     add_fuzz_parser(sub)
     return p
@@ -42,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        status = {"compile": run_compile, "bench": run_bench, "inspect": run_inspect,
+        status = {"compile": run_compile, "bench": run_bench, "bench-ops": run_bench_ops, "inspect": run_inspect,
                   "decode": run_decode, "fuzz": run_fuzz}[args.command](args)
         sys.stdout.flush()  # here, not at exit: a closed pipe is met where it is caught
         return status

@@ -12,7 +12,8 @@ packed gate-and-up projection is two products whose halves meet in one epilogue.
 
 What crosses stages goes through memory: a value of depth d that a later stage reads is an
 output of d's epilogue (an intermediate); a statistic of depth 0 that an epilogue reads (a
-norm's scale) is computed by the stage's own prologue, in the same kernel. The epilogue is
+norm's scale) is computed by the stage's own prologue, in the same kernel, unless it is a
+function of statistics alone (a gate's sigmoid), which the epilogue recomputes. The epilogue is
 pointwise: a reduction over a product's row is refused, by name.
 """
 from __future__ import annotations
@@ -133,9 +134,9 @@ class _Stage:
             return None
         if depth == 0:
             kind = kind_of(tuple(node.meta["val"].shape), b.tokens, b.width, c0)
-            if kind != "stat":
-                return None  # a row or column of the arguments: recomputed here
-            # a statistic of depth 0 (a norm's scale): the prologue computes it, in this kernel
+            if kind != "stat" or self.staging.from_statistics(node):
+                return None  # a row or column of the arguments, or a function of statistics: recomputed here
+            # a statistic of a row (a norm's scale): the prologue computes it, in this kernel
             if node not in self.stats:
                 self.stats[node] = self.pro.output(node)
                 self.pro_to.append(("keep",))
@@ -182,6 +183,16 @@ class _Staging:
         self.stages: dict[tuple[int, int], _Stage] = {}
         self.temps: list[tuple[int, str]] = []
         self.temp_of: dict[tuple[fx.Node, int, int], int] = {}
+        self.stat_only: dict[fx.Node, bool] = {}
+
+    def from_statistics(self, node: fx.Node) -> bool:
+        """Whether ``node`` is computed from statistics and numbers alone (no row or column of K
+        on its way): an epilogue recomputes it rather than the prologue keeping it."""
+        if node not in self.stat_only:
+            val = node.meta.get("val")
+            small = not isinstance(val, torch.Tensor) or val.numel() <= self.tokens
+            self.stat_only[node] = small and all(self.from_statistics(a) for a in node.all_input_nodes)
+        return self.stat_only[node]
 
     def stage(self, depth: int, width: int) -> _Stage:
         if depth not in self.activation:

@@ -1,0 +1,67 @@
+"""``python -m rewriter bench-ops``: which fused ops it times, its table and its errors (the
+timing itself needs a GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import on_gpu
+from rewriter.commands.bench_ops import OpRow, _fused_calls, _sides, render
+from rewriter.commands.cli import main
+from rewriter.model.config import KimiK3Config
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    from rewriter.compiler.plan import install_host
+
+    install_host()
+    return KimiK3Config.load("kimi-k3")
+
+
+@pytest.mark.parametrize("tp,batch", [(16, 1), (8, 8), (16, 64)])
+def test_the_ops_timed_are_those_with_hand_written_and_generated_kernels(cfg, tp, batch):
+    """Kimi K3's projections with their prologues and epilogues: the input projections, the dense
+    MLP and the shared experts; not the ops whose references the lowering refuses (topk, the
+    collectives in the middle of o_proj)."""
+    timed = {op for layer in (0, 1, 3) for op, fake in _fused_calls(cfg, layer, tp, batch, "sm_90a", None)
+             if _sides(op, "sm_90a", fake) is not None}
+    expected = {"k3f::kda_in_proj", "k3f::mla_in_proj", "k3f::shared_experts", "k3f::dense_mlp"}
+    if tp == 8 and batch == 1:
+        expected.discard("k3f::dense_mlp")
+    assert timed == expected
+
+
+def test_the_generated_side_is_the_products_template_and_the_hand_written_side_is_not(cfg):
+    (op, fake), = _fused_calls(cfg, 1, 16, 8, "sm_90a", ["shared_experts"])
+    hand, generated = _sides(op, "sm_90a", fake)
+    assert generated.kernel == "products" and generated.generated
+    assert hand.kernel == "shared_experts_gemm" and not hand.generated
+
+
+def test_the_table_gives_the_ratio_and_the_kernels():
+    row = OpRow("shared_experts", 1, 16, 8, "a + b", "c + d", 10.0, 10.5, 4.0)
+    text = render([row], "H100")
+    assert row.ratio == pytest.approx(1.05)
+    assert " 1.05 " in text and "a + b; c + d" in text and "hand-written us" in text
+    assert "hand-written us" not in render([row], "H100", head=False)
+
+
+def test_without_a_gpu_it_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert main(["bench-ops"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@on_gpu
+def test_it_times_the_shared_experts_both_ways(capsys):
+    """Both sides run and are timed (positive, finite); no claim on which is faster."""
+    assert main(["bench-ops", "--layers", "1", "--tp", "16", "--batch", "8", "--ops", "shared_experts",
+                 "--reps", "3", "--json"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 1 and rows[0]["op"] == "shared_experts"
+    assert 0 < rows[0]["hand_us"] < 1e4 and 0 < rows[0]["generated_us"] < 1e4
