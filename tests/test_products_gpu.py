@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from codegen.launchers.generated import stages_of
 from codegen.lowered import Products, interpret_products
 from codegen.templates import spec_for_call
 from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
@@ -55,6 +56,21 @@ def _mlp_all_reduced(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor)
     return torch.ops.k3.all_reduce(F.linear(silu_and_mul(F.linear(x, gate_up)), down), "tp", 1)
 
 
+@fused_op("products_probe_projections")
+def _projections(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    """Several widths from one packed weight (an input projection's q, k, gates): one kernel of
+    three parts on the GEMM, a part narrower than a tile (6 columns) among them."""
+    q, k, g = F.linear(x, w).split([1024, 320, 6], dim=-1)
+    return [q.contiguous(), k.contiguous(), torch.sigmoid(g.float())]
+
+
+@fused_op("products_probe_two_weights")
+def _two_weights(x: torch.Tensor, w1: torch.Tensor, r: torch.Tensor, w2: torch.Tensor,
+                 scale: torch.Tensor) -> list[torch.Tensor]:
+    """Two weights of different widths, each part with epilogue inputs of its own."""
+    return [F.linear(x, w1) + r, (F.linear(x, w2).float() * scale.float()).to(torch.bfloat16)]
+
+
 def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
     def t(*shape, dtype=torch.bfloat16, positive=False):
         if device == "meta":
@@ -67,13 +83,19 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
                 t(2048, 3584), t(tokens, 2048))
     if name in ("mlp", "situ_mlp", "mlp_all_reduced"):
         return (t(tokens, 2048), t(2 * 768, 2048), t(2048, 768))
+    if name == "projections":
+        return (t(tokens, 1024), t(1350, 1024))
+    if name == "two_weights":
+        return (t(tokens, 1024), t(768, 1024), t(tokens, 768), t(200, 1024), t(200, positive=True))
     if name == "scaled_two_outputs":
         return (t(tokens, 1024), t(1536, 1024), t(1536, positive=True), t(tokens, 1, dtype=torch.float32))
     return (t(tokens, 1024), t(tokens, 1024), t(1024, positive=True), t(1536, 1024))
 
 
-PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced"]
+PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced", "projections",
+          "two_weights"]
 STAGES = {"mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
+PARTS = {"projections": 3, "two_weights": 2}  # stages of one activation: one GEMM kernel, a GEMV each
 COMPUTED_PROLOGUE = {"norm_proj_res", "add_norm_proj"}  # the GEMV's staged prologue at any token count
 
 
@@ -83,8 +105,26 @@ def test_every_probe_takes_the_generated_product_template(name, tokens):
     """One token: the GEMV main loop; more: the tensor-core GEMM's, where the prologue only reads."""
     tpl, specs = spec_for_call(f"k3f::products_probe_{name}", "sm_90a", _args(name, tokens, "meta", None))
     assert tpl is not None and tpl.kernel == "products", specs
-    module = "product_gemv" if tokens == 1 or name in COMPUTED_PROLOGUE else "product_gemm"
-    assert [s.module for s in specs] == [module] * STAGES.get(name, 1)
+    if tokens == 1 or name in COMPUTED_PROLOGUE:
+        assert [s.module for s in specs] == ["product_gemv"] * STAGES.get(name, PARTS.get(name, 1))
+    else:
+        assert [s.module for s in specs] == ["product_gemm"] * STAGES.get(name, 1)
+        assert len(stages_of(specs[0])) == PARTS.get(name, 1)
+
+
+@pytest.mark.parametrize("name", PROBES)
+def test_every_probe_lowers_to_what_its_reference_computes(name):
+    """On the CPU: the stages the kernels run, interpreted, against the reference."""
+    from codegen.host import host
+
+    gen = torch.Generator().manual_seed(len(name))
+    args = _args(name, 8, "cpu", gen)
+    products = host().lower(f"k3f::products_probe_{name}", args)
+    assert isinstance(products, Products), products
+    got = interpret_products(products, [a for a in args if torch.is_tensor(a)])
+    ref = getattr(torch.ops.k3f, f"products_probe_{name}")(*args)
+    for g, r in zip(got, ref if isinstance(ref, (list, tuple)) else [ref], strict=True):
+        assert g.dtype == r.dtype and g.shape == r.shape and rel_err(g, r) < 1e-2, (name, rel_err(g, r))
 
 
 # what each main loop's PTX holds: streamed 128-bit weight loads and butterflies (GEMV); cp.async
@@ -97,7 +137,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name,tokens", [("norm_proj_res", 1), ("mlp", 1), ("mlp", 8), ("scaled_two_outputs", 64),
-                                         ("add_norm_proj", 5), ("situ_mlp", 17)])
+                                         ("add_norm_proj", 5), ("situ_mlp", 17), ("projections", 8),
+                                         ("two_weights", 64)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill)."""
     from codegen.compiler import compile_kernel
@@ -122,8 +163,8 @@ def test_generated_products_match_program_and_reference(name, tokens):
     op = f"k3f::products_probe_{name}"
     tpl, specs, fns = gpu_kernels(op, args)
     p = specs[0].param_dict
-    products = Products.from_params((tuple(s.param_dict["stage"] for s in specs), p["temps"], p["results"],
-                                     p["reduced"]))
+    stages = tuple(st.to_params() for s in specs for st in stages_of(s))
+    products = Products.from_params((stages, p["temps"], p["results"], p["reduced"]))
     want = interpret_products(products, [a for a in args if torch.is_tensor(a)])
     ref = getattr(torch.ops.k3f, op.split("::")[1])(*[a.cpu() for a in args])
     ref = ref if isinstance(ref, (list, tuple)) else [ref]

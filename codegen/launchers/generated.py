@@ -110,15 +110,15 @@ def is_plain(stage: Stage) -> bool:
     return not p.ops and p.inputs == (("row", "bf16"),) and p.outputs == ((0, "bf16", 2),)
 
 
-def _gemm_tiling(stage: Stage, tokens: int, arch: str) -> dict[str, Any] | str:
-    """The GEMM's tiling for a stage (``gemm_tiling``, its rows shared by the products), or why
-    the GEMM does not take it."""
-    k, n, products = stage.k, stage.n, len(stage.weights)
+def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str) -> dict[str, Any] | str:
+    """The GEMM's tiling for stages of one activation (its parts; ``gemm_tiling`` over their
+    columns, a tile's rows shared by the products), or why the GEMM does not take them."""
+    k, products, n = parts[0].k, len(parts[0].weights), sum(st.n for st in parts)
     if tokens < GEMM_MIN_TOKENS:
         return f"{tokens} token: the GEMV main loop"
-    if not is_plain(stage):
+    if not all(is_plain(st) for st in parts):
         return "the prologue computes (the GEMM multiplies its activation as it is read)"
-    if products not in GEMM_PRODUCTS:
+    if products not in GEMM_PRODUCTS or any(len(st.weights) != products for st in parts):
         return f"{products} products: a GEMM tile's rows are shared by {', '.join(map(str, GEMM_PRODUCTS))}"
     if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
         return f"K {k} is not a multiple of {GEMM_TILE_K} of at least two tiles"
@@ -130,6 +130,31 @@ def _gemm_tiling(stage: Stage, tokens: int, arch: str) -> dict[str, Any] | str:
     if per_tile % pass_rows or n < per_tile:
         return f"{products} products of {per_tile} columns a tile, copied {pass_rows} rows a pass"
     return tiling
+
+
+def _parts(stages: Sequence[Stage]) -> list[list[int]]:
+    """The stages cut into runs that one GEMM kernel can hold as its parts: consecutive stages of
+    one activation (the same prologue reading the same rows), as many products each, their
+    tensors within the kernel's slots."""
+    runs: list[list[int]] = []
+    for i, st in enumerate(stages):
+        if runs:
+            head, run = stages[runs[-1][0]], [stages[j] for j in runs[-1]] + [st]
+            used = {"weights": sum(len(x.weights) for x in run),
+                    "epilogue_inputs": sum(s[0] in ("arg", "temp") for x in run for s in x.epilogue_from),
+                    "outputs": sum(len(x.epilogue.outputs) for x in run)}
+            if (st.prologue, st.prologue_from) == (head.prologue, head.prologue_from) and \
+                    len(st.weights) == len(head.weights) and all(used[w] <= PRODUCT_SLOTS[w] for w in used):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def stages_of(spec: KernelSpec) -> tuple[Stage, ...]:
+    """The stages one kernel of the products template runs (a GEMM's parts, or a GEMV's stage)."""
+    p = spec.param_dict
+    return tuple(Stage.from_params(st) for st in (p["parts"] if "parts" in p else (p["stage"],)))
 
 
 def _tiling(stage: Stage, tokens: int) -> dict[str, Any] | str:
@@ -190,7 +215,7 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
     tokens = _tokens(products.stages[0], tensors)
     if not 1 <= tokens <= MAX_TOKENS:
         return f"{tokens} tokens outside 1..{MAX_TOKENS}"
-    specs = []
+    checked = []  # each stage's (prologue row strides, epilogue row strides)
     for i, stage in enumerate(products.stages):
         pro, epi = stage.prologue, stage.epilogue
         epi_args = [(s, kind) for s, (kind, _) in zip(stage.epilogue_from, epi.inputs, strict=True)
@@ -207,21 +232,32 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
                        zip(stage.prologue_from, pro.inputs, strict=True)]
         if any(s % VEC for s in pro_strides):
             return f"stage {i}: a prologue row's stride is not whole 128-bit vectors"
-        epi_strides = [_row_stride(s, tensors, products, kind) for s, kind in epi_args]
-        plumbing = {"stage": stage.to_params(), "epi_strides": tuple(epi_strides), "stage_index": i,
-                    "temps": products.temps, "results": products.results, "reduced": products.reduced}
-        tiling = _gemm_tiling(stage, tokens, arch)
+        checked.append((tuple(pro_strides), tuple(_row_stride(s, tensors, products, kind) for s, kind in epi_args)))
+    plumbing = {"temps": products.temps, "results": products.results, "reduced": products.reduced}
+    specs = []
+    for run in _parts(products.stages):
+        parts = [products.stages[i] for i in run]
+        tiling = _gemm_tiling(parts, tokens, arch)
         if not isinstance(tiling, str):
             token_tile = tiling.pop("token_tile")
             specs.append(KernelSpec.make("product_gemm", op, arch,
-                                         shapes={"token_tile": token_tile, "k": stage.k, "n": stage.n},
-                                         params={**plumbing, **tiling, "x_stride": pro_strides[0]}))
+                                         shapes={"token_tile": token_tile, "k": parts[0].k,
+                                                 "n": sum(st.n for st in parts)},
+                                         params={"parts": tuple(st.to_params() for st in parts),
+                                                 "epi_strides": tuple(checked[i][1] for i in run),
+                                                 "stage_index": tuple(run), **plumbing, **tiling,
+                                                 "x_stride": checked[run[0]][0][0]}))
             continue
-        tiling = _tiling(stage, tokens)
-        if isinstance(tiling, str):
-            return f"stage {i}: {tiling}"
-        specs.append(KernelSpec.make("product_gemv", op, arch, shapes={"tokens": tokens, "k": stage.k, "n": stage.n},
-                                     params={**plumbing, **tiling, "pro_strides": tuple(pro_strides)}))
+        for i in run:  # the GEMV main loop, a stage a kernel
+            stage = products.stages[i]
+            tiling = _tiling(stage, tokens)
+            if isinstance(tiling, str):
+                return f"stage {i}: {tiling}"
+            specs.append(KernelSpec.make("product_gemv", op, arch,
+                                         shapes={"tokens": tokens, "k": stage.k, "n": stage.n},
+                                         params={"stage": stage.to_params(), "epi_strides": checked[i][1],
+                                                 "stage_index": i, **plumbing, **tiling,
+                                                 "pro_strides": checked[i][0]}))
     return tuple(specs)
 
 
@@ -235,7 +271,7 @@ def _product_runtime(args: Sequence[Any]) -> str | None:
 def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     tensors = _tensors(args)
     p0 = specs[0].param_dict
-    tokens, device = _tokens(Stage.from_params(p0["stage"]), tensors), tensors[0].device
+    tokens, device = _tokens(stages_of(specs[0])[0], tensors), tensors[0].device
     temps = [torch.empty((tokens, width), dtype=DTYPES[dtype], device=device) for width, dtype in p0["temps"]]
     results: dict[int, torch.Tensor] = {}
 
@@ -245,22 +281,23 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
             results[dest[1]] = t
         return temps[dest[1]] if dest[0] == "temp" else t
 
-    for fn, spec in zip(fns, specs, strict=True):
-        stage = Stage.from_params(spec.param_dict["stage"])
-        pro, epi = stage.prologue, stage.epilogue
-        pins = [_source(s, tensors, temps, kind, stage.k) for s, (kind, _) in
-                zip(stage.prologue_from, pro.inputs, strict=True)]
-        ws = [tensors[w][r0:r0 + stage.n] for w, r0 in stage.weights]
-        eins = [_source(s, tensors, temps, kind, stage.n) for s, (kind, _) in
-                zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in ("arg", "temp")]
-        pkinds, ekinds = pro.kinds, epi.kinds
-        qs = [made(d, pkinds[pro.outputs[j][0]], stage.k, pro.outputs[j][1])
-              for j, d in enumerate(stage.prologue_to) if d[0] == "result"]
-        ys = [made(d, ekinds[v], stage.n, dtype) for d, (v, dtype, _) in zip(stage.epilogue_to, epi.outputs,
-                                                                              strict=True)]
+    def pad(xs, size):
+        return [*xs, *[None] * (size - len(xs))]
 
-        def pad(xs, size):
-            return [*xs, *[None] * (size - len(xs))]
+    for fn, spec in zip(fns, specs, strict=True):
+        pins, ws, eins, qs, ys = [], [], [], [], []
+        for stage in stages_of(spec):
+            pro, epi = stage.prologue, stage.epilogue
+            pins = [_source(s, tensors, temps, kind, stage.k) for s, (kind, _) in
+                    zip(stage.prologue_from, pro.inputs, strict=True)]  # the same for every part
+            ws += [tensors[w][r0:r0 + stage.n] for w, r0 in stage.weights]
+            eins += [_source(s, tensors, temps, kind, stage.n) for s, (kind, _) in
+                     zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in ("arg", "temp")]
+            pkinds, ekinds = pro.kinds, epi.kinds
+            qs += [made(d, pkinds[pro.outputs[j][0]], stage.k, pro.outputs[j][1])
+                   for j, d in enumerate(stage.prologue_to) if d[0] == "result"]
+            ys += [made(d, ekinds[v], stage.n, dtype) for d, (v, dtype, _) in zip(stage.epilogue_to, epi.outputs,
+                                                                                   strict=True)]
         if spec.module == "product_gemm":  # its activation is the prologue's one input, read as it is
             fn(pins[0], *pad(ws, 4), *pad(eins, 4), *pad(ys, 4))
         else:
@@ -277,8 +314,7 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
 def _result_dims(specs: tuple[KernelSpec, ...]) -> dict[int, int]:
     """How many dims each result has (a statistic the reference returns as [T] has 1)."""
     dims = {}
-    for spec in specs:
-        stage = Stage.from_params(spec.param_dict["stage"])
+    for stage in (st for spec in specs for st in stages_of(spec)):
         for program, dests in ((stage.prologue, stage.prologue_to), (stage.epilogue, stage.epilogue_to)):
             for (_, _, d), dest in zip(program.outputs, dests, strict=True):
                 if dest[0] == "result":
