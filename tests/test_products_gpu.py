@@ -95,7 +95,7 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced", "projections",
           "two_weights"]
 STAGES = {"mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
-PARTS = {"projections": 3, "two_weights": 2}  # stages of one activation: one GEMM kernel, a GEMV each
+PARTS = {"projections": 3, "two_weights": 2}  # stages of one activation: the parts of one kernel
 COMPUTED_PROLOGUE = {"norm_proj_res", "add_norm_proj"}  # the GEMV's staged prologue at any token count
 
 
@@ -105,11 +105,9 @@ def test_every_probe_takes_the_generated_product_template(name, tokens):
     """One token: the GEMV main loop; more: the tensor-core GEMM's, where the prologue only reads."""
     tpl, specs = spec_for_call(f"k3f::products_probe_{name}", "sm_90a", _args(name, tokens, "meta", None))
     assert tpl is not None and tpl.kernel == "products", specs
-    if tokens == 1 or name in COMPUTED_PROLOGUE:
-        assert [s.module for s in specs] == ["product_gemv"] * STAGES.get(name, PARTS.get(name, 1))
-    else:
-        assert [s.module for s in specs] == ["product_gemm"] * STAGES.get(name, 1)
-        assert len(stages_of(specs[0])) == PARTS.get(name, 1)
+    module = "product_gemv" if tokens == 1 or name in COMPUTED_PROLOGUE else "product_gemm"
+    assert [s.module for s in specs] == [module] * STAGES.get(name, 1)
+    assert len(stages_of(specs[0])) == PARTS.get(name, 1)
 
 
 @pytest.mark.parametrize("name", PROBES)
@@ -137,8 +135,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name,tokens", [("norm_proj_res", 1), ("mlp", 1), ("mlp", 8), ("scaled_two_outputs", 64),
-                                         ("add_norm_proj", 5), ("situ_mlp", 17), ("projections", 8),
-                                         ("two_weights", 64)])
+                                         ("add_norm_proj", 5), ("situ_mlp", 17), ("projections", 1),
+                                         ("projections", 8), ("two_weights", 1), ("two_weights", 64)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill)."""
     from codegen.compiler import compile_kernel

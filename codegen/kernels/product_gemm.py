@@ -30,7 +30,7 @@ from cutlass.memory import SmemAllocator
 
 from codegen.kernels.emit import CUTE_DTYPES, run
 from codegen.kernels.gemm import ACC_VEC, TILE_K, SkinnyGemm
-from codegen.launchers.generated import PRODUCT_SLOTS, is_plain
+from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
 from codegen.lowered import Stage
 
 
@@ -38,7 +38,7 @@ class ProductGemm(SkinnyGemm):
     """Compile-time configuration: the parts (stages of one activation, each with as many
     products), the token tile, the tiling of ``gemm_tiling`` (rows per CTA, K split, pipeline
     stages, token groups) and the row strides of the activation and of each part's epilogue
-    row inputs (views of wider rows). Tensor slots are given out part by part."""
+    row inputs (views of wider rows). Tensor slots are given out part by part (``part_slots``)."""
 
     def __init__(self, parts: tuple[Stage, ...], token_tile: int, *, rows_per_cta: int, split_k: int, stages: int,
                  token_groups: int, x_stride: int, epi_strides: tuple[tuple[int, ...], ...]):
@@ -69,12 +69,6 @@ class ProductGemm(SkinnyGemm):
         for what, count in counts.items():
             if count > PRODUCT_SLOTS[what]:
                 raise ValueError(f"{count} {what.replace('_', ' ')}: the kernel takes at most {PRODUCT_SLOTS[what]}")
-
-    def slots(self, what: str, s: int) -> range:
-        """The tensor slots of part ``s``'s weights, epilogue inputs or outputs."""
-        sizes = {"weights": [self.products] * len(self.parts), "inputs": [len(a) for a in self.epi_args],
-                 "outputs": [len(st.epilogue.outputs) for st in self.parts]}[what]
-        return range(sum(sizes[:s]), sum(sizes[:s + 1]))
 
     def weights_per_row(self) -> int:
         return self.products
@@ -122,7 +116,7 @@ class ProductGemm(SkinnyGemm):
         thr_g2s = tiled_g2s.get_slice(tidx)
         tWgWs = []
         for s in cutlass.range_constexpr(len(self.parts)):
-            for w in self.slots("weights", s):
+            for w in part_slots(self.parts, "weights", s):
                 g = cute.local_tile(cute.domain_offset((row0, k0), weights[w]), (TO, TILE_K), (0, None))
                 tWgWs.append(thr_g2s.partition_S(cute.make_tensor(g.iterator.align(16), g.layout)))
         # which of this thread's rows of a product's tile each copy pass holds (a narrow part's mask)
@@ -161,7 +155,7 @@ class ProductGemm(SkinnyGemm):
         per = const_expr(self.tile_out // self.pass_rows)
         for s in cutlass.range_constexpr(len(self.parts)):
             if const_expr(len(self.parts) == 1) or part == s:
-                for p, w in enumerate(self.slots("weights", s)):
+                for p, w in enumerate(part_slots(self.parts, "weights", s)):
                     for j in cutlass.range_constexpr(per):
                         if const_expr(self.parts[s].n >= self.tile_out) or tWcW[0, j, 0, 0][0] < self.parts[s].n:
                             cute.copy(tiled_g2s, tWgWs[w][None, j, None, kt], tWsW[None, p * per + j, None, stage])
@@ -182,7 +176,7 @@ class ProductGemm(SkinnyGemm):
                         t = v // per_token
                         mv = rank * per_token + v % per_token  # 4-column group inside the CTA's columns
                         if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
-                            for i, slot in enumerate(self.slots("inputs", s)):
+                            for i, slot in enumerate(part_slots(self.parts, "inputs", s)):
                                 kind, _ = epi.inputs[self.epi_args[s][i]]
                                 for e in cutlass.range_constexpr(ACC_VEC):
                                     n = cutlass.min(row0 + mv * ACC_VEC + e, n_part - 1)  # a narrow part's tail
@@ -206,7 +200,7 @@ class ProductGemm(SkinnyGemm):
         kinds = epi.kinds
         P = const_expr(self.products)
         groups = const_expr(self.tile_out // ACC_VEC)  # 4-row groups from one product's rows to the next's
-        outs = [ys[o] for o in self.slots("outputs", s)]
+        outs = [ys[o] for o in part_slots(self.parts, "outputs", s)]
         sums = [cute.make_rmem_tensor((ACC_VEC, 1), Float32) for _ in range(P)]
         per_token = self.slice_m // ACC_VEC
         nvec = per_token * self.tile_n

@@ -1,6 +1,8 @@
-"""``product_gemv``: a generated kernel: one stage of a fused op's ``codegen.lowered.Products``
-(a prologue, matrix products of its result, a pointwise epilogue) on the skinny GEMV's main loop,
-1..64 tokens.
+"""``product_gemv``: a generated kernel: a stage of a fused op's ``codegen.lowered.Products`` (a
+prologue, matrix products of its result, a pointwise epilogue) on the skinny GEMV's main loop,
+1..64 tokens. Several stages of one prologue and different widths (an input projection's q, k,
+v and gates) are the kernel's *parts*: each CTA's columns lie in one part, whose weights it
+reads and whose epilogue it runs (``product_gemm.py`` holds parts the same way).
 
 The main loop is the one of ``codegen/kernels/gemv.py`` (decode reads every weight once from
 HBM): a warp owns ``cols`` output columns of every product (``cols x products`` weight rows),
@@ -35,21 +37,27 @@ from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
 from codegen.kernels.emit import CUTE_DTYPES, RowSplit, run
 from codegen.kernels.gemv import X_AHEAD
 from codegen.kernels.rowwise import load_row_value, store_vector
-from codegen.launchers.generated import PRODUCT_SLOTS, is_plain
+from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
 from codegen.lowered import Stage
 from codegen.targets import MAX_TOKENS
 
 
 class ProductGemv:
-    """Compile-time configuration: the stage, the tokens and their chunk, the tiling (columns per
-    warp, warps per CTA, K slices), and the row strides of the row inputs (views of wider rows)."""
+    """Compile-time configuration: the parts (stages of one prologue; the first's prologue is
+    every part's), the tokens and their chunk, the tiling (columns per warp, warps per CTA, K
+    slices), and the row strides of the row inputs (views of wider rows), the epilogue's per
+    part."""
 
-    def __init__(self, stage: Stage, tokens: int, *, chunk: int, cols: int, warps_per_cta: int, ksplit: int,
-                 pro_strides: tuple[int, ...], epi_strides: tuple[int, ...]):
+    def __init__(self, parts: tuple[Stage, ...], tokens: int, *, chunk: int, cols: int, warps_per_cta: int,
+                 ksplit: int, pro_strides: tuple[int, ...], epi_strides: tuple[tuple[int, ...], ...]):
         if not 1 <= tokens <= MAX_TOKENS or not 1 <= chunk <= min(8, tokens):
             raise ValueError(f"{tokens} tokens in chunks of {chunk}: 1..{MAX_TOKENS} in chunks of 1..8")
-        self.stage, self.tokens, self.chunk = stage, tokens, chunk
-        self.k, self.n, self.products = stage.k, stage.n, len(stage.weights)
+        stage = parts[0]
+        if any((st.prologue, st.prologue_from, st.prologue_to, len(st.weights)) !=
+               (stage.prologue, stage.prologue_from, stage.prologue_to, len(stage.weights)) for st in parts):
+            raise ValueError("the parts of one kernel share their prologue and their count of products")
+        self.parts, self.stage, self.tokens, self.chunk = tuple(parts), stage, tokens, chunk
+        self.k, self.products = stage.k, len(stage.weights)
         if self.k % VEC or warps_per_cta % ksplit:
             raise ValueError(f"K {self.k} is not whole 128-bit vectors, or {warps_per_cta} warps do not split into "
                              f"groups of {ksplit}")
@@ -63,18 +71,23 @@ class ProductGemv:
             raise ValueError(f"{cols} columns x {chunk} tokens: one storing lane each, at most 32")
         self.groups = warps_per_cta // ksplit
         self.threads = 32 * warps_per_cta
-        self.grid = -(-self.n // (self.groups * cols))
+        # each part's CTAs, from tile_starts[q]
+        tiles = [-(-st.n // (self.groups * cols)) for st in parts]
+        self.tile_starts = tuple(sum(tiles[:q]) for q in range(len(parts)))
+        self.grid = sum(tiles)
         self.num_chunks = -(-tokens // chunk)
         self.padded = self.num_chunks * chunk != tokens
         self.plain = is_plain(stage)
         self.split = RowSplit(self.k // VEC, self.threads)
         self.pro_strides, self.epi_strides = pro_strides, epi_strides
-        pro, epi = stage.prologue, stage.epilogue
         self.pro_results = [(j, d) for j, d in enumerate(stage.prologue_to) if d[0] == "result"]
         self.keeps = [j for j, d in enumerate(stage.prologue_to) if d[0] == "keep"]
-        self.epi_args = [i for i, s in enumerate(stage.epilogue_from) if s[0] in ("arg", "temp")]
-        counts = {"prologue_inputs": len(pro.inputs), "weights": self.products, "epilogue_inputs": len(self.epi_args),
-                  "prologue_results": len(self.pro_results), "outputs": len(epi.outputs)}
+        self.epi_args = [[i for i, src in enumerate(st.epilogue_from) if src[0] in ("arg", "temp")] for st in parts]
+        if len(epi_strides) != len(parts) or any(len(a) != len(e) for a, e in zip(self.epi_args, epi_strides)):
+            raise ValueError(f"epilogue strides {epi_strides}: one per row input of each part")
+        counts = {"prologue_inputs": len(stage.prologue.inputs), "weights": self.products * len(parts),
+                  "epilogue_inputs": sum(map(len, self.epi_args)), "prologue_results": len(self.pro_results),
+                  "outputs": sum(len(st.epilogue.outputs) for st in parts)}
         for what, count in counts.items():
             if count > PRODUCT_SLOTS[what]:
                 raise ValueError(f"{count} {what.replace('_', ' ')}: the kernel takes at most {PRODUCT_SLOTS[what]}")
@@ -100,18 +113,26 @@ class ProductGemv:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         T, TC, C, P = const_expr(self.tokens), const_expr(self.chunk), const_expr(self.cols), const_expr(self.products)
-        R, S, KS, N = const_expr(self.rows), const_expr(self.slice), const_expr(self.ksplit), const_expr(self.n)
-        pro, epi = self.stage.prologue, self.stage.epilogue
-        pro_kinds, epi_kinds = pro.kinds, epi.kinds
+        R, S, KS = const_expr(self.rows), const_expr(self.slice), const_expr(self.ksplit)
+        one = const_expr(len(self.parts) == 1)
+        pro = self.stage.prologue
+        pro_kinds = pro.kinds
         pins = (p0, p1, p2, p3)[:len(pro.inputs)]
-        weights = (w0, w1, w2, w3)[:P]
-        eins = (e0, e1, e2, e3)[:len(self.epi_args)]
+        weights = (w0, w1, w2, w3)
+        eins = (e0, e1, e2, e3)
         qouts = (q0, q1)[:len(self.pro_results)]
-        youts = (y0, y1, y2, y3)[:len(epi.outputs)]
+        youts = (y0, y1, y2, y3)
 
         group = warp // KS
         ks = warp % KS
-        first = (bidx * self.groups + group) * C  # this warp's first output column
+        # the part this CTA's columns lie in, and the CTA's place in it
+        part = cutlass.Int32(0)
+        cta = bidx
+        for q in cutlass.range_constexpr(1, len(self.parts)):
+            if bidx >= self.tile_starts[q]:
+                part = cutlass.Int32(q)
+                cta = bidx - self.tile_starts[q]
+        first = (cta * self.groups + group) * C  # this warp's first output column of its part
 
         smem = cutlass.memory.SmemAllocator()
         sRed = None
@@ -125,15 +146,18 @@ class ProductGemv:
                                             byte_alignment=16)
 
         # the weight rows of this warp: column c of product p is row c * P + p, K slice ks; a
-        # column past the end (last CTA) re-reads the last one and stores nothing
+        # column past its part's end (a part's last CTA) re-reads the last one and stores nothing
         rW = cute.make_rmem_tensor((VEC, S, R), BFloat16)
-        for c in cutlass.range_constexpr(C):
-            n = cutlass.min(first + c, N - 1)
-            for p in cutlass.range_constexpr(P):
-                for s in cutlass.range_constexpr(S):
-                    cute.copy(g2r_stream_atom(BFloat16),
-                              cute.local_tile(weights[p][n, None], (VEC,), (self.k_vector(ks, s, lane),)),
-                              rW[None, s, c * P + p])
+        for q in cutlass.range_constexpr(len(self.parts)):
+            if one or part == q:
+                ws = [weights[w] for w in part_slots(self.parts, "weights", q)]
+                for c in cutlass.range_constexpr(C):
+                    n = cutlass.min(first + c, self.parts[q].n - 1)
+                    for p in cutlass.range_constexpr(P):
+                        for s in cutlass.range_constexpr(S):
+                            cute.copy(g2r_stream_atom(BFloat16),
+                                      cute.local_tile(ws[p][n, None], (VEC,), (self.k_vector(ks, s, lane),)),
+                                      rW[None, s, c * P + p])
 
         cute.arch.griddepcontrol_wait()
         ahead = const_expr(self.plain and self.num_chunks == 1 and S * TC <= X_AHEAD)
@@ -156,22 +180,25 @@ class ProductGemv:
         rAcc = cute.make_rmem_tensor((R, TC), Float32)
         rOut = cute.make_rmem_tensor((R, TC), Float32)
         rStat = cute.make_rmem_tensor((max(1, len(self.keeps)), TC), Float32)
-        rEpi = cute.make_rmem_tensor((max(1, len(self.epi_args)),), Float32)
+        rEpi = cute.make_rmem_tensor((max(1, *map(len, self.epi_args)),), Float32)
         for ch in cutlass.range(self.num_chunks, unroll=1):
             base = ch * TC
-            n_mine = cutlass.min(first + my_c, N - 1)
             t_mine = cutlass.min(base + my_t, T - 1)
             # the epilogue's inputs at this lane's (column, token), read with the chunk's x (not
             # after the sums: one more round trip before the store)
-            for i in cutlass.range_constexpr(len(self.epi_args)):
-                kind, _ = epi.inputs[self.epi_args[i]]
-                src = eins[i]
-                if const_expr(kind == "row"):
-                    rEpi[i] = src[t_mine, n_mine].to(Float32)
-                elif const_expr(kind == "col"):
-                    rEpi[i] = src[n_mine].to(Float32)
-                else:
-                    rEpi[i] = src[t_mine, 0].to(Float32)
+            for q in cutlass.range_constexpr(len(self.parts)):
+                if const_expr(len(self.epi_args[q]) > 0):
+                    if one or part == q:
+                        n_mine = cutlass.min(first + my_c, self.parts[q].n - 1)
+                        for i, slot in enumerate(part_slots(self.parts, "inputs", q)):
+                            kind, _ = self.parts[q].epilogue.inputs[self.epi_args[q][i]]
+                            src = eins[slot]
+                            if const_expr(kind == "row"):
+                                rEpi[i] = src[t_mine, n_mine].to(Float32)
+                            elif const_expr(kind == "col"):
+                                rEpi[i] = src[n_mine].to(Float32)
+                            else:
+                                rEpi[i] = src[t_mine, 0].to(Float32)
             if const_expr(not self.plain):
                 # the prologue hook: every token of the chunk over its whole row, spread over the
                 # CTA; the products' activation to shared memory, the kept statistics to
@@ -252,18 +279,24 @@ class ProductGemv:
                             rSel[p] = rOut[c * P + p, t]
                         for slot in cutlass.range_constexpr(len(self.keeps)):
                             rSel[P + slot] = rStat[slot, t]
-            evals = [rSel[src[1]] if const_expr(src[0] == "acc") else
-                     rSel[P + self.keeps.index(src[1])] if const_expr(src[0] == "pro") else
-                     rEpi[self.epi_args.index(i)] for i, src in enumerate(self.stage.epilogue_from)]
-            run(epi, evals)
             n = first + my_c
             tg = base + my_t
-            if lane < C * TC and ks == 0 and n < N and tg < T:
-                for o in cutlass.range_constexpr(len(epi.outputs)):
-                    if const_expr(epi_kinds[epi.outputs[o][0]] == "row"):
-                        youts[o][tg, n] = evals[epi.outputs[o][0]].to(CUTE_DTYPES[epi.outputs[o][1]])
-                    elif n == 0:
-                        youts[o][tg, 0] = evals[epi.outputs[o][0]].to(CUTE_DTYPES[epi.outputs[o][1]])
+            for q in cutlass.range_constexpr(len(self.parts)):
+                if one or part == q:
+                    stage = self.parts[q]
+                    epi = stage.epilogue
+                    epi_kinds = epi.kinds
+                    outs = [youts[o] for o in part_slots(self.parts, "outputs", q)]
+                    evals = [rSel[src[1]] if const_expr(src[0] == "acc") else
+                             rSel[P + self.keeps.index(src[1])] if const_expr(src[0] == "pro") else
+                             rEpi[self.epi_args[q].index(i)] for i, src in enumerate(stage.epilogue_from)]
+                    run(epi, evals)
+                    if lane < C * TC and ks == 0 and n < stage.n and tg < T:
+                        for o in cutlass.range_constexpr(len(epi.outputs)):
+                            if const_expr(epi_kinds[epi.outputs[o][0]] == "row"):
+                                outs[o][tg, n] = evals[epi.outputs[o][0]].to(CUTE_DTYPES[epi.outputs[o][1]])
+                            elif n == 0:
+                                outs[o][tg, 0] = evals[epi.outputs[o][0]].to(CUTE_DTYPES[epi.outputs[o][1]])
             if const_expr(self.num_chunks > 1 and (KS > 1 or not self.plain)):
                 cute.arch.barrier()  # shared memory is reused by the next chunk
 
@@ -280,11 +313,12 @@ class ProductGemv:
 def build(spec) -> tuple[ProductGemv, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
     p = spec.param_dict
-    stage = Stage.from_params(p["stage"])
+    parts = tuple(Stage.from_params(st) for st in p["parts"])
     t = spec.shape_dict["tokens"]
-    kernel = ProductGemv(stage, t, chunk=p["chunk"], cols=p["cols"], warps_per_cta=p["warps_per_cta"],
-                         ksplit=p["ksplit"], pro_strides=tuple(p["pro_strides"]), epi_strides=tuple(p["epi_strides"]))
-    k, n = stage.k, stage.n
+    kernel = ProductGemv(parts, t, chunk=p["chunk"], cols=p["cols"], warps_per_cta=p["warps_per_cta"],
+                         ksplit=p["ksplit"], pro_strides=tuple(p["pro_strides"]),
+                         epi_strides=tuple(tuple(e) for e in p["epi_strides"]))
+    k = parts[0].k
 
     def tensor(kind, dtype, width, stride, vectors):
         ct = CUTE_DTYPES[dtype]
@@ -295,13 +329,16 @@ def build(spec) -> tuple[ProductGemv, tuple]:
             return make_fake_tensor(ct, (t, 1), (1, 1), assumed_align=ct.width // 8)
         return make_fake_tensor(ct, (width,), (1,), assumed_align=align)
 
-    pro, epi = stage.prologue, stage.epilogue
+    pro = parts[0].prologue
     pins = [tensor(kind, dtype, k, stride, True) for (kind, dtype), stride in zip(pro.inputs, kernel.pro_strides)]
-    ws = [make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16) for _ in stage.weights]
-    eins = [tensor(*epi.inputs[i], n, stride, False) for i, stride in zip(kernel.epi_args, kernel.epi_strides)]
-    pkinds, ekinds = pro.kinds, epi.kinds
+    pkinds = pro.kinds
     qs = [tensor(pkinds[pro.outputs[j][0]], pro.outputs[j][1], k, k, True) for j, _ in kernel.pro_results]
-    ys = [tensor(ekinds[v], dtype, n, n, False) for v, dtype, _ in epi.outputs]
+    ws, eins, ys = [], [], []
+    for st, args, strides in zip(parts, kernel.epi_args, kernel.epi_strides, strict=True):
+        epi, ekinds = st.epilogue, st.epilogue.kinds
+        ws += [make_fake_tensor(BFloat16, (st.n, k), (k, 1), assumed_align=16) for _ in st.weights]
+        eins += [tensor(*epi.inputs[i], st.n, stride, False) for i, stride in zip(args, strides, strict=True)]
+        ys += [tensor(ekinds[v], dtype, st.n, st.n, False) for v, dtype, _ in epi.outputs]
 
     def pad(xs, size):
         return [*xs, *[None] * (size - len(xs))]

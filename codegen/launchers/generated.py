@@ -133,9 +133,9 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str) -> dict[str, An
 
 
 def _parts(stages: Sequence[Stage]) -> list[list[int]]:
-    """The stages cut into runs that one GEMM kernel can hold as its parts: consecutive stages of
-    one activation (the same prologue reading the same rows), as many products each, their
-    tensors within the kernel's slots."""
+    """The stages cut into runs that one kernel can hold as its parts: consecutive stages of one
+    activation (the same prologue reading the same rows and keeping the same statistics), as
+    many products each, their tensors within the kernel's slots."""
     runs: list[list[int]] = []
     for i, st in enumerate(stages):
         if runs:
@@ -143,7 +143,8 @@ def _parts(stages: Sequence[Stage]) -> list[list[int]]:
             used = {"weights": sum(len(x.weights) for x in run),
                     "epilogue_inputs": sum(s[0] in ("arg", "temp") for x in run for s in x.epilogue_from),
                     "outputs": sum(len(x.epilogue.outputs) for x in run)}
-            if (st.prologue, st.prologue_from) == (head.prologue, head.prologue_from) and \
+            if (st.prologue, st.prologue_from, st.prologue_to) == (head.prologue, head.prologue_from,
+                                                                   head.prologue_to) and \
                     len(st.weights) == len(head.weights) and all(used[w] <= PRODUCT_SLOTS[w] for w in used):
                 runs[-1].append(i)
                 continue
@@ -152,13 +153,24 @@ def _parts(stages: Sequence[Stage]) -> list[list[int]]:
 
 
 def stages_of(spec: KernelSpec) -> tuple[Stage, ...]:
-    """The stages one kernel of the products template runs (a GEMM's parts, or a GEMV's stage)."""
-    p = spec.param_dict
-    return tuple(Stage.from_params(st) for st in (p["parts"] if "parts" in p else (p["stage"],)))
+    """The stages (parts) one kernel of the products template runs."""
+    return tuple(Stage.from_params(st) for st in spec.param_dict["parts"])
 
 
-def _tiling(stage: Stage, tokens: int) -> dict[str, Any] | str:
-    k, products = stage.k, len(stage.weights)
+def part_slots(parts: Sequence[Stage], what: str, q: int) -> range:
+    """The kernel's tensor slots of part ``q``'s ``weights``, epilogue ``inputs`` or ``outputs``
+    (given out part by part)."""
+    def size(st: Stage) -> int:
+        return {"weights": len(st.weights), "inputs": sum(src[0] in ("arg", "temp") for src in st.epilogue_from),
+                "outputs": len(st.epilogue.outputs)}[what]
+    start = sum(size(st) for st in parts[:q])
+    return range(start, start + size(parts[q]))
+
+
+def _tiling(parts: Sequence[Stage], tokens: int) -> dict[str, Any] | str:
+    """The GEMV's tiling for its parts (``skinny_gemv_tiling`` over their columns), or why not."""
+    stage = parts[0]
+    k, products, n = stage.k, len(stage.weights), sum(st.n for st in parts)
     if k % VEC:
         return f"K {k} is not whole 128-bit vectors of {VEC}"
     chunk = token_chunk(tokens)
@@ -168,7 +180,7 @@ def _tiling(stage: Stage, tokens: int) -> dict[str, Any] | str:
         if k * 2 > STAGED_BYTES:
             return f"K {k}: a token's staged activation exceeds {STAGED_BYTES // 1024} KB of shared memory"
     vec = -(-k // 256)  # vectors a lane of one warp (the last lanes' past the end where 256 does not divide K)
-    tiling = skinny_gemv_tiling(chunk, vec * 256, stage.n * products, norm=not is_plain(stage))
+    tiling = skinny_gemv_tiling(chunk, vec * 256, n * products, norm=not is_plain(stage))
     if isinstance(tiling, str):
         return tiling
     cols = tiling["rows_per_warp"] if products == 1 else 1
@@ -233,31 +245,24 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
         if any(s % VEC for s in pro_strides):
             return f"stage {i}: a prologue row's stride is not whole 128-bit vectors"
         checked.append((tuple(pro_strides), tuple(_row_stride(s, tensors, products, kind) for s, kind in epi_args)))
-    plumbing = {"temps": products.temps, "results": products.results, "reduced": products.reduced}
     specs = []
     for run in _parts(products.stages):
         parts = [products.stages[i] for i in run]
+        plumbing = {"parts": tuple(st.to_params() for st in parts), "epi_strides": tuple(checked[i][1] for i in run),
+                    "stage_index": tuple(run), "temps": products.temps, "results": products.results,
+                    "reduced": products.reduced}
+        shapes = {"k": parts[0].k, "n": sum(st.n for st in parts)}
         tiling = _gemm_tiling(parts, tokens, arch)
         if not isinstance(tiling, str):
-            token_tile = tiling.pop("token_tile")
-            specs.append(KernelSpec.make("product_gemm", op, arch,
-                                         shapes={"token_tile": token_tile, "k": parts[0].k,
-                                                 "n": sum(st.n for st in parts)},
-                                         params={"parts": tuple(st.to_params() for st in parts),
-                                                 "epi_strides": tuple(checked[i][1] for i in run),
-                                                 "stage_index": tuple(run), **plumbing, **tiling,
-                                                 "x_stride": checked[run[0]][0][0]}))
+            shapes["token_tile"] = tiling.pop("token_tile")
+            specs.append(KernelSpec.make("product_gemm", op, arch, shapes=shapes,
+                                         params={**plumbing, **tiling, "x_stride": checked[run[0]][0][0]}))
             continue
-        for i in run:  # the GEMV main loop, a stage a kernel
-            stage = products.stages[i]
-            tiling = _tiling(stage, tokens)
-            if isinstance(tiling, str):
-                return f"stage {i}: {tiling}"
-            specs.append(KernelSpec.make("product_gemv", op, arch,
-                                         shapes={"tokens": tokens, "k": stage.k, "n": stage.n},
-                                         params={"stage": stage.to_params(), "epi_strides": checked[i][1],
-                                                 "stage_index": i, **plumbing, **tiling,
-                                                 "pro_strides": checked[i][0]}))
+        tiling = _tiling(parts, tokens)
+        if isinstance(tiling, str):
+            return f"stage{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}: {tiling}"
+        specs.append(KernelSpec.make("product_gemv", op, arch, shapes={**shapes, "tokens": tokens},
+                                     params={**plumbing, **tiling, "pro_strides": checked[run[0]][0]}))
     return tuple(specs)
 
 
