@@ -179,28 +179,34 @@ def interpret(program: Program, inputs: Sequence[torch.Tensor]) -> list[torch.Te
 #   ("acc", p)      the fp32 accumulator of the stage's product p (epilogue only)
 #   ("pro", j)      output j of the stage's prologue (epilogue only: a statistic the prologue computed)
 #   ("temp", k)     intermediate k, written by an earlier stage
+#   ("scalar", i)   the op's one-element tensor argument i (a per-tensor scale), read as a statistic
+#                   the same for every token
 # Where a program's output goes:
 #   ("product",)    the prologue's first output: the products' activation (bf16)
 #   ("keep",)       a prologue statistic only the epilogue reads
 #   ("result", r)   the op's result r
 #   ("temp", k)     intermediate k, read by a later stage
-SOURCES = ("arg", "acc", "pro", "temp")
+SOURCES = ("arg", "acc", "pro", "temp", "scalar")
+READ = ("arg", "temp", "scalar")  # the sources a kernel reads from memory (tensors it is handed)
+WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}  # what a product's weight rows hold
 DESTS = ("product", "keep", "result", "temp")
 
 
 @dataclass(frozen=True)
 class Stage:
     """One kernel of a product program: ``a = prologue(...)`` over rows of K values;
-    ``acc_p = a @ W_p[rows]^T`` for each product p (bf16 a and W, fp32 sums), all N wide; then
-    ``epilogue(acc_0, ..., ...)`` over rows of N values, which is pointwise (no reduction: a
-    row of N is spread over the kernel's CTAs)."""
+    ``acc_p = a @ W_p[rows]^T`` for each product p (bf16 a, W in ``weight_dtype``, converted
+    exactly, fp32 sums), all N wide; then ``epilogue(acc_0, ..., ...)`` over rows of N values,
+    which is pointwise (no reduction: a row of N is spread over the kernel's CTAs; an fp8
+    weight's scales are epilogue inputs)."""
     prologue: Program
     prologue_from: tuple[tuple, ...]
     prologue_to: tuple[tuple, ...]
-    weights: tuple[tuple[int, int], ...]  # (op tensor argument, first row) of each product's [N, K] bf16 rows
+    weights: tuple[tuple[int, int], ...]  # (op tensor argument, first row) of each product's [N, K] rows
     epilogue: Program
     epilogue_from: tuple[tuple, ...]
     epilogue_to: tuple[tuple, ...]
+    weight_dtype: str = "bf16"  # every product's (WEIGHT_DTYPES)
 
     def __post_init__(self) -> None:
         pro, epi = self.prologue, self.epilogue
@@ -216,6 +222,8 @@ class Stage:
                                 "CTAs, so the epilogue is pointwise")
         if not self.weights:
             raise LoweringError("a stage without a product")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise LoweringError(f"weights of {self.weight_dtype}: the products read {', '.join(WEIGHT_DTYPES)}")
         for src in (*self.prologue_from, *self.epilogue_from):
             if src[0] not in SOURCES or (src[0] in ("acc", "pro") and src in self.prologue_from):
                 raise LoweringError(f"source {src!r}: the prologue reads arguments and intermediates, the epilogue "
@@ -238,16 +246,16 @@ class Stage:
 
     def to_params(self) -> tuple:
         return (self.prologue.to_params(), self.prologue_from, self.prologue_to, self.weights,
-                self.epilogue.to_params(), self.epilogue_from, self.epilogue_to)
+                self.epilogue.to_params(), self.epilogue_from, self.epilogue_to, self.weight_dtype)
 
     @classmethod
     def from_params(cls, p: Sequence) -> Stage:
-        pro, pro_from, pro_to, weights, epi, epi_from, epi_to = p
+        pro, pro_from, pro_to, weights, epi, epi_from, epi_to, weight_dtype = p
 
         def tuples(xs):
             return tuple(tuple(x) for x in xs)
         return cls(Program.from_params(pro), tuples(pro_from), tuples(pro_to), tuples(weights),
-                   Program.from_params(epi), tuples(epi_from), tuples(epi_to))
+                   Program.from_params(epi), tuples(epi_from), tuples(epi_to), weight_dtype)
 
 
 @dataclass(frozen=True)
@@ -258,24 +266,25 @@ class Products:
     stages: tuple[Stage, ...]
     temps: tuple[tuple[int, str], ...]  # (width, dtype) of each intermediate
     results: int
-    # (result, group, ranks): a result the reference all-reduces last (``k3.all_reduce``), summed
-    # over the group's ranks by the host's collective once the stages have run
-    reduced: tuple[tuple[int, str, int], ...] = ()
+    # (result, collective, group, ranks): a collective the reference applies to a result last
+    # (``k3.all_reduce``: summed over the group's ranks; ``k3.gather_last_dim``: the ranks' results
+    # side by side), run by the host once the stages have run, in this order
+    collectives: tuple[tuple[int, str, str, int], ...] = ()
 
     def to_params(self) -> tuple:
-        return (tuple(s.to_params() for s in self.stages), self.temps, self.results, self.reduced)
+        return (tuple(s.to_params() for s in self.stages), self.temps, self.results, self.collectives)
 
     @classmethod
     def from_params(cls, p: Sequence) -> Products:
-        stages, temps, results, *reduced = p
+        stages, temps, results, *collectives = p
         return cls(tuple(Stage.from_params(s) for s in stages), tuple(tuple(t) for t in temps), int(results),
-                   tuple(tuple(r) for r in (reduced[0] if reduced else ())))
+                   tuple(tuple(c) for c in (collectives[0] if collectives else ())))
 
 
 def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The results of ``products`` for the op's tensor arguments ``args``, computed as the kernels
-    do: each stage's prologue, its products in fp32 from bf16 operands, its epilogue (on one rank:
-    an all-reduce over one rank is the result itself)."""
+    do: each stage's prologue, its products in fp32 from bf16 or fp8 operands, its epilogue; the
+    collectives on results are left out (one rank's view: at one rank each is the identity)."""
     temps: dict[int, torch.Tensor] = {}
     results: dict[int, torch.Tensor] = {}
 
@@ -283,9 +292,11 @@ def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list
         if src[0] == "arg":
             t = args[src[1]]
             return t[:, src[2]:src[2] + program.width] if kind == "row" else \
-                t[src[2]:src[2] + program.width] if kind == "col" else t.reshape(-1, 1)
+                t.reshape(-1)[src[2]:src[2] + program.width] if kind == "col" else t.reshape(-1, 1)
         if src[0] == "temp":
             return temps[src[1]]
+        if src[0] == "scalar":
+            return args[src[1]].reshape(1, 1)
         return acc[src[1]] if src[0] == "acc" else pro[src[1]]
 
     def place(dest, value):

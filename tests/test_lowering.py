@@ -126,7 +126,7 @@ def test_softmax_and_statistics_as_outputs():
     (lambda x: x @ x.t(), "weight arg0_1 is torch.float32: the generated products read bf16 weights"),
     (lambda x: x.sum(0, keepdim=True) + x, "reduces dims [0]: the programs reduce a token's row"),
     (lambda x: x.pow(1.7), "raises to 1.7"),
-    (lambda x: torch.ops.k3.all_reduce(x, "tp", 2), "an all-reduce of a result without matrix products"),
+    (lambda x: torch.ops.k3.all_reduce(x, "tp", 2), "all_reduce of a result without matrix products"),
     (lambda x: x.double(), "makes torch.float64"),
 ])
 def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):

@@ -379,8 +379,65 @@ def test_an_fp32_weight_is_refused():
     gen = torch.Generator().manual_seed(5)
     x, w = _rand((4, 128), BF16, gen), _rand((64, 128), torch.float32, gen)
     with pytest.raises(LoweringError, match=re.escape("weight arg1_1 is torch.float32: the generated products read "
-                                                      "bf16 weights")):
+                                                      "bf16, fp8_e4m3 weights")):
         lower(lambda x, w: F.linear(x.float(), w), [x, w])
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_weight(rows, k, gen):
+    """fp8 E4M3 rows of O(1) values, and a per-channel fp32 scale making a product of an O(1)
+    activation O(1)."""
+    return _rand((rows, k), torch.float32, gen).to(FP8), _rand((rows, 1), torch.float32, gen, k ** -0.5,
+                                                                 positive=True)
+
+
+@pytest.mark.parametrize("form", ["per_channel_fp32", "per_tensor_fp32", "per_channel_after", "per_tensor_after"])
+def test_fp8_weights_are_products_scaled_in_the_epilogue(form):
+    """The forms an fp8 projection is written in: the weight times its scale in fp32 (per channel
+    [N, 1], per tensor one element), or the product of the converted weight times the scale;
+    both become a product of the fp8 rows with the scale on its fp32 sums."""
+    gen = torch.Generator().manual_seed(13)
+    x, (w, s) = _rand((5, 256), BF16, gen), _fp8_weight(96, 256, gen)
+    t = s.mean().reshape(1) if form.startswith("per_tensor") else s
+    fn = {"per_channel_fp32": lambda x, w, s: F.silu(F.linear(x.float(), w.float() * s)).to(BF16),
+          "per_tensor_fp32": lambda x, w, s: F.linear(x.float(), w.float() * s).to(BF16),
+          "per_channel_after": lambda x, w, s: (F.linear(x, w.to(BF16)) * s.reshape(-1)).to(BF16),
+          "per_tensor_after": lambda x, w, s: F.linear(x, w.to(BF16)) * s}[form]
+    products = lower(fn, [x, w, t])
+    (stage,) = products.stages
+    assert stage.weight_dtype == "fp8_e4m3" and stage.weights == ((1, 0),)
+    reads = {src[0] for src in stage.epilogue_from}
+    assert ("scalar" in reads) == form.startswith("per_tensor") and "acc" in reads
+    assert Stage.from_params(stage.to_params()) == stage
+    _check(products, fn, [x, w, t])
+
+
+def test_an_fp8_weights_row_slices_take_their_rows_of_the_scale():
+    """A packed fp8 gate-and-up weight: each half's product reads its own rows of the per-channel scale."""
+    gen = torch.Generator().manual_seed(14)
+    x, (w, s) = _rand((3, 256), BF16, gen), _fp8_weight(2 * 64, 256, gen)
+
+    def fn(x, w, s):
+        gate, up = F.linear(x.float(), w.float() * s).chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(BF16)
+    products = lower(fn, [x, w, s])
+    (stage,) = products.stages
+    assert sorted(stage.weights) == [(1, 0), (1, 64)]
+    assert sorted(src for src in stage.epilogue_from if src[0] == "arg") == [("arg", 2, 0), ("arg", 2, 64)]
+    _check(products, fn, [x, w, s])
+
+
+def test_a_scaled_weight_rounded_before_its_product_is_refused_by_name():
+    """bf16(W * s) rounds each weight: the kernels scale the product's fp32 sums instead, so the
+    reference is refused rather than approximated."""
+    gen = torch.Generator().manual_seed(15)
+    x, (w, s) = _rand((3, 256), BF16, gen), _fp8_weight(64, 256, gen)
+    with pytest.raises(LoweringError, match="is rounded to bf16 before its product"):
+        lower(lambda x, w, s: F.linear(x, (w.float() * s).to(BF16)), [x, w, s])
+    with pytest.raises(LoweringError, match="scales go with fp8 weights"):
+        lower(lambda x, w, s: F.linear(x.float(), w.float() * s), [x, _weight(64, 256, gen), s])
 
 
 def test_a_norm_between_two_products_is_refused():
@@ -507,10 +564,32 @@ def test_a_result_all_reduced_last_is_the_hosts_collective():
         return torch.ops.k3.all_reduce(F.linear(silu_and_mul(F.linear(x, gu)), down), "tp", 4)
 
     products = lower(mlp, [x, gu, down])
-    assert len(products.stages) == 2 and products.reduced == ((0, "tp", 4),)
+    assert len(products.stages) == 2 and products.collectives == ((0, "all_reduce", "tp", 4),)
     assert Products.from_params(products.to_params()) == products
     (got,) = interpret_products(products, [x, gu, down])
     assert rel_err(got, F.linear(silu_and_mul(F.linear(x, gu)), down)) < 1e-2
-    with pytest.raises(LoweringError, match=r"k3\.all_reduce\.default \(node all_reduce\) has no lowering"):
+    with pytest.raises(LoweringError, match=r"k3\.all_reduce\.default \(node all_reduce\) is a collective inside "
+                                            r"the op"):
         lower(lambda x, gu, down: F.linear(torch.ops.k3.all_reduce(F.linear(x, gu), "tp", 4)[:, :64], down),
               [x, gu, down])
+
+
+def test_results_gathered_last_are_the_hosts_collectives():
+    """The router's reference: this rank's rows of two replicated weights, each result gathered
+    over the ranks; the gathers run after the kernels, in the results' order, and the two
+    products of different widths read one activation (one kernel's parts)."""
+    from rewriter.model.ops import gather_last_dim
+
+    gen = torch.Generator().manual_seed(12)
+    x, gate, down = _rand((5, 256), BF16, gen), _weight(4 * 24, 256, gen), _weight(4 * 64, 256, gen)
+
+    def router(x, gate, down):
+        logits = F.linear(x.float(), gate.chunk(4)[1].float())
+        return gather_last_dim(logits, "tp", 4), gather_last_dim(F.linear(x, down.chunk(4)[1]), "tp", 4)
+
+    products = lower(router, [x, gate, down])
+    assert products.collectives == ((0, "gather_last_dim", "tp", 4), (1, "gather_last_dim", "tp", 4))
+    assert [(st.n, st.weights) for st in products.stages] == [(24, ((1, 24),)), (64, ((2, 64),))]
+    logits, latent = interpret_products(products, [x, gate, down])
+    assert logits.dtype == torch.float32 and rel_err(logits, F.linear(x.float(), gate[24:48].float())) < 1e-5
+    assert rel_err(latent, F.linear(x, down[64:128])) < 1e-2

@@ -71,6 +71,25 @@ def _two_weights(x: torch.Tensor, w1: torch.Tensor, r: torch.Tensor, w2: torch.T
     return [F.linear(x, w1) + r, (F.linear(x, w2).float() * scale.float()).to(torch.bfloat16)]
 
 
+@fused_op("products_probe_router")
+def _router(x: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> list[torch.Tensor]:
+    """The router's shape at TP 16: fp32 logits of 56 rows (narrower than a GEMM tile) beside a
+    bf16 projection of 224, one activation."""
+    return [F.linear(x.float(), gate.float()), F.linear(x, down)]
+
+
+@fused_op("products_probe_fp8_per_channel")
+def _fp8_per_channel(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 E4M3 weight rows with a per-channel scale, a SiLU epilogue."""
+    return F.silu(F.linear(x.float(), w.float() * scale)).to(torch.bfloat16)
+
+
+@fused_op("products_probe_fp8_per_tensor")
+def _fp8_per_tensor(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp8 E4M3 weight rows with one scale, a residual epilogue."""
+    return F.linear(x, w.to(torch.bfloat16)) * scale + r
+
+
 def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
     def t(*shape, dtype=torch.bfloat16, positive=False):
         if device == "meta":
@@ -83,6 +102,14 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
                 t(2048, 3584), t(tokens, 2048))
     if name in ("mlp", "situ_mlp", "mlp_all_reduced"):
         return (t(tokens, 2048), t(2 * 768, 2048), t(2048, 768))
+    if name.startswith("fp8"):
+        w = t(1536, 2048, dtype=torch.float32).to(torch.float8_e4m3fn) if device != "meta" else \
+            t(1536, 2048, dtype=torch.float8_e4m3fn)
+        if name == "fp8_per_channel":
+            return (t(tokens, 2048), w, t(1536, 1, dtype=torch.float32, positive=True) * 0.02)
+        return (t(tokens, 2048), w, t(1, dtype=torch.float32, positive=True) * 0.02, t(tokens, 1536))
+    if name == "router":
+        return (t(tokens, 1024), t(56, 1024), t(224, 1024))
     if name == "projections":
         return (t(tokens, 1024), t(1350, 1024))
     if name == "two_weights":
@@ -93,10 +120,11 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 
 PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced", "projections",
-          "two_weights"]
+          "two_weights", "router", "fp8_per_channel", "fp8_per_tensor"]
 STAGES = {"mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
-PARTS = {"projections": 3, "two_weights": 2}  # stages of one activation: the parts of one kernel
-COMPUTED_PROLOGUE = {"norm_proj_res", "add_norm_proj"}  # the GEMV's staged prologue at any token count
+PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
+# the GEMV at any token count: a staged prologue, fp8 weights
+GEMV_ALWAYS = {"norm_proj_res", "add_norm_proj", "fp8_per_channel", "fp8_per_tensor"}
 
 
 @pytest.mark.parametrize("name", PROBES)
@@ -105,7 +133,7 @@ def test_every_probe_takes_the_generated_product_template(name, tokens):
     """One token: the GEMV main loop; more: the tensor-core GEMM's, where the prologue only reads."""
     tpl, specs = spec_for_call(f"k3f::products_probe_{name}", "sm_90a", _args(name, tokens, "meta", None))
     assert tpl is not None and tpl.kernel == "products", specs
-    module = "product_gemv" if tokens == 1 or name in COMPUTED_PROLOGUE else "product_gemm"
+    module = "product_gemv" if tokens == 1 or name in GEMV_ALWAYS else "product_gemm"
     assert [s.module for s in specs] == [module] * STAGES.get(name, 1)
     assert len(stages_of(specs[0])) == PARTS.get(name, 1)
 
@@ -127,7 +155,7 @@ def test_every_probe_lowers_to_what_its_reference_computes(name):
 
 # what each main loop's PTX holds: streamed 128-bit weight loads and butterflies (GEMV); cp.async
 # into shared memory, ldmatrix and the bf16 MMA (GEMM)
-PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
+PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.bfly"),
             "product_gemm": ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4",
                              "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")}
 
@@ -136,7 +164,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name,tokens", [("norm_proj_res", 1), ("mlp", 1), ("mlp", 8), ("scaled_two_outputs", 64),
                                          ("add_norm_proj", 5), ("situ_mlp", 17), ("projections", 1),
-                                         ("projections", 8), ("two_weights", 1), ("two_weights", 64)])
+                                         ("projections", 8), ("two_weights", 1), ("two_weights", 64),
+                                         ("fp8_per_channel", 8), ("fp8_per_tensor", 1)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill)."""
     from codegen.compiler import compile_kernel
@@ -146,6 +175,8 @@ def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kca
         ptx = compile_kernel(spec, cache=kcache).ptx
         for promised in PROMISES[spec.module]:
             assert promised in ptx, (spec.module, promised)
+        if name.startswith("fp8"):  # 8 weights a 64-bit load, converted in pairs
+            assert "ld.global.L1::no_allocate.L2::256B.v2.b32" in ptx and "e4m3x2" in ptx
         assert "griddepcontrol.wait" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
 
@@ -162,7 +193,7 @@ def test_generated_products_match_program_and_reference(name, tokens):
     tpl, specs, fns = gpu_kernels(op, args)
     p = specs[0].param_dict
     stages = tuple(st.to_params() for s in specs for st in stages_of(s))
-    products = Products.from_params((stages, p["temps"], p["results"], p["reduced"]))
+    products = Products.from_params((stages, p["temps"], p["results"], p["collectives"]))
     want = interpret_products(products, [a for a in args if torch.is_tensor(a)])
     ref = getattr(torch.ops.k3f, op.split("::")[1])(*[a.cpu() for a in args])
     ref = ref if isinstance(ref, (list, tuple)) else [ref]

@@ -15,11 +15,11 @@ def g2r_atom(dtype, *, invariant: bool = True, bits: int = BITS):
     return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, invariant=invariant)
 
 
-def g2r_stream_atom(dtype):
-    """Global -> registers, 128 bits, for data read once (weights streamed by a GEMV):
-    ``ld.global.L1::no_allocate.L2::256B.v4``: no L1 line is allocated, so the activations
+def g2r_stream_atom(dtype, bits: int = BITS):
+    """Global -> registers, 128 bits (or ``bits``), for data read once (weights streamed by a
+    GEMV): ``ld.global.L1::no_allocate.L2::256B.v4``: no L1 line is allocated, so the activations
     cached in L1 stay there, and L2 fetches 256 bytes ahead."""
-    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=BITS,
+    return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits,
                                l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE,
                                l2_prefetch_size=cute.nvgpu.L2PrefetchSize.SIZE_256B)
 

@@ -19,12 +19,12 @@ import operator
 from dataclasses import dataclass
 
 import cutlass
-from cutlass import BFloat16, Float16, Float32, const_expr, cute
+from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, const_expr, cute
 
 from codegen.lowered import IDENTITY, ROUND, Program, is_const
 from codegen.targets import VEC
 
-CUTE_DTYPES = {"bf16": BFloat16, "fp16": Float16, "fp32": Float32}
+CUTE_DTYPES = {"bf16": BFloat16, "fp16": Float16, "fp32": Float32, "fp8_e4m3": Float8E4M3FN}
 
 
 @dataclass(frozen=True)

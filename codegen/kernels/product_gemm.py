@@ -31,7 +31,7 @@ from cutlass.memory import SmemAllocator
 from codegen.kernels.emit import CUTE_DTYPES, run
 from codegen.kernels.gemm import ACC_VEC, TILE_K, SkinnyGemm
 from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
-from codegen.lowered import Stage
+from codegen.lowered import READ, Stage
 
 
 class ProductGemm(SkinnyGemm):
@@ -60,7 +60,7 @@ class ProductGemm(SkinnyGemm):
         self.tile_starts = tuple(sum(self.tiles[:s]) for s in range(len(parts)))
         self.row_tiles = sum(self.tiles)
         self.grid = self.row_tiles * split_k
-        self.epi_args = [[i for i, src in enumerate(st.epilogue_from) if src[0] in ("arg", "temp")] for st in parts]
+        self.epi_args = [[i for i, src in enumerate(st.epilogue_from) if src[0] in READ] for st in parts]
         if len(epi_strides) != len(parts) or any(len(a) != len(e) for a, e in zip(self.epi_args, epi_strides)):
             raise ValueError(f"epilogue strides {epi_strides}: one per row input of each part")
         self.epi_strides = epi_strides
@@ -178,9 +178,12 @@ class ProductGemm(SkinnyGemm):
                         if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
                             for i, slot in enumerate(part_slots(self.parts, "inputs", s)):
                                 kind, _ = epi.inputs[self.epi_args[s][i]]
+                                scalar = const_expr(self.parts[s].epilogue_from[self.epi_args[s][i]][0] == "scalar")
                                 for e in cutlass.range_constexpr(ACC_VEC):
                                     n = cutlass.min(row0 + mv * ACC_VEC + e, n_part - 1)  # a narrow part's tail
-                                    if const_expr(kind == "row"):
+                                    if const_expr(scalar):
+                                        rEpi[i, e, j] = eins[slot][0].to(Float32)
+                                    elif const_expr(kind == "row"):
                                         rEpi[i, e, j] = eins[slot][t, n].to(Float32)
                                     elif const_expr(kind == "col"):
                                         rEpi[i, e, j] = eins[slot][n].to(Float32)
@@ -236,8 +239,10 @@ def build(spec) -> tuple[ProductGemm, tuple]:
                          epi_strides=tuple(tuple(e) for e in p["epi_strides"]))
     tokens = cute.sym_int32()
 
-    def tensor(kind, dtype, n, stride):
+    def tensor(kind, dtype, n, stride, src=("arg",)):
         ct = CUTE_DTYPES[dtype]
+        if src[0] == "scalar":
+            return make_fake_tensor(ct, (1,), (1,), assumed_align=ct.width // 8)
         if kind == "row":
             return make_fake_tensor(ct, (tokens, n), (stride, 1), assumed_align=ct.width // 8)
         if kind == "stat":
@@ -248,7 +253,8 @@ def build(spec) -> tuple[ProductGemm, tuple]:
     for st, args, strides in zip(parts, kernel.epi_args, kernel.epi_strides, strict=True):
         epi, kinds = st.epilogue, st.epilogue.kinds
         ws += [make_fake_tensor(BFloat16, (st.n, st.k), (st.k, 1), assumed_align=16) for _ in st.weights]
-        eins += [tensor(*epi.inputs[i], st.n, stride) for i, stride in zip(args, strides, strict=True)]
+        eins += [tensor(*epi.inputs[i], st.n, stride, st.epilogue_from[i]) for i, stride in zip(args, strides,
+                                                                                              strict=True)]
         ys += [tensor(kinds[v], dtype, st.n, st.n) for v, dtype, _ in epi.outputs]
 
     def pad(xs, size):

@@ -1,6 +1,6 @@
 """``product_gemv``: a generated kernel: a stage of a fused op's ``codegen.lowered.Products`` (a
 prologue, matrix products of its result, a pointwise epilogue) on the skinny GEMV's main loop,
-1..64 tokens. Several stages of one prologue and different widths (an input projection's q, k,
+1..64 tokens, bf16 or fp8 weights. Several stages of one prologue and different widths (an input projection's q, k,
 v and gates) are the kernel's *parts*: each CTA's columns lie in one part, whose weights it
 reads and whose epilogue it runs (``product_gemm.py`` holds parts the same way).
 
@@ -38,7 +38,7 @@ from codegen.kernels.emit import CUTE_DTYPES, RowSplit, run
 from codegen.kernels.gemv import X_AHEAD
 from codegen.kernels.rowwise import load_row_value, store_vector
 from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
-from codegen.lowered import Stage
+from codegen.lowered import READ, Stage
 from codegen.targets import MAX_TOKENS
 
 
@@ -53,9 +53,11 @@ class ProductGemv:
         if not 1 <= tokens <= MAX_TOKENS or not 1 <= chunk <= min(8, tokens):
             raise ValueError(f"{tokens} tokens in chunks of {chunk}: 1..{MAX_TOKENS} in chunks of 1..8")
         stage = parts[0]
-        if any((st.prologue, st.prologue_from, st.prologue_to, len(st.weights)) !=
-               (stage.prologue, stage.prologue_from, stage.prologue_to, len(stage.weights)) for st in parts):
-            raise ValueError("the parts of one kernel share their prologue and their count of products")
+        if any((st.prologue, st.prologue_from, st.prologue_to, len(st.weights), st.weight_dtype) !=
+               (stage.prologue, stage.prologue_from, stage.prologue_to, len(stage.weights), stage.weight_dtype)
+               for st in parts):
+            raise ValueError("the parts of one kernel share their prologue, their count of products and their "
+                             "weights' dtype")
         self.parts, self.stage, self.tokens, self.chunk = tuple(parts), stage, tokens, chunk
         self.k, self.products = stage.k, len(stage.weights)
         if self.k % VEC or warps_per_cta % ksplit:
@@ -82,7 +84,7 @@ class ProductGemv:
         self.pro_strides, self.epi_strides = pro_strides, epi_strides
         self.pro_results = [(j, d) for j, d in enumerate(stage.prologue_to) if d[0] == "result"]
         self.keeps = [j for j, d in enumerate(stage.prologue_to) if d[0] == "keep"]
-        self.epi_args = [[i for i, src in enumerate(st.epilogue_from) if src[0] in ("arg", "temp")] for st in parts]
+        self.epi_args = [[i for i, src in enumerate(st.epilogue_from) if src[0] in READ] for st in parts]
         if len(epi_strides) != len(parts) or any(len(a) != len(e) for a, e in zip(self.epi_args, epi_strides)):
             raise ValueError(f"epilogue strides {epi_strides}: one per row input of each part")
         counts = {"prologue_inputs": len(stage.prologue.inputs), "weights": self.products * len(parts),
@@ -147,7 +149,8 @@ class ProductGemv:
 
         # the weight rows of this warp: column c of product p is row c * P + p, K slice ks; a
         # column past its part's end (a part's last CTA) re-reads the last one and stores nothing
-        rW = cute.make_rmem_tensor((VEC, S, R), BFloat16)
+        WD = CUTE_DTYPES[self.stage.weight_dtype]  # bf16, or fp8 (8 values a 64-bit load, converted exactly)
+        rW = cute.make_rmem_tensor((VEC, S, R), WD)
         for q in cutlass.range_constexpr(len(self.parts)):
             if one or part == q:
                 ws = [weights[w] for w in part_slots(self.parts, "weights", q)]
@@ -155,7 +158,7 @@ class ProductGemv:
                     n = cutlass.min(first + c, self.parts[q].n - 1)
                     for p in cutlass.range_constexpr(P):
                         for s in cutlass.range_constexpr(S):
-                            cute.copy(g2r_stream_atom(BFloat16),
+                            cute.copy(g2r_stream_atom(WD, bits=VEC * WD.width),
                                       cute.local_tile(ws[p][n, None], (VEC,), (self.k_vector(ks, s, lane),)),
                                       rW[None, s, c * P + p])
 
@@ -193,7 +196,9 @@ class ProductGemv:
                         for i, slot in enumerate(part_slots(self.parts, "inputs", q)):
                             kind, _ = self.parts[q].epilogue.inputs[self.epi_args[q][i]]
                             src = eins[slot]
-                            if const_expr(kind == "row"):
+                            if const_expr(self.parts[q].epilogue_from[self.epi_args[q][i]][0] == "scalar"):
+                                rEpi[i] = src[0].to(Float32)
+                            elif const_expr(kind == "row"):
                                 rEpi[i] = src[t_mine, n_mine].to(Float32)
                             elif const_expr(kind == "col"):
                                 rEpi[i] = src[n_mine].to(Float32)
@@ -320,9 +325,11 @@ def build(spec) -> tuple[ProductGemv, tuple]:
                          epi_strides=tuple(tuple(e) for e in p["epi_strides"]))
     k = parts[0].k
 
-    def tensor(kind, dtype, width, stride, vectors):
+    def tensor(kind, dtype, width, stride, vectors, src=("arg",)):
         ct = CUTE_DTYPES[dtype]
         align = 16 if vectors else ct.width // 8
+        if src[0] == "scalar":
+            return make_fake_tensor(ct, (1,), (1,), assumed_align=ct.width // 8)
         if kind == "row":
             return make_fake_tensor(ct, (t, width), (stride, 1), assumed_align=align)
         if kind == "stat":
@@ -336,8 +343,10 @@ def build(spec) -> tuple[ProductGemv, tuple]:
     ws, eins, ys = [], [], []
     for st, args, strides in zip(parts, kernel.epi_args, kernel.epi_strides, strict=True):
         epi, ekinds = st.epilogue, st.epilogue.kinds
-        ws += [make_fake_tensor(BFloat16, (st.n, k), (k, 1), assumed_align=16) for _ in st.weights]
-        eins += [tensor(*epi.inputs[i], st.n, stride, False) for i, stride in zip(args, strides, strict=True)]
+        wd = CUTE_DTYPES[st.weight_dtype]  # rows of K values: whole 8-value vectors
+        ws += [make_fake_tensor(wd, (st.n, k), (k, 1), assumed_align=VEC * wd.width // 8) for _ in st.weights]
+        eins += [tensor(*epi.inputs[i], st.n, stride, False, st.epilogue_from[i])
+                 for i, stride in zip(args, strides, strict=True)]
         ys += [tensor(ekinds[v], dtype, st.n, st.n, False) for v, dtype, _ in epi.outputs]
 
     def pad(xs, size):

@@ -24,7 +24,7 @@ import torch
 from codegen.host import host
 from codegen.launchers.gemm_specs import GEMM_ROWS_PER_CTA, GEMM_TILE_K, gemm_tiling
 from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
-from codegen.lowered import DTYPES, Products, Program, Stage
+from codegen.lowered import DTYPES, READ, Products, Program, Stage
 from codegen.spec import KernelSpec
 from codegen.targets import MAX_TOKENS, VEC
 from codegen.template import Template, aligned
@@ -118,6 +118,8 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str) -> dict[str, An
         return f"{tokens} token: the GEMV main loop"
     if not all(is_plain(st) for st in parts):
         return "the prologue computes (the GEMM multiplies its activation as it is read)"
+    if parts[0].weight_dtype != "bf16":
+        return f"{parts[0].weight_dtype} weights: the GEMV main loop (the GEMM's MMA multiplies bf16 by bf16)"
     if products not in GEMM_PRODUCTS or any(len(st.weights) != products for st in parts):
         return f"{products} products: a GEMM tile's rows are shared by {', '.join(map(str, GEMM_PRODUCTS))}"
     if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
@@ -141,11 +143,12 @@ def _parts(stages: Sequence[Stage]) -> list[list[int]]:
         if runs:
             head, run = stages[runs[-1][0]], [stages[j] for j in runs[-1]] + [st]
             used = {"weights": sum(len(x.weights) for x in run),
-                    "epilogue_inputs": sum(s[0] in ("arg", "temp") for x in run for s in x.epilogue_from),
+                    "epilogue_inputs": sum(s[0] in READ for x in run for s in x.epilogue_from),
                     "outputs": sum(len(x.epilogue.outputs) for x in run)}
             if (st.prologue, st.prologue_from, st.prologue_to) == (head.prologue, head.prologue_from,
                                                                    head.prologue_to) and \
-                    len(st.weights) == len(head.weights) and all(used[w] <= PRODUCT_SLOTS[w] for w in used):
+                    (len(st.weights), st.weight_dtype) == (len(head.weights), head.weight_dtype) and \
+                    all(used[w] <= PRODUCT_SLOTS[w] for w in used):
                 runs[-1].append(i)
                 continue
         runs.append([i])
@@ -161,7 +164,7 @@ def part_slots(parts: Sequence[Stage], what: str, q: int) -> range:
     """The kernel's tensor slots of part ``q``'s ``weights``, epilogue ``inputs`` or ``outputs``
     (given out part by part)."""
     def size(st: Stage) -> int:
-        return {"weights": len(st.weights), "inputs": sum(src[0] in ("arg", "temp") for src in st.epilogue_from),
+        return {"weights": len(st.weights), "inputs": sum(src[0] in READ for src in st.epilogue_from),
                 "outputs": len(st.epilogue.outputs)}[what]
     start = sum(size(st) for st in parts[:q])
     return range(start, start + size(parts[q]))
@@ -198,6 +201,8 @@ def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] |
     if src[0] == "temp":
         return temps[src[1]] if temps is not None else None
     t = tensors[src[1]]
+    if src[0] == "scalar":
+        return t.reshape(1)
     if kind == "row":
         return t[:, src[2]:src[2] + width]
     if kind == "col":
@@ -206,7 +211,7 @@ def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] |
 
 
 def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kind: str) -> int:
-    if kind != "row":
+    if kind != "row" or src[0] == "scalar":
         return 0
     return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(0)
 
@@ -231,7 +236,7 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
     for i, stage in enumerate(products.stages):
         pro, epi = stage.prologue, stage.epilogue
         epi_args = [(s, kind) for s, (kind, _) in zip(stage.epilogue_from, epi.inputs, strict=True)
-                    if s[0] in ("arg", "temp")]
+                    if s[0] in READ]
         counts = {"prologue_inputs": len(pro.inputs), "weights": len(stage.weights), "epilogue_inputs": len(epi_args),
                   "prologue_results": sum(d[0] == "result" for d in stage.prologue_to), "outputs": len(epi.outputs)}
         for what, count in counts.items():
@@ -240,6 +245,8 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
         if any(kind != "stat" and (s[0] == "arg" and s[2] % VEC) for s, (kind, _) in
                zip(stage.prologue_from, pro.inputs, strict=True)):
             return f"stage {i}: a prologue input starts inside a 128-bit vector"
+        if any(s[0] == "scalar" for s in stage.prologue_from):
+            return f"stage {i}: a one-element argument in the prologue (the kernels read it in an epilogue)"
         pro_strides = [_row_stride(s, tensors, products, kind) for s, (kind, _) in
                        zip(stage.prologue_from, pro.inputs, strict=True)]
         if any(s % VEC for s in pro_strides):
@@ -250,7 +257,7 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
         parts = [products.stages[i] for i in run]
         plumbing = {"parts": tuple(st.to_params() for st in parts), "epi_strides": tuple(checked[i][1] for i in run),
                     "stage_index": tuple(run), "temps": products.temps, "results": products.results,
-                    "reduced": products.reduced}
+                    "collectives": products.collectives}
         shapes = {"k": parts[0].k, "n": sum(st.n for st in parts)}
         tiling = _gemm_tiling(parts, tokens, arch)
         if not isinstance(tiling, str):
@@ -297,7 +304,7 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
                     zip(stage.prologue_from, pro.inputs, strict=True)]  # the same for every part
             ws += [tensors[w][r0:r0 + stage.n] for w, r0 in stage.weights]
             eins += [_source(s, tensors, temps, kind, stage.n) for s, (kind, _) in
-                     zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in ("arg", "temp")]
+                     zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in READ]
             pkinds, ekinds = pro.kinds, epi.kinds
             qs += [made(d, pkinds[pro.outputs[j][0]], stage.k, pro.outputs[j][1])
                    for j, d in enumerate(stage.prologue_to) if d[0] == "result"]
@@ -307,9 +314,9 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
             fn(pins[0], *pad(ws, 4), *pad(eins, 4), *pad(ys, 4))
         else:
             fn(*pad(pins, 4), *pad(ws, 4), *pad(eins, 4), *pad(qs, 2), *pad(ys, 4))
-    for r, group, ranks in p0["reduced"]:  # a partial the reference sums over the ranks last
+    for r, collective, group, ranks in p0["collectives"]:  # what the reference does with a result last
         if host().collective_runs(ranks):
-            results[r] = host().all_reduce(results[r], group, ranks)
+            results[r] = getattr(host(), collective)(results[r], group, ranks)
     dims = _result_dims(specs)
     outs = [results[r].view(-1) if dims[r] == 1 else results[r] for r in range(p0["results"])]
     returns = getattr(torch.ops.k3f, specs[0].op.split("::")[-1]).default._schema.returns

@@ -49,8 +49,8 @@ POINTWISE = (*UNARY, *BINARY, *REDUCE, *OTHER, *CASTS, *SHAPE_ONLY, *WINDOWS)
 
 def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0) -> str | None:
     """What a tensor of ``shape`` is in a program over [tokens, width] rows, read from column
-    ``c0``: a row [T, >= c0 + width], a statistic [T, 1] or [T], a column [>= c0 + width] or
-    [1, ...] (a 1-D tensor is a column, also where T = N), or None."""
+    ``c0``: a row [T, >= c0 + width], a statistic [T, 1] or [T], a column [>= c0 + width],
+    [1, ...] or [..., 1] (a 1-D tensor is a column, also where T = N), or None."""
     shape = tuple(shape)
     if len(shape) == 2 and shape[0] == tokens and shape[1] == 1 and width > 1:
         return "stat"
@@ -58,6 +58,8 @@ def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0) -> str
         return "row"
     if len(shape) == 2 and shape[0] == 1 and shape[1] >= c0 + width:
         return "col"
+    if len(shape) == 2 and shape[1] == 1 and shape[0] >= c0 + width and shape[0] != tokens:
+        return "col"  # [N, 1]: a per-channel scale, read through a view as [N]
     if len(shape) == 1 and shape[0] >= c0 + width and (shape[0] != tokens or shape[0] == width):
         return "col"
     if len(shape) == 1 and shape[0] == tokens:
@@ -111,7 +113,7 @@ class Builder:
 
     def _make(self, node: fx.Node, c0: int) -> Ref:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() > 0 and \
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() > 1 and \
                 kind_of(tuple(val.shape), self.tokens, self.width, c0) is None:
             raise LoweringError(f"{node.name} ({node.target}) makes a tensor of shape {tuple(val.shape)}: a program "
                                 f"over rows of {self.width} values holds rows [{self.tokens}, {self.width}], "

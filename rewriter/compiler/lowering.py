@@ -23,7 +23,8 @@ from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, Builder, kind_of
 from rewriter.compiler.products import PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
 
-ALL_REDUCE = torch.ops.k3.all_reduce.default
+# collectives a result may end with: the host runs them after the stages (codegen.lowered.Products)
+COLLECTIVES = {torch.ops.k3.all_reduce.default: "all_reduce", torch.ops.k3.gather_last_dim.default: "gather_last_dim"}
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[torch.Tensor]]:
@@ -54,18 +55,26 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
     gm, tensors = _trace(fn, args)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     results = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-    reduced = []  # a result all-reduced last: the stages compute the partial, the host sums it
+    # a result a collective ends (an all-reduce of partial sums, a gather of the ranks' columns):
+    # the stages compute this rank's value, the host runs the collectives after them
+    collectives, last = [], set()
     for i, r in enumerate(results):
-        if isinstance(r, fx.Node) and r.target is ALL_REDUCE and len(r.users) == 1:
-            results[i] = r.args[0]
-            reduced.append((i, r.args[1], int(r.args[2])))
-    collectives = {n for n in gm.graph.nodes if n.target is ALL_REDUCE and n.args[0] in results}
+        ends = []
+        while isinstance(r, fx.Node) and r.target in COLLECTIVES and len(r.users) == 1:
+            ends.append((i, COLLECTIVES[r.target], r.args[1], int(r.args[2])))
+            last.add(r)
+            r = r.args[0]
+        results[i] = r
+        collectives += reversed(ends)  # the innermost runs first
     for node in gm.graph.nodes:  # what the reference computes decides first, then the shapes it takes
-        if node.op == "call_function" and node.target not in POINTWISE and node.target not in PRODUCT_OPS \
-                and node not in collectives:
-            raise LoweringError(f"{node.target} (node {node.name}) has no lowering: the programs take pointwise "
-                                "arithmetic, activations, casts, reductions over a token's row and matrix products "
-                                "by weights (docs/CODEGEN.md)")
+        if node.op != "call_function" or node.target in POINTWISE or node.target in PRODUCT_OPS or node in last:
+            continue
+        if node.target in COLLECTIVES:
+            raise LoweringError(f"{node.target} (node {node.name}) is a collective inside the op: the generated "
+                                "kernels run a collective only on a result, after them")
+        raise LoweringError(f"{node.target} (node {node.name}) has no lowering: the programs take pointwise "
+                            "arithmetic, activations, casts, reductions over a token's row and matrix products "
+                            "by weights (docs/CODEGEN.md)")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for r in results:
         if not isinstance(r, fx.Node):
@@ -73,9 +82,9 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
     args_of = {n: i for i, n in enumerate(placeholders)}
     if any(n.op == "call_function" and n.target is torch.ops.aten.mm.default for n in gm.graph.nodes):
         products = lower_products(gm, args_of, results)
-        return dataclasses.replace(products, reduced=tuple(reduced))
-    if reduced:
-        raise LoweringError("an all-reduce of a result without matrix products: the rowwise kernel runs no "
+        return dataclasses.replace(products, collectives=tuple(collectives))
+    if collectives:
+        raise LoweringError(f"{collectives[0][1]} of a result without matrix products: the rowwise kernel runs no "
                             "collective")
     return _lower_rows(gm, tensors, args_of, results)
 

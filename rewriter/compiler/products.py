@@ -1,7 +1,8 @@
 """A fused op's graph cut at its matrix products into stages (``codegen.lowered.Products``).
 
 A product is ``aten.mm(a, W^T)`` where ``W`` is one of the op's [N, K] weights (or a row slice
-of one: a chunk of a packed gate-and-up weight), read in bf16. A node's *depth* is the number
+of one: a chunk of a packed gate-and-up weight), read in bf16 or fp8 E4M3 (times its scale, per
+channel or per tensor: the kernels scale the product's fp32 sums in the epilogue). A node's *depth* is the number
 of products on its longest path from the op's arguments. The products of one depth read one
 activation ``a`` and form one stage per output width N: one kernel that computes ``a``
 (the prologue, over rows of K: a norm, a residual add, a cast), multiplies it by every product's
@@ -19,11 +20,12 @@ pointwise: a reduction over a product's row is refused, by name.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from codegen.lowered import LoweringError, Products, Ref, Stage
+from codegen.lowered import WEIGHT_DTYPES, LoweringError, Products, Ref, Stage
 from rewriter.compiler.aten_ops import CASTS, DTYPE_NAMES, SHAPE_ONLY, Builder, columns, kind_of
 
 aten = torch.ops.aten
@@ -31,21 +33,55 @@ TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
 PRODUCT_OPS = (aten.mm.default, *TRANSPOSES)
 
 
-def _weight(node: fx.Node, args: dict[fx.Node, int]) -> tuple[int, int, int]:
-    """(op tensor argument, first row, rows) of the weight a product's second operand reads:
-    ``W^T`` of an [N, K] argument, through row slices (before or after the transpose) and
-    casts of a bf16 weight."""
+@dataclass(frozen=True)
+class Weight:
+    """What a product's second operand reads: rows ``row0 ..`` of the op's [N, K] argument
+    ``arg`` in ``dtype``, and the scale its rows are multiplied by, where it has one:
+    ``("col", argument, first row)`` (per channel, [N] or [N, 1]) or ``("scalar", argument)``
+    (per tensor, one element)."""
+    arg: int
+    row0: int
+    rows: int
+    dtype: str
+    scale: tuple | None = None
+
+
+def _scale_argument(node: fx.Node, args: dict[fx.Node, int], rows: int) -> tuple | None:
+    """``node`` as a weight's scale: an fp32, bf16 or fp16 argument (through casts) of one element
+    or of one value per row."""
+    while node.op == "call_function" and node.target in CASTS:
+        node = node.args[0]
+    if node not in args:
+        return None
+    val = node.meta["val"]
+    if val.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if val.numel() == 1:
+        return ("scalar", args[node])
+    if tuple(val.shape) in ((rows,), (rows, 1)):
+        return ("col", args[node])
+    return None
+
+
+def _weight(node: fx.Node, args: dict[fx.Node, int]) -> Weight:
+    """The weight a product's second operand reads: ``W^T`` of an [N, K] argument, through row
+    slices (before or after the transpose), casts of a bf16 or fp8 weight and, for fp8, the
+    multiplication by its scale (per channel or per tensor) where no rounding follows it."""
     # walking up from the product: above the transpose the operand is W^T [K, N] (rows are dim
     # 1), below it the weight [N, K] itself (rows are dim 0)
-    row0, rows, below, seen = 0, None, False, node
+    row0, rows, below, seen, scale, rounds = 0, None, False, node, None, None
     while True:
         if seen in args:
             val = seen.meta["val"]
             if val.dim() != 2 or not below:
                 raise LoweringError(f"product operand {node.name} is not the transpose of an [N, K] argument")
-            if val.dtype != torch.bfloat16:
-                raise LoweringError(f"weight {seen.name} is {val.dtype}: the generated products read bf16 weights")
-            return args[seen], row0, rows if rows is not None else val.shape[0] - row0
+            dtype = next((name for name, dt in WEIGHT_DTYPES.items() if dt == val.dtype), None)
+            if dtype is None:
+                raise LoweringError(f"weight {seen.name} is {val.dtype}: the generated products read "
+                                    f"{', '.join(WEIGHT_DTYPES)} weights")
+            if scale is not None and dtype == "bf16":
+                raise LoweringError(f"bf16 weight {seen.name} is scaled before its product: scales go with fp8 weights")
+            return Weight(args[seen], row0, rows if rows is not None else val.shape[0] - row0, dtype, scale)
         if seen.op != "call_function":
             raise LoweringError(f"product operand {node.name} is not read from an argument")
         t = seen.target
@@ -76,9 +112,28 @@ def _weight(node: fx.Node, args: dict[fx.Node, int]) -> tuple[int, int, int]:
             row0, rows = row0 + start, n if rows is None else rows
             seen = src
             continue
+        elif t is aten.mul.Tensor and below and scale is None:
+            rows_here = seen.meta["val"].shape[0]
+            found = [(_scale_argument(b, args, rows_here), a) for a, b in (seen.args, seen.args[::-1])
+                     if isinstance(a, fx.Node) and isinstance(b, fx.Node)]
+            found = [(sc, a) for sc, a in found if sc is not None]
+            if not found:
+                raise LoweringError(f"product operand {node.name} is computed ({seen.name}: {t}): the generated "
+                                    "products read weights as the op's arguments, times a scale")
+            if rounds is not None:
+                raise LoweringError(f"the scaled weight {seen.name} is rounded to {rounds} before its product: the "
+                                    "kernels scale the product's fp32 sums (multiply the product by the scale, "
+                                    "or multiply in fp32)")
+            (scale, a), = found[:1]
+            scale = (*scale, row0) if scale[0] == "col" else scale  # this product's rows of the scale
+            seen = a
+            continue
         elif t in CASTS or t in SHAPE_ONLY:
             if t not in CASTS and seen.meta["val"].shape != seen.args[0].meta["val"].shape:
                 raise LoweringError(f"{seen.name} ({t}) reshapes a weight")
+            if t in CASTS and scale is None and seen.meta["val"].dtype != torch.float32 and \
+                    seen.args[0].meta["val"].dtype == torch.float32:
+                rounds = DTYPE_NAMES.get(seen.meta["val"].dtype, str(seen.meta["val"].dtype))
         else:
             raise LoweringError(f"product operand {node.name} is computed ({seen.name}: {t}): the generated products "
                                 "read weights as the op's arguments")
@@ -106,6 +161,7 @@ class _Stage:
         self.a = staging.activation[depth]
         self.weights: list[tuple[int, int]] = []
         self.products: dict[tuple[fx.Node, int], int] = {}
+        self.weight_dtype: dict[str, str] = {}  # "dtype": the products' weight dtype, once one is read
         self.pro_to: list[tuple] = [("product",)]
         self.stats: dict[fx.Node, int] = {}  # a depth-0 statistic the epilogue reads -> its prologue output
         self.epi_to: list[tuple] = []
@@ -148,18 +204,28 @@ class _Stage:
         if _activation(mm) is not self.a:
             raise LoweringError(f"products {mm.name} and another of depth {self.depth} read different activations: "
                                 "the products of one stage read one")
-        arg, row0, rows = self.staging.weights[mm]
-        if c0 + b.width > rows:
-            raise LoweringError(f"{mm.name}: columns {c0}..{c0 + b.width} of a product of {rows}")
+        w = self.staging.weights[mm]
+        if c0 + b.width > w.rows:
+            raise LoweringError(f"{mm.name}: columns {c0}..{c0 + b.width} of a product of {w.rows}")
+        if self.weight_dtype.setdefault("dtype", w.dtype) != w.dtype:
+            raise LoweringError(f"{mm.name} reads {w.dtype} weights beside {self.weight_dtype['dtype']} ones: the "
+                                "products of one stage read one weight dtype")
         key = (mm, c0)
         if key not in self.products:
             self.products[key] = len(self.weights)
-            self.weights.append((arg, row0 + c0))
-        return b.rounded(b.input("row", "fp32", ("acc", self.products[key])), mm)
+            self.weights.append((w.arg, w.row0 + c0))
+        acc = b.input("row", "fp32", ("acc", self.products[key]))
+        if w.scale is not None:  # the fp8 weight's scale, on the fp32 sums (exact where the reference is fp32)
+            dtype = DTYPE_NAMES[self.staging.arg_dtype(w.scale[1])]
+            scale = b.input("col", dtype, ("arg", w.scale[1], w.scale[2] + c0)) if w.scale[0] == "col" else \
+                b.input("stat", dtype, ("scalar", w.scale[1]))
+            acc = b.value("mul", acc, scale)
+        return b.rounded(acc, mm)
 
     def stage(self) -> Stage:
         return Stage(self.pro.program(), tuple(self.pro.sources), tuple(self.pro_to), tuple(self.weights),
-                     self.epi.program(), tuple(self.epi.sources), tuple(self.epi_to))
+                     self.epi.program(), tuple(self.epi.sources), tuple(self.epi_to),
+                     self.weight_dtype.get("dtype", "bf16"))
 
 
 class _Staging:
@@ -202,8 +268,13 @@ class _Staging:
             self.stages[key] = _Stage(self, depth, width)
         return self.stages[key]
 
+    def arg_dtype(self, i: int) -> torch.dtype:
+        return next(n for n, j in self.args.items() if j == i).meta["val"].dtype
+
     def argument(self, b: Builder, node: fx.Node, c0: int) -> int:
         val = node.meta["val"]
+        if val.numel() == 1 and DTYPE_NAMES.get(val.dtype) is not None:  # one value for the whole step
+            return b.input("stat", DTYPE_NAMES[val.dtype], ("scalar", self.args[node]))
         kind = kind_of(tuple(val.shape), b.tokens, b.width, c0)
         if kind is None or DTYPE_NAMES.get(val.dtype) is None:
             raise LoweringError(f"argument {node.name} of shape {tuple(val.shape)} and {val.dtype}: a program over "

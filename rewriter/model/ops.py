@@ -538,13 +538,20 @@ def _(q: Tensor, kv_cache: Tensor, block_table: Tensor | None, seq_lens: Tensor,
 def gather_last_dim(x: Tensor, group: str, world_size: int) -> Tensor:
     """Concatenate every rank's ``x`` along the last dim, rank order (no-op at world size 1).
 
-    Used inside fused ops that split a replicated GEMM across ranks. One collective into one
-    [world, ...] buffer, then one copy to put the ranks' pieces side by side (none for a single
-    row): NCCL's list form of all_gather copies each rank's piece out of its own flat buffer, and a
-    ``cat`` after it made world size + 1 copy kernels a call (51 a layer at TP 16).
+    Used inside fused ops that split a replicated GEMM across ranks; a traced reference holds it
+    as ``k3::gather_last_dim`` (the lowering runs a result's gather as the host's collective).
     """
     if world_size == 1:
         return x
+    return torch.ops.k3.gather_last_dim(x, group, world_size)
+
+
+@torch.library.custom_op("k3::gather_last_dim", mutates_args=())
+def _gather_last_dim(x: Tensor, group: str, world_size: int) -> Tensor:
+    """One collective into one [world, ...] buffer, then one copy to put the ranks' pieces side
+    by side (none for a single row): NCCL's list form of all_gather copies each rank's piece out
+    of its own flat buffer, and a ``cat`` after it made world size + 1 copy kernels a call (51 a
+    layer at TP 16)."""
     if _EXCLUDED[0]:
         return x.repeat(*([1] * (x.dim() - 1)), world_size)
     pg = _GROUPS.get(group)
@@ -557,3 +564,8 @@ def gather_last_dim(x: Tensor, group: str, world_size: int) -> Tensor:
     _ALL_GATHER_SINGLE(gathered, x, group=pg)
     stacked = gathered.view(world_size, *x.shape)
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], world_size * x.shape[-1])
+
+
+@_gather_last_dim.register_fake
+def _(x: Tensor, group: str, world_size: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], world_size * x.shape[-1]))
