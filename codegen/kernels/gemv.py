@@ -128,6 +128,7 @@ class Gemv:
         first = (bidx * self.groups + group) * R
 
         smem = cutlass.memory.SmemAllocator()
+        sRed = None
         if const_expr(KS > 1):
             sRed = smem.allocate_tensor(Float32, cute.make_layout((KS, self.groups, R, TC)), byte_alignment=16)
         if const_expr(self.norm):
@@ -252,21 +253,7 @@ class Gemv:
                         rAcc[r, t] = rAcc[r, t] + (w[r] * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
 
             # sums over the warp (butterfly), then over the K slices (shared memory)
-            for r in cutlass.range_constexpr(R):
-                for t in cutlass.range_constexpr(TC):
-                    rOut[r, t] = cute.arch.warp_reduction(rAcc[r, t], operator.add)
-            if const_expr(KS > 1):
-                if lane == 0:
-                    for r in cutlass.range_constexpr(R):
-                        for t in cutlass.range_constexpr(TC):
-                            sRed[ks, group, r, t] = rOut[r, t]
-                cute.arch.barrier()
-                for r in cutlass.range_constexpr(R):
-                    for t in cutlass.range_constexpr(TC):
-                        total = sRed[0, group, r, t]
-                        for q in cutlass.range_constexpr(1, KS):
-                            total = total + sRed[q, group, r, t]
-                        rOut[r, t] = total
+            lane_and_slice_sums(rAcc, rOut, sRed, lane, ks, group, R, TC, KS)
 
             # epilogue: lane r * TC + t (of the first K slice's warp) stores (row r, token t)
             for r in cutlass.range_constexpr(R):
@@ -313,3 +300,26 @@ def build(spec) -> tuple[Gemv, tuple]:
         else None
     return kernel, (x, weight(n0), weight(n1) if n1 else None, norm_w, res, out(d["out0"], n0),
                     out(d["out1"], n1) if n1 else None, make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+@cute.jit
+def lane_and_slice_sums(rAcc: cute.Tensor, rOut: cute.Tensor, sRed: cute.Tensor | None, lane, ks, group, rows: int,
+                        tokens: int, ksplit: int):
+    """``rOut[r, t]``: ``rAcc[r, t]`` summed over the warp's lanes (a butterfly: every lane holds
+    every sum), then over the ``ksplit`` warps of the K slices of its column group (through
+    ``sRed[ks, group, r, t]`` in shared memory, behind one barrier)."""
+    for r in cutlass.range_constexpr(rows):
+        for t in cutlass.range_constexpr(tokens):
+            rOut[r, t] = cute.arch.warp_reduction(rAcc[r, t], operator.add)
+    if const_expr(ksplit > 1):
+        if lane == 0:
+            for r in cutlass.range_constexpr(rows):
+                for t in cutlass.range_constexpr(tokens):
+                    sRed[ks, group, r, t] = rOut[r, t]
+        cute.arch.barrier()
+        for r in cutlass.range_constexpr(rows):
+            for t in cutlass.range_constexpr(tokens):
+                total = sRed[0, group, r, t]
+                for q in cutlass.range_constexpr(1, ksplit):
+                    total = total + sRed[q, group, r, t]
+                rOut[r, t] = total

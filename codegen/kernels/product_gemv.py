@@ -26,8 +26,6 @@ once by ``launch_dependents`` (after the loads of a one-chunk activation, as the
 """
 from __future__ import annotations
 
-import operator
-
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import BFloat16, Float32, const_expr, cute
@@ -35,7 +33,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
 from codegen.kernels.emit import CUTE_DTYPES, RowSplit, run
-from codegen.kernels.gemv import X_AHEAD
+from codegen.kernels.gemv import X_AHEAD, lane_and_slice_sums
 from codegen.kernels.rowwise import load_row_value, store_vector
 from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
 from codegen.lowered import READ, Stage
@@ -258,21 +256,7 @@ class ProductGemv:
                         rAcc[r, t] = rAcc[r, t] + dot
 
             # sums over the warp (butterfly: every lane holds every sum), then over the K slices
-            for r in cutlass.range_constexpr(R):
-                for t in cutlass.range_constexpr(TC):
-                    rOut[r, t] = cute.arch.warp_reduction(rAcc[r, t], operator.add)
-            if const_expr(KS > 1):
-                if lane == 0:
-                    for r in cutlass.range_constexpr(R):
-                        for t in cutlass.range_constexpr(TC):
-                            sRed[ks, group, r, t] = rOut[r, t]
-                cute.arch.barrier()
-                for r in cutlass.range_constexpr(R):
-                    for t in cutlass.range_constexpr(TC):
-                        total = sRed[0, group, r, t]
-                        for q in cutlass.range_constexpr(1, KS):
-                            total = total + sRed[q, group, r, t]
-                        rOut[r, t] = total
+            lane_and_slice_sums(rAcc, rOut, sRed, lane, ks, group, R, TC, KS)
 
             # the epilogue hook: this lane's (column, token): every product's sum, the kept
             # statistics and its inputs, through the epilogue program, to the outputs
