@@ -124,17 +124,18 @@ def build(spec) -> tuple[RowKernel, tuple]:
     program = Program.from_params(p["program"])
     kernel = RowKernel(program, p["vectors"])
     tokens, n = cute.sym_int32(), program.width
+    strides = p.get("strides") or (n,) * len(program.inputs)  # an input row may be a view of a wider one
 
-    def tensor(kind, dtype):
+    def tensor(kind, dtype, stride=n):
         ct = CUTE_DTYPES[dtype]
         if kind == "row":
-            return make_fake_tensor(ct, (tokens, n), (n, 1), assumed_align=16)
+            return make_fake_tensor(ct, (tokens, n), (stride, 1), assumed_align=16)
         if kind == "stat":
             return make_fake_tensor(ct, (tokens, 1), (1, 1), assumed_align=ct.width // 8)
         return make_fake_tensor(ct, (n,), (1,), assumed_align=16)
 
     kinds = program.kinds
-    ins = [tensor(kind, dtype) for kind, dtype in program.inputs]
+    ins = [tensor(kind, dtype, stride) for (kind, dtype), stride in zip(program.inputs, strides, strict=True)]
     outs = [tensor(kinds[v], dtype) for v, dtype, _ in program.outputs]
     return kernel, (*ins, *[None] * (MAX_INPUTS - len(ins)), *outs, *[None] * (MAX_OUTPUTS - len(outs)),
                     make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -156,8 +156,17 @@ def _parts(stages: Sequence[Stage]) -> list[list[int]]:
 
 
 def stages_of(spec: KernelSpec) -> tuple[Stage, ...]:
-    """The stages (parts) one kernel of the products template runs."""
-    return tuple(Stage.from_params(st) for st in spec.param_dict["parts"])
+    """The stages (parts) one kernel of the products template runs (none: a hoisted prologue)."""
+    return tuple(Stage.from_params(st) for st in spec.param_dict.get("parts", ()))
+
+
+def _programs_of(spec: KernelSpec) -> list[tuple[Program, tuple, tuple]]:
+    """(program, its sources, its destinations) of each program a kernel of the products template runs."""
+    p = spec.param_dict
+    if "parts" not in p:
+        return [(Program.from_params(p["program"]), p["sources"], p["dests"])]
+    return [program for st in stages_of(spec) for program in
+            ((st.prologue, st.prologue_from, st.prologue_to), (st.epilogue, st.epilogue_from, st.epilogue_to))]
 
 
 def part_slots(parts: Sequence[Stage], what: str, q: int) -> range:
@@ -216,10 +225,34 @@ def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kin
     return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(0)
 
 
-def _tokens(stage: Stage, tensors: list[torch.Tensor]) -> int:
-    """The call's tokens: the rows of the first stage's row input."""
-    return next(tensors[s[1]].shape[0] for s, (kind, _) in zip(stage.prologue_from, stage.prologue.inputs, strict=True)
+def _tokens(sources: Sequence[tuple], program: Program, tensors: list[torch.Tensor]) -> int:
+    """The call's tokens: the rows of a program's first row argument."""
+    return next(tensors[s[1]].shape[0] for s, (kind, _) in zip(sources, program.inputs, strict=True)
                 if s[0] == "arg" and kind == "row")
+
+
+def _hoisted(parts: Sequence[Stage], temps: list[tuple[int, str]]) -> tuple[Program, tuple, list[Stage]] | str:
+    """The parts' shared prologue as a rowwise program of its own, and the parts reading what it
+    wrote as they are: its activation and the statistics the epilogues keep go to new
+    intermediates (appended to ``temps``), so the GEMM main loop can take a prologue that
+    computes (a norm) at the cost of one more kernel; or why the rowwise kernel cannot run it."""
+    head = parts[0]
+    pro = head.prologue
+    if len(pro.inputs) > MAX_INPUTS or len(pro.outputs) > MAX_OUTPUTS:
+        return f"a prologue of {len(pro.inputs)} inputs and {len(pro.outputs)} outputs (the rowwise kernel's limits)"
+    dests, kept = [], {}
+    for j, dest in enumerate(head.prologue_to):
+        if dest[0] in ("product", "keep"):
+            kept[j] = len(temps)
+            temps.append((head.k, "bf16") if dest[0] == "product" else (1, pro.outputs[j][1]))
+            dests.append(("temp", kept[j]))
+        else:
+            dests.append(dest)
+    plain = Program(head.k, (("row", "bf16"),), (), ((0, "bf16", 2),))  # reads the activation as it is
+    return pro, tuple(dests), [
+        Stage(plain, (("temp", kept[0]),), (("product",),), st.weights, st.epilogue,
+              tuple(("temp", kept[src[1]]) if src[0] == "pro" else src for src in st.epilogue_from), st.epilogue_to,
+              st.weight_dtype) for st in parts]
 
 
 def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
@@ -229,7 +262,8 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
     if not isinstance(products, Products):
         return "no matrix products (the rowwise kernel)"
     tensors = _tensors(args)
-    tokens = _tokens(products.stages[0], tensors)
+    first = products.stages[0]
+    tokens = _tokens(first.prologue_from, first.prologue, tensors)
     if not 1 <= tokens <= MAX_TOKENS:
         return f"{tokens} tokens outside 1..{MAX_TOKENS}"
     checked = []  # each stage's (prologue row strides, epilogue row strides)
@@ -252,24 +286,53 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
         if any(s % VEC for s in pro_strides):
             return f"stage {i}: a prologue row's stride is not whole 128-bit vectors"
         checked.append((tuple(pro_strides), tuple(_row_stride(s, tensors, products, kind) for s, kind in epi_args)))
-    specs = []
+    temps = list(products.temps)
+    made = []  # (module, parts, plumbing, shapes, params) of each kernel, made once the intermediates are known
     for run in _parts(products.stages):
         parts = [products.stages[i] for i in run]
-        plumbing = {"parts": tuple(st.to_params() for st in parts), "epi_strides": tuple(checked[i][1] for i in run),
-                    "stage_index": tuple(run), "temps": products.temps, "results": products.results,
-                    "collectives": products.collectives}
-        shapes = {"k": parts[0].k, "n": sum(st.n for st in parts)}
+        epi_strides = tuple(checked[i][1] for i in run)
+        if not is_plain(parts[0]) and tokens >= GEMM_MIN_TOKENS:  # the prologue on a kernel of its own
+            trial = list(temps)
+            hoisted = _hoisted(parts, trial)
+            if not isinstance(hoisted, str) and not isinstance(_gemm_tiling(hoisted[2], tokens, arch), str) and \
+                    sum(src[0] in READ for st in hoisted[2] for src in st.epilogue_from) <= \
+                    PRODUCT_SLOTS["epilogue_inputs"]:
+                program, dests, plain = hoisted
+                temps = trial
+                made.append(("rowwise", None, run, {"width": program.width},
+                             {"program": program.to_params(), "vectors": vectors_for(program.width),
+                              "strides": checked[run[0]][0], "sources": parts[0].prologue_from, "dests": dests}))
+                # the kept statistics are epilogue inputs now, [T, 1] intermediates (no row stride)
+                strides = tuple(tuple(0 if old[0] == "pro" else next(it) for new, old in
+                                      zip(st.epilogue_from, was.epilogue_from, strict=True) if new[0] in READ)
+                                for st, was, it in zip(plain, parts, map(iter, epi_strides), strict=True))
+                made.append(("product_gemm", plain, run, {}, {"x_stride": plain[0].k, "epi_strides": strides}))
+                continue
         tiling = _gemm_tiling(parts, tokens, arch)
         if not isinstance(tiling, str):
-            shapes["token_tile"] = tiling.pop("token_tile")
-            specs.append(KernelSpec.make("product_gemm", op, arch, shapes=shapes,
-                                         params={**plumbing, **tiling, "x_stride": checked[run[0]][0][0]}))
+            made.append(("product_gemm", parts, run, {},
+                         {"x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
             continue
         tiling = _tiling(parts, tokens)
         if isinstance(tiling, str):
             return f"stage{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}: {tiling}"
-        specs.append(KernelSpec.make("product_gemv", op, arch, shapes={**shapes, "tokens": tokens},
-                                     params={**plumbing, **tiling, "pro_strides": checked[run[0]][0]}))
+        made.append(("product_gemv", parts, run, {"tokens": tokens},
+                     {**tiling, "pro_strides": checked[run[0]][0], "epi_strides": epi_strides}))
+    specs = []
+    for module, parts, run, shapes, params in made:
+        plumbing = {"stage_index": tuple(run), "temps": tuple(temps), "results": products.results,
+                    "collectives": products.collectives}
+        if module == "rowwise":
+            specs.append(KernelSpec.make("product_prologue", op, arch, shapes=shapes, params={**plumbing, **params},
+                                         module="rowwise"))
+            continue
+        shapes = {**shapes, "k": parts[0].k, "n": sum(st.n for st in parts)}
+        params = {**plumbing, "parts": tuple(st.to_params() for st in parts), **params}
+        if module == "product_gemm":
+            tiling = _gemm_tiling(parts, tokens, arch)
+            shapes["token_tile"] = tiling.pop("token_tile")
+            params.update(tiling)
+        specs.append(KernelSpec.make(module, op, arch, shapes=shapes, params=params))
     return tuple(specs)
 
 
@@ -283,7 +346,8 @@ def _product_runtime(args: Sequence[Any]) -> str | None:
 def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     tensors = _tensors(args)
     p0 = specs[0].param_dict
-    tokens, device = _tokens(stages_of(specs[0])[0], tensors), tensors[0].device
+    program, sources, _ = _programs_of(specs[0])[0]
+    tokens, device = _tokens(sources, program, tensors), tensors[0].device
     temps = [torch.empty((tokens, width), dtype=DTYPES[dtype], device=device) for width, dtype in p0["temps"]]
     results: dict[int, torch.Tensor] = {}
 
@@ -297,6 +361,15 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
         return [*xs, *[None] * (size - len(xs))]
 
     for fn, spec in zip(fns, specs, strict=True):
+        if spec.module == "rowwise":  # a prologue hoisted out of its GEMM
+            (program, sources, dests), = _programs_of(spec)
+            kinds = program.kinds
+            ins = [_source(s, tensors, temps, kind, program.width) for s, (kind, _) in
+                   zip(sources, program.inputs, strict=True)]
+            outs = [made(d, kinds[v], program.width, dtype) for d, (v, dtype, _) in
+                    zip(dests, program.outputs, strict=True)]
+            fn(*pad(ins, MAX_INPUTS), *pad(outs, MAX_OUTPUTS))
+            continue
         pins, ws, eins, qs, ys = [], [], [], [], []
         for stage in stages_of(spec):
             pro, epi = stage.prologue, stage.epilogue
@@ -326,11 +399,10 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
 def _result_dims(specs: tuple[KernelSpec, ...]) -> dict[int, int]:
     """How many dims each result has (a statistic the reference returns as [T] has 1)."""
     dims = {}
-    for stage in (st for spec in specs for st in stages_of(spec)):
-        for program, dests in ((stage.prologue, stage.prologue_to), (stage.epilogue, stage.epilogue_to)):
-            for (_, _, d), dest in zip(program.outputs, dests, strict=True):
-                if dest[0] == "result":
-                    dims[dest[1]] = d
+    for program, _, dests in (program for spec in specs for program in _programs_of(spec)):
+        for (_, _, d), dest in zip(program.outputs, dests, strict=True):
+            if dest[0] == "result":
+                dims[dest[1]] = d
     return dims
 
 
