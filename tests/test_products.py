@@ -16,7 +16,7 @@ import torch
 
 from codegen.lowered import LoweringError, Products, Program, Stage, interpret_products
 from codegen.spec import KernelSpec
-from conftest import rel_err
+from conftest import needs_cutedsl, rel_err
 from rewriter.compiler.lowering import lower
 from rewriter.model.layers.common import rms_norm, silu_and_mul, situ_and_mul
 
@@ -211,6 +211,28 @@ def test_random_products_lower_to_what_the_reference_computes(seed):
     assert all(s.epilogue.reductions == 0 for s in products.stages)
     _weights_are_bf16_rows(products, args)
     _check(products, fn, args, seed)
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("seed", range(0, 40, 5))
+def test_random_products_compile_with_their_main_loops_ptx(kcache, arch, seed):
+    """A sample of the corpus, compiled: the GEMV's streamed loads at one token, the GEMM's
+    cp.async ring and MMA from two (where a stage reads its activation as it is), PDL, no local
+    memory (a spill)."""
+    from codegen.compiler import compile_kernel
+    from codegen.launchers.generated import product_specs
+
+    fn, args, _ = random_products(seed)
+    products = lower(fn, args)
+    specs = product_specs("k3f::corpus", arch, products, [a for a in args if isinstance(a, torch.Tensor)])
+    assert not isinstance(specs, str), specs
+    promised = {"product_gemv": "ld.global.L1::no_allocate.L2::256B.v4",
+                "product_gemm": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "rowwise": "ld.global.v4"}
+    for spec in specs:
+        ptx = compile_kernel(spec, cache=kcache).ptx
+        assert promised[spec.module] in ptx and "griddepcontrol.wait" in ptx, (seed, spec.module)
+        assert "ld.local" not in ptx and "st.local" not in ptx, (seed, spec.label())
 
 
 def test_the_corpus_covers_its_shapes():

@@ -185,6 +185,46 @@ def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kca
         assert "ld.local" not in ptx and "st.local" not in ptx
 
 
+@pytest.fixture(scope="module")
+def kimi_k3():
+    from rewriter.compiler.plan import install_host
+    from rewriter.model.config import KimiK3Config
+
+    install_host()
+    return KimiK3Config.load("kimi-k3")
+
+
+# Kimi K3's fused ops the lowering takes, and the layer each is in
+OWN_OPS = {"kda_in_proj": 0, "dense_mlp": 0, "shared_experts": 1, "router_down": 1, "mla_in_proj": 3}
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("tp,batch", [(16, 1), (16, 8), (8, 64)])
+@pytest.mark.parametrize("op", sorted(OWN_OPS))
+def test_kimi_k3s_own_fused_ops_generate_kernels_at_their_served_shapes(kcache, kimi_k3, op, tp, batch, arch):
+    """The fused ops of the built-in rules, lowered from their references at the rewritten
+    layer's shapes: one kernel for all of an input projection's widths (its parts), the
+    router's two projections in one, the MLPs' two stages; every kernel compiles with its main
+    loop's instructions and no local memory."""
+    from codegen.compiler import compile_kernel
+    from codegen.launchers.generated import PRODUCTS
+    from rewriter.commands.bench_ops import _fused_calls
+
+    (name, fake), = _fused_calls(kimi_k3, OWN_OPS[op], tp, batch, arch, [op])
+    specs = PRODUCTS.make_specs(name, arch, fake)
+    assert not isinstance(specs, str), specs
+    kernels = {"kda_in_proj": 1, "mla_in_proj": 1 if tp == 16 else 2, "router_down": 1, "shared_experts": 2,
+               "dense_mlp": 2}[op]
+    assert len(specs) == kernels, [s.label() for s in specs]
+    for spec in specs:
+        assert spec.module == ("product_gemv" if batch == 1 else "product_gemm")
+        ptx = compile_kernel(spec, cache=kcache).ptx
+        for promised in PROMISES[spec.module]:
+            assert promised in ptx, (spec.label(), promised)
+        assert "ld.local" not in ptx and "st.local" not in ptx, spec.label()
+
+
 @on_gpu
 @pytest.mark.parametrize("name", PROBES)
 @pytest.mark.parametrize("tokens", [1, 2, 5, 17, 64])

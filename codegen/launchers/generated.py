@@ -261,7 +261,13 @@ def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec,
         return products
     if not isinstance(products, Products):
         return "no matrix products (the rowwise kernel)"
-    tensors = _tensors(args)
+    return product_specs(op, arch, products, _tensors(args))
+
+
+def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Tensor]
+                  ) -> tuple[KernelSpec, ...] | str:
+    """The kernels of ``products`` for a call of ``op`` with these tensor arguments (their shapes
+    and strides: meta tensors do), or why the kernels do not take it."""
     first = products.stages[0]
     tokens = _tokens(first.prologue_from, first.prologue, tensors)
     if not 1 <= tokens <= MAX_TOKENS:
