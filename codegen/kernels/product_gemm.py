@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float32, const_expr, cute
+from cutlass import BFloat16, Float8E4M3FN, Float32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
+from codegen.kernels.common import BITS, VEC
 from codegen.kernels.emit import CUTE_DTYPES, run
 from codegen.kernels.gemm import ACC_VEC, TILE_K, SkinnyGemm
+from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA
 from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
 from codegen.lowered import READ, Stage
 
@@ -51,10 +53,19 @@ class ProductGemm(SkinnyGemm):
         widths = [st.n for st in parts]
         super().__init__(token_tile, parts[0].k, sum(widths), (sum(widths),), rows_per_cta=rows_per_cta,
                          split_k=split_k, stages=stages, token_groups=token_groups, x_stride=x_stride)
-        self.pass_rows = self.threads // 8  # rows one copy pass of the weight tile covers
+        # fp8 weights land in a staging ring of their own (64-byte rows, 16 values a copy) and are
+        # converted into the bf16 tile each thread copied, once resident (exact: E4M3 is in bf16)
+        self.fp8 = parts[0].weight_dtype == "fp8_e4m3"
+        if any(st.weight_dtype != parts[0].weight_dtype for st in parts):
+            raise ValueError("the parts of one kernel read one weight dtype")
+        self.pass_rows = self.threads // (4 if self.fp8 else 8)  # rows one copy pass of the weight tile covers
         if self.tile_out % self.pass_rows:
             raise ValueError(f"{self.products} products of {self.tile_out} rows a CTA: a copy pass covers "
                              f"{self.pass_rows} rows, within one product")
+        self.staged_bytes = stages * rows_per_cta * TILE_K if self.fp8 else 0
+        if self.smem_bytes + self.staged_bytes > GEMM_SMEM_ONE_CTA:
+            raise ValueError(f"{stages} stages with fp8 staging: {self.smem_bytes + self.staged_bytes} bytes of "
+                             f"shared memory, more than the {GEMM_SMEM_ONE_CTA} one CTA may take")
         # each part's tiles, from tile_starts[s]; a part narrower than a tile has one, masked
         self.tiles = tuple(-(-n // self.tile_out) for n in widths)
         self.tile_starts = tuple(sum(self.tiles[:s]) for s in range(len(parts)))
@@ -114,15 +125,25 @@ class ProductGemm(SkinnyGemm):
         smem = SmemAllocator()
         sW, sX, sP = self.ring(smem, sW_layout, sX_layout)
         thr_g2s = tiled_g2s.get_slice(tidx)
+        w_copy, thr_w, sLand, on_tile = tiled_g2s, thr_g2s, sW, None
+        if const_expr(self.fp8):
+            w_copy, cvt, sLand = self.fp8_staging(smem)
+            thr_w = w_copy.get_slice(tidx)
+            tS8 = thr_w.partition_D(sLand)
+            tCvt = cvt.get_slice(tidx).partition_D(sW)
+
+            def on_tile(kt, stage):  # the thread's own copies of tile kt, converted into the bf16 ring
+                for j in cutlass.range_constexpr(self.tile_m // self.pass_rows):
+                    tCvt[None, j, None, stage].store(tS8[None, j, None, stage].load().to(Float32).to(BFloat16))
         tWgWs = []
         for s in cutlass.range_constexpr(len(self.parts)):
             for w in part_slots(self.parts, "weights", s):
                 g = cute.local_tile(cute.domain_offset((row0, k0), weights[w]), (TO, TILE_K), (0, None))
-                tWgWs.append(thr_g2s.partition_S(cute.make_tensor(g.iterator.align(16), g.layout)))
+                tWgWs.append(thr_w.partition_S(cute.make_tensor(g.iterator.align(16), g.layout)))
         # which of this thread's rows of a product's tile each copy pass holds (a narrow part's mask)
-        tWcW = thr_g2s.partition_S(cute.local_tile(cute.make_identity_tensor((TO, NK * TILE_K)), (TO, TILE_K),
-                                                   (0, None)))
-        loads = (tiled_g2s, tWgWs, thr_g2s.partition_D(sW), tWcW, part)
+        tWcW = thr_w.partition_S(cute.local_tile(cute.make_identity_tensor((TO, NK * TILE_K)), (TO, TILE_K),
+                                                 (0, None)))
+        loads = (w_copy, tWgWs, thr_w.partition_D(sLand), tWcW, part)
         gX = cute.local_tile(cute.domain_offset((0, k0), mX), (self.tile_n, TILE_K), (0, None))
         gX = cute.make_tensor(gX.iterator.align(16), gX.layout)
         cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.tile_n, TILE_K), (0, None))
@@ -131,7 +152,7 @@ class ProductGemm(SkinnyGemm):
 
         def after_wait():
             return self.load_epilogue_inputs(eins, part, tidx, rank, row0, tokens)
-        rEpi = self.multiply(tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sW, sX, sP, tiled_mma, after_wait, None)
+        rEpi = self.multiply(tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sW, sX, sP, tiled_mma, after_wait, on_tile)
         if const_expr(C > 1):
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -145,6 +166,19 @@ class ProductGemm(SkinnyGemm):
             # peers may still be reading this CTA's partials (gemm.py: why relaxed)
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
+
+    def fp8_staging(self, smem):
+        """(the fp8 weight copy: 16 values a thread and pass, 4 threads a 64-byte row; the same
+        threads' bf16 view of the ring, for the conversion; the staging ring, rows contiguous)."""
+        thr = cute.make_layout((self.threads // 4, 4), stride=(4, 1))
+        w_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                Float8E4M3FN, num_bits_per_copy=BITS), thr, cute.make_layout((1, 2 * VEC)))
+        cvt = cute.make_tiled_copy_tv(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16,
+                                                          num_bits_per_copy=BITS), thr, cute.make_layout((1, 2 * VEC)))
+        staged = smem.allocate_tensor(Float8E4M3FN, cute.make_layout(
+            (self.tile_m, TILE_K, self.stages), stride=(TILE_K, 1, self.tile_m * TILE_K)), byte_alignment=128)
+        return w_copy, cvt, staged
 
     @cute.jit
     def load_w(self, loads, kt, stage):
@@ -252,7 +286,8 @@ def build(spec) -> tuple[ProductGemm, tuple]:
     ws, eins, ys = [], [], []
     for st, args, strides in zip(parts, kernel.epi_args, kernel.epi_strides, strict=True):
         epi, kinds = st.epilogue, st.epilogue.kinds
-        ws += [make_fake_tensor(BFloat16, (st.n, st.k), (st.k, 1), assumed_align=16) for _ in st.weights]
+        ws += [make_fake_tensor(CUTE_DTYPES[st.weight_dtype], (st.n, st.k), (st.k, 1), assumed_align=16)
+               for _ in st.weights]
         eins += [tensor(*epi.inputs[i], st.n, stride, st.epilogue_from[i]) for i, stride in zip(args, strides,
                                                                                               strict=True)]
         ys += [tensor(kinds[v], dtype, st.n, st.n) for v, dtype, _ in epi.outputs]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from codegen.host import host
-from codegen.launchers.gemm_specs import GEMM_ROWS_PER_CTA, GEMM_TILE_K, gemm_tiling
+from codegen.launchers.gemm_specs import GEMM_ROWS_PER_CTA, GEMM_SMEM_ONE_CTA, GEMM_TILE_K, gemm_tiling, stage_bytes
 from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
 from codegen.lowered import DTYPES, READ, Products, Program, Stage
 from codegen.spec import KernelSpec
@@ -118,8 +118,6 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str) -> dict[str, An
         return f"{tokens} token: the GEMV main loop"
     if not all(is_plain(st) for st in parts):
         return "the prologue computes (the GEMM multiplies its activation as it is read)"
-    if parts[0].weight_dtype != "bf16":
-        return f"{parts[0].weight_dtype} weights: the GEMV main loop (the GEMM's MMA multiplies bf16 by bf16)"
     if products not in GEMM_PRODUCTS or any(len(st.weights) != products for st in parts):
         return f"{products} products: a GEMM tile's rows are shared by {', '.join(map(str, GEMM_PRODUCTS))}"
     if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
@@ -128,9 +126,16 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str) -> dict[str, An
         return f"{n} columns: fewer than a tile's {GEMM_ROWS_PER_CTA // 2 // products}"
     tiling = gemm_tiling(tokens, k, n, arch, products=products)
     per_tile = tiling["rows_per_cta"] // products
-    pass_rows = 4 * min(4, tiling["rows_per_cta"] // 16) * tiling["token_groups"]  # threads / 8
+    threads = 32 * min(4, tiling["rows_per_cta"] // 16) * tiling["token_groups"]
+    fp8 = parts[0].weight_dtype == "fp8_e4m3"  # 16 values a copy: 4 threads a row
+    pass_rows = threads // (4 if fp8 else 8)
     if per_tile % pass_rows or n < per_tile:
         return f"{products} products of {per_tile} columns a tile, copied {pass_rows} rows a pass"
+    if fp8:  # the staging ring beside the bf16 one: fewer stages where one CTA's memory asks it
+        ring = stage_bytes(tiling["rows_per_cta"], tiling["token_tile"]) + tiling["rows_per_cta"] * GEMM_TILE_K
+        tiling["stages"] = min(tiling["stages"], GEMM_SMEM_ONE_CTA // ring)
+        if tiling["stages"] < 2:
+            return f"fp8 staging: {ring} bytes a stage, two stages exceed a CTA's shared memory"
     return tiling
 
 
