@@ -65,7 +65,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import BITS, VEC, gated_act
-from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA, norm_bytes
+from codegen.launchers.gemm_specs import GEMM_PARTIAL_PAD, GEMM_SMEM_ONE_CTA, norm_bytes
 
 MAX_TOKENS = 64
 MAX_SEGMENTS = 4
@@ -73,7 +73,7 @@ ROW_WARPS = 4  # along M: each warp of a token group owns rows_per_cta / 4 rows 
 TOKEN_GROUPS = (1, 2)  # warp groups along the tokens: 4 or 8 warps a CTA
 MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16: bf16 A (weights, row) x bf16 B (tokens, col) -> fp32
 TILE_K = 64  # K per pipeline stage: 128-byte rows, one XOR-swizzle atom wide
-PAD = 4  # fp32 partial tile: column stride rows + 4 words keeps the accumulator stores conflict-free
+PAD = GEMM_PARTIAL_PAD  # fp32 partial tile: column stride rows + 4 words keeps the accumulator stores conflict-free
 ACC_VEC = 4  # fp32 partials summed per 128-bit shared::cluster load
 
 

@@ -11,6 +11,7 @@ from codegen.targets import MAX_TOKENS
 
 GEMM_ROWS_PER_CTA = 128
 GEMM_TILE_K = 64  # codegen/kernels/gemm.py: K per pipeline stage
+GEMM_PARTIAL_PAD = 4  # codegen/kernels/gemm.py: fp32 partial tile's column stride is rows + this
 GEMM_SMEM_BUDGET = 110 * 1024  # per CTA: two CTAs fit an SM's 228 KB (sm_90a, sm_100a)
 GEMM_SMEM_ONE_CTA = 227 * 1024  # the most one CTA may take (sm_90a, sm_100a)
 WHOLE_K_MAX_SHARE = 0.55  # grids of at most this share of the SMs hold their whole K in the ring

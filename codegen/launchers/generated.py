@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from codegen.host import host
-from codegen.launchers.gemm_specs import GEMM_ROWS_PER_CTA, GEMM_SMEM_ONE_CTA, GEMM_TILE_K, gemm_tiling, stage_bytes
+from codegen.launchers.gemm_specs import (
+    GEMM_PARTIAL_PAD,
+    GEMM_ROWS_PER_CTA,
+    GEMM_SMEM_ONE_CTA,
+    GEMM_TILE_K,
+    gemm_tiling,
+    stage_bytes,
+)
 from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
 from codegen.lowered import DTYPES, READ, Products, Program, Stage
 from codegen.spec import KernelSpec
@@ -132,10 +139,15 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str) -> dict[str, An
     if per_tile % pass_rows or n < per_tile:
         return f"{products} products of {per_tile} columns a tile, copied {pass_rows} rows a pass"
     if fp8:  # the staging ring beside the bf16 one: fewer stages where one CTA's memory asks it
-        ring = stage_bytes(tiling["rows_per_cta"], tiling["token_tile"]) + tiling["rows_per_cta"] * GEMM_TILE_K
-        tiling["stages"] = min(tiling["stages"], GEMM_SMEM_ONE_CTA // ring)
-        if tiling["stages"] < 2:
-            return f"fp8 staging: {ring} bytes a stage, two stages exceed a CTA's shared memory"
+        rows, tile = tiling["rows_per_cta"], tiling["token_tile"]
+
+        def smem(stages: int) -> int:  # as ProductGemm counts it
+            ring = max(stages * stage_bytes(rows, tile), tile * (rows + GEMM_PARTIAL_PAD) * 4)
+            return ring + stages * rows * GEMM_TILE_K
+        while tiling["stages"] > 2 and smem(tiling["stages"]) > GEMM_SMEM_ONE_CTA:
+            tiling["stages"] -= 1
+        if smem(tiling["stages"]) > GEMM_SMEM_ONE_CTA:
+            return f"fp8 staging: {smem(2)} bytes of shared memory at two stages, more than a CTA may take"
     return tiling
 
 
