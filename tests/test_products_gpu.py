@@ -200,7 +200,7 @@ OWN_OPS = {"kda_in_proj": 0, "dense_mlp": 0, "shared_experts": 1, "router_down":
 
 @needs_cutedsl
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("tp,batch", [(16, 1), (16, 8), (8, 64)])
+@pytest.mark.parametrize("tp,batch", [(16, 1), (8, 1), (16, 8), (8, 64)])
 @pytest.mark.parametrize("op", sorted(OWN_OPS))
 def test_kimi_k3s_own_fused_ops_generate_kernels_at_their_served_shapes(kcache, kimi_k3, op, tp, batch, arch):
     """The fused ops of the built-in rules, lowered from their references at the rewritten

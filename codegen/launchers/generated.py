@@ -209,7 +209,11 @@ def _tiling(parts: Sequence[Stage], tokens: int) -> dict[str, Any] | str:
         if k * 2 > STAGED_BYTES:
             return f"K {k}: a token's staged activation exceeds {STAGED_BYTES // 1024} KB of shared memory"
     vec = -(-k // 256)  # vectors a lane of one warp (the last lanes' past the end where 256 does not divide K)
-    tiling = skinny_gemv_tiling(chunk, vec * 256, n * products, norm=not is_plain(stage))
+    # the tiling of the next K (in whole 256-wide steps) whose slices divide it: the kernel reads
+    # ragged slices (a prime 17 steps, TP 8's dense down projection, as 18 in 3 slices of 6)
+    tiling = next((t for t in (skinny_gemv_tiling(chunk, (vec + pad) * 256, n * products, norm=not is_plain(stage))
+                               for pad in range(4)) if not isinstance(t, str)),
+                  skinny_gemv_tiling(chunk, vec * 256, n * products, norm=not is_plain(stage)))
     if isinstance(tiling, str):
         return tiling
     cols = tiling["rows_per_warp"] if products == 1 else 1
