@@ -44,6 +44,16 @@ def test_the_table_gives_the_ratio_and_the_kernels():
     assert "hand-written us" not in render([row], "H100", head=False)
 
 
+@pytest.mark.parametrize("argv,named", [(["--layers", "93"], "--layers 93: the model has layers 0..92"),
+                                        (["--tp", "0"], "--tp 0"), (["--batch", "65"], "--batch 65: decode batches"),
+                                        (["--reps", "0"], "--reps 0"),
+                                        (["--ops", "shared_expert"], "--ops shared_expert: not a fused op")])
+def test_bad_arguments_get_one_line_before_any_gpu_work(capsys, argv, named):
+    assert main(["bench-ops", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1, err
+
+
 def test_without_a_gpu_it_says_so(capsys):
     import torch
 

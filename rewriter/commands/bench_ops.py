@@ -151,21 +151,42 @@ def render(rows: list[OpRow], device: str, head: bool = True) -> str:
     return "\n".join(lines)
 
 
+def _check_args(args: argparse.Namespace, cfg) -> None:
+    """One line naming what is wrong, before any GPU work."""
+    from codegen.targets import MAX_TOKENS
+    from codegen.templates import TEMPLATES
+
+    for layer in args.layers:
+        if not 0 <= layer < cfg.num_hidden_layers:
+            raise ShapeError(f"--layers {layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    for tp in args.tp:
+        if tp < 1:
+            raise ShapeError(f"--tp {tp}: a TP size is a positive number of ranks")
+    for batch in args.batch:
+        if not 1 <= batch <= MAX_TOKENS:
+            raise ShapeError(f"--batch {batch}: decode batches are 1..{MAX_TOKENS}")
+    if args.reps < 1:
+        raise ShapeError(f"--reps {args.reps}: at least one timed replay")
+    known = sorted({op.split("::")[1] for t in TEMPLATES.values() for op in t.ops})
+    for op in args.ops or ():
+        if op not in known:
+            raise ShapeError(f"--ops {op}: not a fused op with a hand-written template; those are {', '.join(known)}")
+
+
 def run_bench_ops(args: argparse.Namespace) -> int:
+    from rewriter.model.config import KimiK3Config
+
+    cfg = KimiK3Config.load(args.model)
+    _check_args(args, cfg)
     if not torch.cuda.is_available():
         raise ShapeError("bench-ops needs a CUDA GPU (inspect and compile run without one)")
     from codegen.bind import device_arch
     from rewriter.compiler.plan import install_kernels
-    from rewriter.model.config import KimiK3Config
     from rewriter.model.ops import collectives_excluded
 
     arch = device_arch()
     if arch is None:
         raise ShapeError(f"no CuTe DSL target for this GPU (capability {torch.cuda.get_device_capability()})")
-    cfg = KimiK3Config.load(args.model)
-    for layer in args.layers:
-        if not 0 <= layer < cfg.num_hidden_layers:
-            raise ShapeError(f"--layers {layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
     install_kernels(arch)
     device = torch.cuda.get_device_name()
     tbps, _ = bench_cmd.floor_bandwidth(device, args.hbm_tbps, bench_cmd.measured_copy_tbps)
