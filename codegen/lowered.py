@@ -259,6 +259,24 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Tail:
+    """A program over rows of an intermediate once a collective has run on it (o_proj's partial
+    sums all-reduced, then its residual add and norm): its inputs read from ``sources`` and its
+    outputs written to ``dests``, as a stage's programs are."""
+    program: Program
+    sources: tuple[tuple, ...]
+    dests: tuple[tuple, ...]
+
+    def to_params(self) -> tuple:
+        return (self.program.to_params(), self.sources, self.dests)
+
+    @classmethod
+    def from_params(cls, p: Sequence) -> Tail:
+        program, sources, dests = p
+        return cls(Program.from_params(program), tuple(tuple(x) for x in sources), tuple(tuple(x) for x in dests))
+
+
+@dataclass(frozen=True)
 class Products:
     """A fused op made of matrix products with pointwise work around them: its stages, run in
     order (one kernel each), the intermediates between them ([T, width] in a dtype) and how many
@@ -270,15 +288,21 @@ class Products:
     # (``k3.all_reduce``: summed over the group's ranks; ``k3.gather_last_dim``: the ranks' results
     # side by side), run by the host once the stages have run, in this order
     collectives: tuple[tuple[int, str, str, int], ...] = ()
+    # (intermediate, collective, group, ranks): a collective inside the op, on an intermediate the
+    # stages wrote, run by the host after them; the tails then read it
+    between: tuple[tuple[int, str, str, int], ...] = ()
+    tails: tuple[Tail, ...] = ()
 
     def to_params(self) -> tuple:
-        return (tuple(s.to_params() for s in self.stages), self.temps, self.results, self.collectives)
+        return (tuple(s.to_params() for s in self.stages), self.temps, self.results, self.collectives, self.between,
+                tuple(t.to_params() for t in self.tails))
 
     @classmethod
     def from_params(cls, p: Sequence) -> Products:
-        stages, temps, results, *collectives = p
+        stages, temps, results, collectives, between, tails = p
         return cls(tuple(Stage.from_params(s) for s in stages), tuple(tuple(t) for t in temps), int(results),
-                   tuple(tuple(c) for c in (collectives[0] if collectives else ())))
+                   tuple(tuple(c) for c in collectives), tuple(tuple(c) for c in between),
+                   tuple(Tail.from_params(t) for t in tails))
 
 
 def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -317,5 +341,9 @@ def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list
         epi_in = [source(s, stage.epilogue, kind, acc, pro_stats)
                   for s, (kind, _) in zip(stage.epilogue_from, stage.epilogue.inputs, strict=True)]
         for dest, value in zip(stage.epilogue_to, interpret(stage.epilogue, epi_in), strict=True):
+            place(dest, value)
+    for tail in products.tails:  # after the collectives between (on one rank, each the identity)
+        ins = [source(s, tail.program, kind) for s, (kind, _) in zip(tail.sources, tail.program.inputs, strict=True)]
+        for dest, value in zip(tail.dests, interpret(tail.program, ins), strict=True):
             place(dest, value)
     return [results[r] for r in range(products.results)]

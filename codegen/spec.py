@@ -19,7 +19,8 @@ from codegen.targets import ARCHES
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 # left out of labels: tiling, and a generated kernel's program and its plumbing (its op names the computation)
 _QUIET = {"eps", "rows_per_warp", "warps_per_cta", "unroll", "stream_weights", "pipeline", "program", "stage",
-          "temps", "results", "collectives", "pro_strides", "epi_strides", "parts", "sources", "dests", "strides"}
+          "temps", "results", "collectives", "pro_strides", "epi_strides", "parts", "sources", "dests", "strides",
+          "before"}
 
 
 class SpecError(ValueError):

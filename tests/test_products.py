@@ -578,7 +578,7 @@ def test_the_generated_rule_example_is_served_by_generated_kernels():
 
 def test_a_result_all_reduced_last_is_the_hosts_collective():
     """The dense MLP's reference ends in ``k3.all_reduce``: the stages compute the partial, and
-    the result is marked for the host's all-reduce; one in the middle is refused by name."""
+    the result is marked for the host's all-reduce; one before a product is refused by name."""
     gen = torch.Generator().manual_seed(11)
     x, gu, down = _rand((3, 256), BF16, gen), _weight(2 * 64, 256, gen), _weight(256, 64, gen)
 
@@ -590,10 +590,54 @@ def test_a_result_all_reduced_last_is_the_hosts_collective():
     assert Products.from_params(products.to_params()) == products
     (got,) = interpret_products(products, [x, gu, down])
     assert rel_err(got, F.linear(silu_and_mul(F.linear(x, gu)), down)) < 1e-2
-    with pytest.raises(LoweringError, match=r"k3\.all_reduce\.default \(node all_reduce\) is a collective inside "
-                                            r"the op"):
+    with pytest.raises(LoweringError, match="a product after the all-reduce all_reduce"):
         lower(lambda x, gu, down: F.linear(torch.ops.k3.all_reduce(F.linear(x, gu), "tp", 4)[:, :64], down),
               [x, gu, down])
+
+
+def _o_proj_residual_norm(o, w, r, nw):
+    """o_proj's partial sums all-reduced, then the residual add and the norm (TP 4)."""
+    h = torch.ops.k3.all_reduce(F.linear(o, w), "tp", 4) + r
+    return rms_norm(h, nw, EPS), h
+
+
+def test_an_all_reduce_inside_the_op_is_the_hosts_and_a_tail_program_follows_it():
+    """The stages write the all-reduce's input to an intermediate, the host all-reduces it, and a
+    tail program (the rowwise kernel) computes the residual add and the norm from it."""
+    from codegen.launchers.generated import product_specs
+    from rewriter.model.ops import collectives_excluded
+
+    gen = torch.Generator().manual_seed(16)
+    args = [_rand((5, 512), BF16, gen), _weight(256, 512, gen), _rand((5, 256), BF16, gen),
+            _rand((256,), BF16, gen, positive=True)]
+    products = lower(_o_proj_residual_norm, args)
+    (stage,) = products.stages
+    assert stage.epilogue_to == (("temp", 0),) and products.temps == ((256, "bf16"),)
+    assert products.between == ((0, "all_reduce", "tp", 4),) and len(products.tails) == 1
+    assert products.tails[0].dests == (("result", 0), ("result", 1))
+    assert ("temp", 0) in products.tails[0].sources
+    assert Products.from_params(products.to_params()) == products
+    with collectives_excluded():  # one rank's view: the all-reduce is the identity
+        _check(products, _o_proj_residual_norm, args)
+    specs = product_specs("k3f::probe", "sm_90a", products, args)
+    assert [s.module for s in specs] == ["product_gemm", "rowwise"]
+    assert specs[1].param_dict["before"] == ((0, "all_reduce", "tp", 4),)
+
+
+@pytest.mark.parametrize("fn,named", [
+    (lambda x, w, w2: F.linear(torch.ops.k3.all_reduce(F.linear(x, w), "tp", 4), w2),
+     "a product after the all-reduce"),
+    (lambda x, w, w2: (torch.ops.k3.all_reduce(F.linear(x, w), "tp", 4).float() + F.linear(x, w).float()).to(BF16),
+     "computed before the all-reduce, is read after it"),
+    (lambda x, w, w2: torch.ops.k3.all_reduce(torch.ops.k3.all_reduce(F.linear(x, w), "tp", 4) * 2, "tp", 2) * 3,
+     "is a collective inside the op"),
+    (lambda x, w, w2: F.linear(torch.ops.k3.all_reduce(x, "tp", 4), w), "comes before any product"),
+])
+def test_what_a_collective_inside_cannot_be_is_refused_by_name(fn, named):
+    gen = torch.Generator().manual_seed(17)
+    args = [_rand((3, 256), BF16, gen), _weight(256, 256, gen), _weight(128, 256, gen)]
+    with pytest.raises(LoweringError, match=named):
+        lower(fn, args)
 
 
 def test_results_gathered_last_are_the_hosts_collectives():

@@ -91,6 +91,14 @@ def _fp8_per_tensor(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, r: to
     return F.linear(x, w.to(torch.bfloat16)) * scale + r
 
 
+@fused_op("products_probe_o_proj_residual_norm")
+def _o_proj_residual_norm(o: torch.Tensor, w: torch.Tensor, r: torch.Tensor, nw: torch.Tensor) -> list[torch.Tensor]:
+    """o_proj's partial sums all-reduced (one rank here), then the residual add and the norm: a
+    tail program after the collective."""
+    h = torch.ops.k3.all_reduce(F.linear(o, w), "tp", 1) + r
+    return [rms_norm(h, nw, 1e-5), h]
+
+
 def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
     def t(*shape, dtype=torch.bfloat16, positive=False):
         if device == "meta":
@@ -109,6 +117,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
         if name == "fp8_per_channel":
             return (t(tokens, 2048), w, t(1536, 1, dtype=torch.float32, positive=True) * 0.02)
         return (t(tokens, 2048), w, t(1, dtype=torch.float32, positive=True) * 0.02, t(tokens, 1536))
+    if name == "o_proj_residual_norm":
+        return (t(tokens, 2048), t(1024, 2048), t(tokens, 1024), t(1024, positive=True))
     if name == "router":
         return (t(tokens, 1024), t(56, 1024), t(224, 1024))
     if name == "projections":
@@ -121,7 +131,7 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 
 PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced", "projections",
-          "two_weights", "router", "fp8_per_channel", "fp8_per_tensor"]
+          "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm"]
 STAGES = {"mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
@@ -137,8 +147,9 @@ def test_every_probe_takes_the_generated_product_template(name, tokens):
     assert tpl is not None and tpl.kernel == "products", specs
     module = "product_gemv" if tokens == 1 else "product_gemm"
     hoisted = ["rowwise"] if tokens > 1 and name in COMPUTED_PROLOGUE else []
-    assert [s.module for s in specs] == (hoisted + [module]) * STAGES.get(name, 1)
-    assert len(stages_of(specs[-1])) == PARTS.get(name, 1)
+    tail = ["rowwise"] if name == "o_proj_residual_norm" else []  # the residual add and norm after the all-reduce
+    assert [s.module for s in specs] == (hoisted + [module]) * STAGES.get(name, 1) + tail
+    assert len(stages_of(specs[-1 - len(tail)])) == PARTS.get(name, 1)
 
 
 @pytest.mark.parametrize("name", PROBES)
@@ -168,7 +179,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
 @pytest.mark.parametrize("name,tokens", [("norm_proj_res", 1), ("mlp", 1), ("mlp", 8), ("scaled_two_outputs", 64),
                                          ("add_norm_proj", 5), ("situ_mlp", 17), ("projections", 1),
                                          ("projections", 8), ("two_weights", 1), ("two_weights", 64),
-                                         ("fp8_per_channel", 8), ("fp8_per_tensor", 1)])
+                                         ("fp8_per_channel", 8), ("fp8_per_tensor", 1),
+                                         ("o_proj_residual_norm", 8)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill)."""
     from codegen.compiler import compile_kernel

@@ -360,6 +360,22 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             shapes["token_tile"] = tiling.pop("token_tile")
             params.update(tiling)
         specs.append(KernelSpec.make(module, op, arch, shapes=shapes, params=params))
+    for i, tail in enumerate(products.tails):  # after the collective inside the op, on the rowwise kernel
+        program = tail.program
+        if program.width % VEC or len(program.inputs) > MAX_INPUTS or len(program.outputs) > MAX_OUTPUTS:
+            return (f"the program after the all-reduce: {program.width} columns, {len(program.inputs)} inputs, "
+                    f"{len(program.outputs)} outputs (the rowwise kernel: whole 128-bit vectors, at most "
+                    f"{MAX_INPUTS} and {MAX_OUTPUTS})")
+        strides = tuple(program.width if s[0] == "temp" else _row_stride(s, tensors, products, kind)
+                        for s, (kind, _) in zip(tail.sources, program.inputs, strict=True))
+        if any(s % VEC for s in strides):
+            return "a row after the all-reduce is read at a stride that is not whole 128-bit vectors"
+        specs.append(KernelSpec.make("product_tail", op, arch, shapes={"width": program.width}, module="rowwise",
+                                     params={"stage_index": (len(products.stages) + i,), "temps": tuple(temps),
+                                             "results": products.results, "collectives": products.collectives,
+                                             "program": program.to_params(), "vectors": vectors_for(program.width),
+                                             "strides": strides, "sources": tail.sources, "dests": tail.dests,
+                                             "before": products.between if i == 0 else ()}))
     return tuple(specs)
 
 
@@ -388,7 +404,10 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
         return [*xs, *[None] * (size - len(xs))]
 
     for fn, spec in zip(fns, specs, strict=True):
-        if spec.module == "rowwise":  # a prologue hoisted out of its GEMM
+        if spec.module == "rowwise":  # a prologue hoisted out of its GEMM, or a tail after a collective
+            for k, collective, group, ranks in spec.param_dict.get("before", ()):
+                if host().collective_runs(ranks):
+                    temps[k] = getattr(host(), collective)(temps[k], group, ranks)
             (program, sources, dests), = _programs_of(spec)
             kinds = program.kinds
             ins = [_source(s, tensors, temps, kind, program.width) for s, (kind, _) in

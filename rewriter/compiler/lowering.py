@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from codegen.lowered import LoweringError, Products, Program
-from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, Builder, kind_of
+from codegen.lowered import LoweringError, Products, Program, Tail
+from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, Builder, columns, kind_of
 from rewriter.compiler.products import PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
 
 # collectives a result may end with: the host runs them after the stages (codegen.lowered.Products)
-COLLECTIVES = {torch.ops.k3.all_reduce.default: "all_reduce", torch.ops.k3.gather_last_dim.default: "gather_last_dim"}
+ALL_REDUCE = torch.ops.k3.all_reduce.default
+COLLECTIVES = {ALL_REDUCE: "all_reduce", torch.ops.k3.gather_last_dim.default: "gather_last_dim"}
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[torch.Tensor]]:
@@ -66,12 +67,15 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
             r = r.args[0]
         results[i] = r
         collectives += reversed(ends)  # the innermost runs first
+    inner = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES and n not in last]
     for node in gm.graph.nodes:  # what the reference computes decides first, then the shapes it takes
         if node.op != "call_function" or node.target in POINTWISE or node.target in PRODUCT_OPS or node in last:
             continue
-        if node.target in COLLECTIVES:
+        if node.target in COLLECTIVES and (len(inner) > 1 or node.target is not ALL_REDUCE):
             raise LoweringError(f"{node.target} (node {node.name}) is a collective inside the op: the generated "
-                                "kernels run a collective only on a result, after them")
+                                "kernels run one all-reduce inside an op, and collectives on results after them")
+        if node.target in COLLECTIVES:
+            continue
         raise LoweringError(f"{node.target} (node {node.name}) has no lowering: the programs take pointwise "
                             "arithmetic, activations, casts, reductions over a token's row and matrix products "
                             "by weights (docs/CODEGEN.md)")
@@ -80,6 +84,8 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
         if not isinstance(r, fx.Node):
             raise LoweringError(f"the reference returns {r!r}, which is not a computed value")
     args_of = {n: i for i, n in enumerate(placeholders)}
+    if inner:
+        return _with_tail(gm, tensors, args_of, results, inner[0], tuple(collectives))
     if any(n.op == "call_function" and n.target is torch.ops.aten.mm.default for n in gm.graph.nodes):
         products = lower_products(gm, args_of, results)
         return dataclasses.replace(products, collectives=tuple(collectives))
@@ -87,6 +93,70 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
         raise LoweringError(f"{collectives[0][1]} of a result without matrix products: the rowwise kernel runs no "
                             "collective")
     return _lower_rows(gm, tensors, args_of, results)
+
+
+def _downstream(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += list(n.users)
+    return seen
+
+
+def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx.Node, int], results: list[fx.Node],
+               collective: fx.Node, on_results: tuple) -> Products:
+    """An op with an all-reduce inside (o_proj's partial sums, then its residual add and norm):
+    the stages compute the all-reduce's input into an intermediate, the host all-reduces it, and
+    a tail program (the rowwise kernel) computes what follows, which holds no product."""
+    after = _downstream(collective)
+    computed = set().union(*(_downstream(n) for n in gm.graph.nodes
+                             if n.op == "call_function" and n.target is torch.ops.aten.mm.default))
+    partial = collective.args[0]
+    if partial not in computed:
+        raise LoweringError(f"the all-reduce {collective.name} comes before any product: the generated kernels "
+                            "all-reduce what their products computed")
+    if any(n.target in PRODUCT_OPS for n in after if n.op == "call_function"):
+        raise LoweringError(f"a product after the all-reduce {collective.name}: the generated kernels take pointwise "
+                            "work after a collective inside an op (a residual add, a norm)")
+    head = [(i, r) for i, r in enumerate(results) if r not in after]
+    products = lower_products(gm, args_of, [r for _, r in head] + [partial])
+    width, dtype = columns(collective), DTYPE_NAMES.get(collective.meta["val"].dtype)
+    temp = len(products.temps)
+
+    def placed(dest: tuple) -> tuple:  # the head's results to the op's numbering, the partial to the intermediate
+        if dest[0] != "result":
+            return dest
+        return ("temp", temp) if dest[1] == len(head) else ("result", head[dest[1]][0])
+    stages = tuple(dataclasses.replace(st, prologue_to=tuple(map(placed, st.prologue_to)),
+                                       epilogue_to=tuple(map(placed, st.epilogue_to))) for st in products.stages)
+    tokens = collective.meta["val"].shape[0]
+
+    def resolve(b: Builder, node: fx.Node, c0: int):
+        if node is collective:
+            return b.input("row", dtype, ("temp", temp))
+        if node in args_of:
+            t = tensors[args_of[node]]
+            kind = kind_of(tuple(t.shape), tokens, width, c0)
+            if kind is None or DTYPE_NAMES.get(t.dtype) is None:
+                raise LoweringError(f"argument {node.name} of shape {tuple(t.shape)} after the all-reduce: rows, "
+                                    f"statistics and columns of {width}")
+            return b.input(kind, DTYPE_NAMES[t.dtype], ("arg", args_of[node], c0 if kind != "stat" else 0))
+        if node in computed and node not in after:
+            raise LoweringError(f"{node.name}, computed before the all-reduce, is read after it: only the "
+                                "all-reduced value crosses it")
+        return None
+
+    b = Builder(tokens, width, resolve)
+    dests = []
+    for i, r in enumerate(results):
+        if r in after:
+            b.output(r)
+            dests.append(("result", i))
+    tail = Tail(b.program(), tuple(b.sources), tuple(dests))
+    return Products(stages, (*products.temps, (width, dtype)), len(results), on_results,
+                    ((temp, "all_reduce", collective.args[1], int(collective.args[2])),), (tail,))
 
 
 def _lower_rows(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx.Node, int],
