@@ -457,17 +457,22 @@ class SkinnyGemm:
                 w = cute.make_tensor(w.iterator, cute.make_layout(xs.shape)).load()  # the x vector's (8, 1) shape
                 xs.store((xf * w.to(Float32)).to(BFloat16))
 
+    def store_round(self, tidx, rank, j):
+        """(token, 4-row group inside the CTA's output rows, whether there is one) of this thread's
+        round ``j`` of the epilogue: the rounds walk the (token, group) pairs of the CTA's rank's
+        slice, ``threads`` pairs a round (trace time)."""
+        per_token = self.slice_m // ACC_VEC
+        nvec = per_token * self.tile_n
+        v = tidx + j * self.threads
+        return v // per_token, rank * per_token + v % per_token, True if nvec % self.threads == 0 else v < nvec
+
     @cute.jit
     def load_residual(self, mR, rRes, tidx, rank, row0, tokens):
         """``rRes[e, j]`` = r at the (token, row) of element e of this thread's ``j``-th 4-row group
         in ``reduce_store`` (the same mapping)."""
-        per_token = self.slice_m // ACC_VEC
-        nvec = per_token * self.tile_n
         for j in cutlass.range_constexpr(self.store_rounds):
-            v = tidx + j * self.threads
-            t = v // per_token
-            mv = rank * per_token + v % per_token
-            if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
+            t, mv, live = self.store_round(tidx, rank, j)
+            if live and t < tokens:
                 for e in cutlass.range_constexpr(ACC_VEC):
                     rRes[e, j] = mR[t, row0 + mv * ACC_VEC + e]
 
@@ -479,17 +484,13 @@ class SkinnyGemm:
         output segments; rows below ``first`` (the last tile's overlap) are its neighbour's to
         store. With a second weight the rows are the weight's own (output 1 on W1's tiles),
         those from ``bound`` on not stored. ``rRes``: the residuals (``load_residual``)."""
-        per_token = self.slice_m // ACC_VEC
-        nvec = per_token * self.tile_n
         outs = (mY0, mY1, mY2, mY3)
         up_groups = self.tile_out // ACC_VEC  # 4-row groups from a gate row to its up row
         gate = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
         up = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
         for j in cutlass.range_constexpr(self.store_rounds):
-            v = tidx + j * self.threads
-            t = v // per_token
-            mv = rank * per_token + v % per_token  # 4-row group inside the CTA's output rows
-            if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
+            t, mv, live = self.store_round(tidx, rank, j)
+            if live and t < tokens:
                 rstd = Float32(1.0)
                 if const_expr(self.norm):
                     sq = Float32(0.0)

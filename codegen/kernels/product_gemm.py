@@ -46,7 +46,7 @@ class ProductGemm(SkinnyGemm):
                  token_groups: int, x_stride: int, epi_strides: tuple[tuple[int, ...], ...]):
         if not parts or not all(is_plain(st) for st in parts) or len({(st.k, len(st.weights)) for st in parts}) != 1:
             raise ValueError("the GEMM's parts read one activation as it is, with as many products each (a prologue "
-                             "that computes runs on the GEMV's staged prologue)")
+                             "that computes runs on a rowwise kernel of its own before it)")
         self.parts, self.products = tuple(parts), len(parts[0].weights)
         if rows_per_cta % self.products:
             raise ValueError(f"{self.products} products do not share {rows_per_cta} rows a CTA")
@@ -199,17 +199,13 @@ class ProductGemm(SkinnyGemm):
         """``rEpi[i, e, j]``: the tile's part's epilogue input i at the (token, column) of element e
         of this thread's round j (the mapping of ``epilogue``), in fp32."""
         rEpi = cute.make_rmem_tensor((max(1, *map(len, self.epi_args)), ACC_VEC, self.store_rounds), Float32)
-        per_token = self.slice_m // ACC_VEC
-        nvec = per_token * self.tile_n
         for s in cutlass.range_constexpr(len(self.parts)):
             if const_expr(len(self.epi_args[s]) > 0):
                 if const_expr(len(self.parts) == 1) or part == s:
                     epi, n_part = self.parts[s].epilogue, self.parts[s].n
-                    for j in cutlass.range_constexpr(self.store_rounds):  # as SkinnyGemm.reduce_store
-                        v = tidx + j * self.threads
-                        t = v // per_token
-                        mv = rank * per_token + v % per_token  # 4-column group inside the CTA's columns
-                        if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
+                    for j in cutlass.range_constexpr(self.store_rounds):
+                        t, mv, live = self.store_round(tidx, rank, j)
+                        if live and t < tokens:
                             for i, slot in enumerate(part_slots(self.parts, "inputs", s)):
                                 kind, _ = epi.inputs[self.epi_args[s][i]]
                                 scalar = const_expr(self.parts[s].epilogue_from[self.epi_args[s][i]][0] == "scalar")
@@ -239,13 +235,9 @@ class ProductGemm(SkinnyGemm):
         groups = const_expr(self.tile_out // ACC_VEC)  # 4-row groups from one product's rows to the next's
         outs = [ys[o] for o in part_slots(self.parts, "outputs", s)]
         sums = [cute.make_rmem_tensor((ACC_VEC, 1), Float32) for _ in range(P)]
-        per_token = self.slice_m // ACC_VEC
-        nvec = per_token * self.tile_n
-        for j in cutlass.range_constexpr(self.store_rounds):  # as SkinnyGemm.reduce_store
-            v = tidx + j * self.threads
-            t = v // per_token
-            mv = rank * per_token + v % per_token  # 4-column group inside the CTA's columns
-            if (const_expr(nvec % self.threads == 0) or v < nvec) and t < tokens:
+        for j in cutlass.range_constexpr(self.store_rounds):
+            t, mv, live = self.store_round(tidx, rank, j)
+            if live and t < tokens:
                 for p in cutlass.range_constexpr(P):
                     self.cluster_sum(sP, mv + p * groups, t, sums[p])
                 for e in cutlass.range_constexpr(ACC_VEC):
