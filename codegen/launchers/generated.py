@@ -16,6 +16,7 @@ these after every hand-written template of the op.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +61,17 @@ def vectors_for(width: int) -> int:
     return -(-(width // VEC) // MAX_THREADS)
 
 
+@functools.cache
 def program_of(spec: KernelSpec) -> Program:
+    """The spec's program, parsed once (launches read it at every call)."""
     return Program.from_params(spec.param_dict["program"])
+
+
+@functools.cache
+def _single_tensor(op: str) -> bool:
+    """Whether fused op ``op`` returns one tensor (else a tuple of them)."""
+    returns = getattr(torch.ops.k3f, op.split("::")[-1]).default._schema.returns
+    return len(returns) == 1 and str(returns[0].type) == "Tensor"
 
 
 def _specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
@@ -101,8 +111,7 @@ def _launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
                         device=ins[0].device) for v, dtype, _ in program.outputs]
     fn(*ins, *[None] * (MAX_INPUTS - len(ins)), *outs, *[None] * (MAX_OUTPUTS - len(outs)))
     results = [o.view(-1) if dims == 1 else o for o, (_, _, dims) in zip(outs, program.outputs, strict=True)]
-    returns = getattr(torch.ops.k3f, specs[0].op.split("::")[-1]).default._schema.returns
-    return results[0] if len(returns) == 1 and str(returns[0].type) == "Tensor" else tuple(results)
+    return results[0] if _single_tensor(specs[0].op) else tuple(results)
 
 
 ROWWISE = Template("generated", (), _specs, _runtime, _launch, generated=True,
@@ -172,18 +181,21 @@ def _parts(stages: Sequence[Stage]) -> list[list[int]]:
     return runs
 
 
+@functools.cache
 def stages_of(spec: KernelSpec) -> tuple[Stage, ...]:
-    """The stages (parts) one kernel of the products template runs (none: a hoisted prologue)."""
+    """The stages (parts) one kernel of the products template runs (none: a hoisted prologue or a
+    tail), parsed once."""
     return tuple(Stage.from_params(st) for st in spec.param_dict.get("parts", ()))
 
 
-def _programs_of(spec: KernelSpec) -> list[tuple[Program, tuple, tuple]]:
+@functools.cache
+def _programs_of(spec: KernelSpec) -> tuple[tuple[Program, tuple, tuple], ...]:
     """(program, its sources, its destinations) of each program a kernel of the products template runs."""
     p = spec.param_dict
     if "parts" not in p:
-        return [(Program.from_params(p["program"]), p["sources"], p["dests"])]
-    return [program for st in stages_of(spec) for program in
-            ((st.prologue, st.prologue_from, st.prologue_to), (st.epilogue, st.epilogue_from, st.epilogue_to))]
+        return ((program_of(spec), p["sources"], p["dests"]),)
+    return tuple(program for st in stages_of(spec) for program in
+                 ((st.prologue, st.prologue_from, st.prologue_to), (st.epilogue, st.epilogue_from, st.epilogue_to)))
 
 
 def part_slots(parts: Sequence[Stage], what: str, q: int) -> range:
@@ -314,14 +326,15 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             return f"stage {i}: a prologue row's stride is not whole 128-bit vectors"
         checked.append((tuple(pro_strides), tuple(_row_stride(s, tensors, products, kind) for s, kind in epi_args)))
     temps = list(products.temps)
-    made = []  # (module, parts, plumbing, shapes, params) of each kernel, made once the intermediates are known
+    made = []  # (module, parts, run, shapes, params) of each kernel, made once the intermediates are known
     for run in _parts(products.stages):
         parts = [products.stages[i] for i in run]
         epi_strides = tuple(checked[i][1] for i in run)
         if not is_plain(parts[0]) and tokens >= GEMM_MIN_TOKENS:  # the prologue on a kernel of its own
             trial = list(temps)
             hoisted = _hoisted(parts, trial)
-            if not isinstance(hoisted, str) and not isinstance(_gemm_tiling(hoisted[2], tokens, arch), str) and \
+            tiling = hoisted if isinstance(hoisted, str) else _gemm_tiling(hoisted[2], tokens, arch)
+            if not isinstance(tiling, str) and \
                     sum(src[0] in READ for st in hoisted[2] for src in st.epilogue_from) <= \
                     PRODUCT_SLOTS["epilogue_inputs"]:
                 program, dests, plain = hoisted
@@ -333,12 +346,13 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
                 strides = tuple(tuple(0 if old[0] == "pro" else next(it) for new, old in
                                       zip(st.epilogue_from, was.epilogue_from, strict=True) if new[0] in READ)
                                 for st, was, it in zip(plain, parts, map(iter, epi_strides), strict=True))
-                made.append(("product_gemm", plain, run, {}, {"x_stride": plain[0].k, "epi_strides": strides}))
+                made.append(("product_gemm", plain, run, {"token_tile": tiling.pop("token_tile")},
+                             {**tiling, "x_stride": plain[0].k, "epi_strides": strides}))
                 continue
         tiling = _gemm_tiling(parts, tokens, arch)
         if not isinstance(tiling, str):
-            made.append(("product_gemm", parts, run, {},
-                         {"x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
+            made.append(("product_gemm", parts, run, {"token_tile": tiling.pop("token_tile")},
+                         {**tiling, "x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
             continue
         tiling = _tiling(parts, tokens)
         if isinstance(tiling, str):
@@ -355,10 +369,6 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             continue
         shapes = {**shapes, "k": parts[0].k, "n": sum(st.n for st in parts)}
         params = {**plumbing, "parts": tuple(st.to_params() for st in parts), **params}
-        if module == "product_gemm":
-            tiling = _gemm_tiling(parts, tokens, arch)
-            shapes["token_tile"] = tiling.pop("token_tile")
-            params.update(tiling)
         specs.append(KernelSpec.make(module, op, arch, shapes=shapes, params=params))
     for i, tail in enumerate(products.tails):  # after the collective inside the op, on the rowwise kernel
         program = tail.program
@@ -438,10 +448,10 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
             results[r] = getattr(host(), collective)(results[r], group, ranks)
     dims = _result_dims(specs)
     outs = [results[r].view(-1) if dims[r] == 1 else results[r] for r in range(p0["results"])]
-    returns = getattr(torch.ops.k3f, specs[0].op.split("::")[-1]).default._schema.returns
-    return outs[0] if len(returns) == 1 and str(returns[0].type) == "Tensor" else tuple(outs)
+    return outs[0] if _single_tensor(specs[0].op) else tuple(outs)
 
 
+@functools.cache
 def _result_dims(specs: tuple[KernelSpec, ...]) -> dict[int, int]:
     """How many dims each result has (a statistic the reference returns as [T] has 1)."""
     dims = {}
