@@ -376,7 +376,7 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             return (f"the program after the all-reduce: {program.width} columns, {len(program.inputs)} inputs, "
                     f"{len(program.outputs)} outputs (the rowwise kernel: whole 128-bit vectors, at most "
                     f"{MAX_INPUTS} and {MAX_OUTPUTS})")
-        strides = tuple(program.width if s[0] == "temp" else _row_stride(s, tensors, products, kind)
+        strides = tuple(_row_stride(s, tensors, products, kind)
                         for s, (kind, _) in zip(tail.sources, program.inputs, strict=True))
         if any(s % VEC for s in strides):
             return "a row after the all-reduce is read at a stride that is not whole 128-bit vectors"

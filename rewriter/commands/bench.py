@@ -261,7 +261,8 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float, flo
     return statistics.median(diffs), q1, q3, sum(y < x for x, y in zip(a, b))
 
 
-def _graph(run: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+def captured_graph(run: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """``run`` captured in a CUDA graph, after one warm-up call on a side stream."""
     stream = torch.cuda.Stream()  # warm up on a side stream, as capture wants
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -472,7 +473,7 @@ class _Captured:
                             if c.get("reference", 0) > before.get(op, {}).get("reference", 0)})
         run_all()  # the profiled call reads copy 0's weights after the other copies evicted them
         launched = profile_kernels(run_one)
-        return cls(_graph(repeated(run_all, rounds)), launched, fallbacks)
+        return cls(captured_graph(repeated(run_all, rounds)), launched, fallbacks)
 
     def row(self, path: str, us: float, *, tp: int, batch: int, floor_us: float, ref_floor_us: float, specs: list,
             layers: int, progress: Callable[[str], None], note: str = "") -> Row:
@@ -576,7 +577,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
                         reference_floor_us=ref_floor_us))
         progress(f"  eager: {rows[-1].kernels} kernels, {rows[-1].us:.1f} us")
     if "cuda graph" in args.paths:
-        g = _graph(repeated(ref, rounds))
+        g = captured_graph(repeated(ref, rounds))
         kernels, _ = count_kernels(lambda: case.layers[0](*case.inputs[0]))
         rows.append(Row(tp, batch, "cuda graph", kernels, _median_replay_us(g.replay, args.reps) / layers, floor_us,
                         reference_floor_us=ref_floor_us))
@@ -594,7 +595,7 @@ def bench_shape(cfg, args: argparse.Namespace, tp: int, batch: int, arch: str,
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         kernels, _ = count_kernels(lambda: compiled[0](*case.inputs[0]))
-        g = _graph(repeated(run_compiled, rounds))
+        g = captured_graph(repeated(run_compiled, rounds))
         us = _median_replay_us(g.replay, args.reps) / layers
         rows.append(Row(tp, batch, "torch.compile", kernels, us, floor_us,
                         f"{args.compile_mode}, CUDA graph; compiled in {seconds:.0f}s", ref_floor_us))
@@ -647,7 +648,7 @@ def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: 
     run()  # the profiled call reads copy 0's weights after the other copies evicted them
     launched = profile_kernels(lambda: compiled[0](*case.inputs[0]))
     kernels = len(launched)
-    g = _graph(repeated(run, rounds))
+    g = captured_graph(repeated(run, rounds))
     us = _median_replay_us(g.replay, reps) / (len(compiled) * rounds)
     del g
     row = Row(tp, batch, "vllm-stock", kernels, us, floor_us,

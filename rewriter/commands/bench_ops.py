@@ -7,8 +7,8 @@ inputs are fresh random tensors of the rewritten layer's shapes, in enough copie
 weights of one call are out of L2 when it comes round again (as in a model's step, each layer's
 own weights); each side is captured in one CUDA graph over every copy, and the two graphs'
 replays alternate (A B, B A, ...). A row gives each side's time a call (the median replay over
-the copies), the ratio, and the op's HBM floor: its bytes (weights, activations, results) at the
-copy bandwidth ``bench`` uses.
+the copies), the ratio, and the op's HBM floor: its arguments' bytes (weights, activations) at
+the copy bandwidth ``bench`` uses.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rewriter.commands import bench as bench_cmd
+from rewriter.compiler.cost import hbm_us
 from rewriter.model.shape import ShapeError
 
 LAYERS = (0, 1, 3)  # one of each structure of Kimi K3: KDA + dense MLP, KDA + MoE, MLA + MoE
@@ -127,12 +128,12 @@ def time_op(op: str, layer: int, tp: int, batch: int, arch: str, fake: Sequence[
     runs, labels = [], []
     for template in sides:
         launch, label = _loaded(template, op, arch, sets[0])
-        runs.append(bench_cmd._graph(lambda launch=launch: [launch(s) for s in sets]).replay)
+        runs.append(bench_cmd.captured_graph(lambda launch=launch: [launch(s) for s in sets]).replay)
         labels.append(label)
     for run in runs:
         bench_cmd.warmed_up(run)
     hand, generated = bench_cmd.alternated_us(runs[0], runs[1], reps)
-    floor_us = _bytes(fake) / (tbps * 1e12) * 1e6  # weights and activations once; outputs are small
+    floor_us = hbm_us(_bytes(fake), tbps)  # the arguments once (weights, activations); the results are small
     return OpRow(op.split("::")[1], layer, tp, batch, labels[0], labels[1], statistics.median(hand) / copies,
                  statistics.median(generated) / copies, floor_us)
 
