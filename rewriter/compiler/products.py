@@ -114,19 +114,19 @@ def _weight(node: fx.Node, args: dict[fx.Node, int]) -> Weight:
             continue
         elif t is aten.mul.Tensor and below and scale is None:
             rows_here = seen.meta["val"].shape[0]
-            found = [(_scale_argument(b, args, rows_here), a) for a, b in (seen.args, seen.args[::-1])
-                     if isinstance(a, fx.Node) and isinstance(b, fx.Node)]
-            found = [(sc, a) for sc, a in found if sc is not None]
-            if not found:
+            # (the scale, the weight side) of the product's two operands, whichever order
+            found = next(((sc, a) for a, b in (seen.args, seen.args[::-1])
+                          if isinstance(a, fx.Node) and isinstance(b, fx.Node)
+                          and (sc := _scale_argument(b, args, rows_here)) is not None), None)
+            if found is None:
                 raise LoweringError(f"product operand {node.name} is computed ({seen.name}: {t}): the generated "
                                     "products read weights as the op's arguments, times a scale")
             if rounds is not None:
                 raise LoweringError(f"the scaled weight {seen.name} is rounded to {rounds} before its product: the "
                                     "kernels scale the product's fp32 sums (multiply the product by the scale, "
                                     "or multiply in fp32)")
-            (scale, a), = found[:1]
+            scale, seen = found
             scale = (*scale, row0) if scale[0] == "col" else scale  # this product's rows of the scale
-            seen = a
             continue
         elif t in CASTS or t in SHAPE_ONLY:
             if t not in CASTS and seen.meta["val"].shape != seen.args[0].meta["val"].shape:
