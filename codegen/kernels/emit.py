@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import cutlass
 from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, const_expr, cute
+from cutlass.cute.runtime import make_fake_tensor
 
 from codegen.lowered import IDENTITY, ROUND, Program, is_const
 from codegen.targets import VEC
@@ -134,3 +135,45 @@ def _zip(f, a, b):
     if isinstance(b, list):
         return [f(a, y) for y in b]
     return f(a, b)
+
+
+# ---- a program's inputs: their fake tensors at compile time, their values in a kernel -------------
+def fake_input(kind: str, dtype: str, tokens, width: int, stride: int | None = None, *, vectors: bool = False,
+               source: str = "arg"):
+    """The fake tensor ``cute.compile`` takes for a program input: a row [T, width] (a view of a
+    row ``stride`` wide), a statistic [T, 1], a column [width], a one-element argument [1];
+    ``vectors``: read in 128-bit vectors, so 16-byte aligned."""
+    ct = CUTE_DTYPES[dtype]
+    align = 16 if vectors else ct.width // 8
+    if source == "scalar":
+        return make_fake_tensor(ct, (1,), (1,), assumed_align=ct.width // 8)
+    if kind == "row":
+        return make_fake_tensor(ct, (tokens, width), (stride or width, 1), assumed_align=align)
+    if kind == "stat":
+        return make_fake_tensor(ct, (tokens, 1), (1, 1), assumed_align=ct.width // 8)
+    return make_fake_tensor(ct, (width,), (1,), assumed_align=align)
+
+
+def input_value(t, source: str, kind: str, token, column):
+    """Input ``t``'s value at (token, column) in fp32, one scalar (trace time): a one-element
+    argument's, a row's, a column's or a statistic's."""
+    if source == "scalar":
+        return t[0].to(Float32)
+    if kind == "row":
+        return t[token, column].to(Float32)
+    if kind == "col":
+        return t[column].to(Float32)
+    return t[token, 0].to(Float32)
+
+
+@cute.jit
+def part_of(block, tile_starts: tuple[int, ...], scale: cutlass.Constexpr = 1):
+    """(part, block inside it times ``scale``) of ``block``, where part q's blocks start at
+    ``tile_starts[q]``."""
+    part = cutlass.Int32(0)
+    inside = block * scale if const_expr(scale != 1) else block
+    for q in cutlass.range_constexpr(1, len(tile_starts)):
+        if block >= tile_starts[q]:
+            part = cutlass.Int32(q)
+            inside = (block - tile_starts[q]) * scale if const_expr(scale != 1) else block - tile_starts[q]
+    return part, inside

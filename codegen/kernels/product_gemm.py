@@ -29,7 +29,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import BITS, VEC
-from codegen.kernels.emit import CUTE_DTYPES, run
+from codegen.kernels.emit import CUTE_DTYPES, fake_input, input_value, part_of, run
 from codegen.kernels.gemm import ACC_VEC, TILE_K, SkinnyGemm
 from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA
 from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
@@ -107,12 +107,7 @@ class ProductGemm(SkinnyGemm):
         rank = bidx % C  # clusters are C consecutive CTAs along x
         tile = bidx // C
         # the part this tile lies in, and the tile's own first column in it
-        part = cutlass.Int32(0)
-        first = tile * TO
-        for s in cutlass.range_constexpr(1, len(self.parts)):
-            if tile >= self.tile_starts[s]:
-                part = cutlass.Int32(s)
-                first = (tile - self.tile_starts[s]) * TO
+        part, first = part_of(tile, self.tile_starts, TO)
         row0 = first
         for s in cutlass.range_constexpr(len(self.parts)):
             if const_expr(self.parts[s].n > TO):
@@ -208,17 +203,10 @@ class ProductGemm(SkinnyGemm):
                         if live and t < tokens:
                             for i, slot in enumerate(part_slots(self.parts, "inputs", s)):
                                 kind, _ = epi.inputs[self.epi_args[s][i]]
-                                scalar = const_expr(self.parts[s].epilogue_from[self.epi_args[s][i]][0] == "scalar")
+                                source = self.parts[s].epilogue_from[self.epi_args[s][i]][0]
                                 for e in cutlass.range_constexpr(ACC_VEC):
                                     n = cutlass.min(row0 + mv * ACC_VEC + e, n_part - 1)  # a narrow part's tail
-                                    if const_expr(scalar):
-                                        rEpi[i, e, j] = eins[slot][0].to(Float32)
-                                    elif const_expr(kind == "row"):
-                                        rEpi[i, e, j] = eins[slot][t, n].to(Float32)
-                                    elif const_expr(kind == "col"):
-                                        rEpi[i, e, j] = eins[slot][n].to(Float32)
-                                    else:
-                                        rEpi[i, e, j] = eins[slot][t, 0].to(Float32)
+                                    rEpi[i, e, j] = input_value(eins[slot], source, kind, t, n)
         return rEpi
 
     @cute.jit
@@ -265,24 +253,14 @@ def build(spec) -> tuple[ProductGemm, tuple]:
                          epi_strides=tuple(tuple(e) for e in p["epi_strides"]))
     tokens = cute.sym_int32()
 
-    def tensor(kind, dtype, n, stride, src=("arg",)):
-        ct = CUTE_DTYPES[dtype]
-        if src[0] == "scalar":
-            return make_fake_tensor(ct, (1,), (1,), assumed_align=ct.width // 8)
-        if kind == "row":
-            return make_fake_tensor(ct, (tokens, n), (stride, 1), assumed_align=ct.width // 8)
-        if kind == "stat":
-            return make_fake_tensor(ct, (tokens, 1), (1, 1), assumed_align=ct.width // 8)
-        return make_fake_tensor(ct, (n,), (1,), assumed_align=ct.width // 8)
-
     ws, eins, ys = [], [], []
     for st, args, strides in zip(parts, kernel.epi_args, kernel.epi_strides, strict=True):
         epi, kinds = st.epilogue, st.epilogue.kinds
         ws += [make_fake_tensor(CUTE_DTYPES[st.weight_dtype], (st.n, st.k), (st.k, 1), assumed_align=16)
                for _ in st.weights]
-        eins += [tensor(*epi.inputs[i], st.n, stride, st.epilogue_from[i]) for i, stride in zip(args, strides,
-                                                                                              strict=True)]
-        ys += [tensor(kinds[v], dtype, st.n, st.n) for v, dtype, _ in epi.outputs]
+        eins += [fake_input(*epi.inputs[i], tokens, st.n, stride, source=st.epilogue_from[i][0])
+                 for i, stride in zip(args, strides, strict=True)]
+        ys += [fake_input(kinds[v], dtype, tokens, st.n) for v, dtype, _ in epi.outputs]
 
     def pad(xs, size):
         return [*xs, *[None] * (size - len(xs))]

@@ -32,7 +32,7 @@ from cutlass import BFloat16, Float32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
-from codegen.kernels.emit import CUTE_DTYPES, RowSplit, run
+from codegen.kernels.emit import CUTE_DTYPES, RowSplit, fake_input, input_value, part_of, run
 from codegen.kernels.gemv import X_AHEAD, lane_and_slice_sums
 from codegen.kernels.rowwise import load_row_value, store_vector
 from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
@@ -126,12 +126,7 @@ class ProductGemv:
         group = warp // KS
         ks = warp % KS
         # the part this CTA's columns lie in, and the CTA's place in it
-        part = cutlass.Int32(0)
-        cta = bidx
-        for q in cutlass.range_constexpr(1, len(self.parts)):
-            if bidx >= self.tile_starts[q]:
-                part = cutlass.Int32(q)
-                cta = bidx - self.tile_starts[q]
+        part, cta = part_of(bidx, self.tile_starts)
         first = (cta * self.groups + group) * C  # this warp's first output column of its part
 
         smem = cutlass.memory.SmemAllocator()
@@ -193,15 +188,8 @@ class ProductGemv:
                         n_mine = cutlass.min(first + my_c, self.parts[q].n - 1)
                         for i, slot in enumerate(part_slots(self.parts, "inputs", q)):
                             kind, _ = self.parts[q].epilogue.inputs[self.epi_args[q][i]]
-                            src = eins[slot]
-                            if const_expr(self.parts[q].epilogue_from[self.epi_args[q][i]][0] == "scalar"):
-                                rEpi[i] = src[0].to(Float32)
-                            elif const_expr(kind == "row"):
-                                rEpi[i] = src[t_mine, n_mine].to(Float32)
-                            elif const_expr(kind == "col"):
-                                rEpi[i] = src[n_mine].to(Float32)
-                            else:
-                                rEpi[i] = src[t_mine, 0].to(Float32)
+                            source = self.parts[q].epilogue_from[self.epi_args[q][i]][0]
+                            rEpi[i] = input_value(eins[slot], source, kind, t_mine, n_mine)
             if const_expr(not self.plain):
                 # the prologue hook: every token of the chunk over its whole row, spread over the
                 # CTA; the products' activation to shared memory, the kept statistics to
@@ -309,29 +297,19 @@ def build(spec) -> tuple[ProductGemv, tuple]:
                          epi_strides=tuple(tuple(e) for e in p["epi_strides"]))
     k = parts[0].k
 
-    def tensor(kind, dtype, width, stride, vectors, src=("arg",)):
-        ct = CUTE_DTYPES[dtype]
-        align = 16 if vectors else ct.width // 8
-        if src[0] == "scalar":
-            return make_fake_tensor(ct, (1,), (1,), assumed_align=ct.width // 8)
-        if kind == "row":
-            return make_fake_tensor(ct, (t, width), (stride, 1), assumed_align=align)
-        if kind == "stat":
-            return make_fake_tensor(ct, (t, 1), (1, 1), assumed_align=ct.width // 8)
-        return make_fake_tensor(ct, (width,), (1,), assumed_align=align)
-
     pro = parts[0].prologue
-    pins = [tensor(kind, dtype, k, stride, True) for (kind, dtype), stride in zip(pro.inputs, kernel.pro_strides)]
+    pins = [fake_input(kind, dtype, t, k, stride, vectors=True) for (kind, dtype), stride in
+            zip(pro.inputs, kernel.pro_strides)]
     pkinds = pro.kinds
-    qs = [tensor(pkinds[pro.outputs[j][0]], pro.outputs[j][1], k, k, True) for j, _ in kernel.pro_results]
+    qs = [fake_input(pkinds[pro.outputs[j][0]], pro.outputs[j][1], t, k, vectors=True) for j, _ in kernel.pro_results]
     ws, eins, ys = [], [], []
     for st, args, strides in zip(parts, kernel.epi_args, kernel.epi_strides, strict=True):
         epi, ekinds = st.epilogue, st.epilogue.kinds
         wd = CUTE_DTYPES[st.weight_dtype]  # rows of K values: whole 8-value vectors
         ws += [make_fake_tensor(wd, (st.n, k), (k, 1), assumed_align=VEC * wd.width // 8) for _ in st.weights]
-        eins += [tensor(*epi.inputs[i], st.n, stride, False, st.epilogue_from[i])
+        eins += [fake_input(*epi.inputs[i], t, st.n, stride, source=st.epilogue_from[i][0])
                  for i, stride in zip(args, strides, strict=True)]
-        ys += [tensor(ekinds[v], dtype, st.n, st.n, False) for v, dtype, _ in epi.outputs]
+        ys += [fake_input(ekinds[v], dtype, t, st.n) for v, dtype, _ in epi.outputs]
 
     def pad(xs, size):
         return [*xs, *[None] * (size - len(xs))]

@@ -20,10 +20,10 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, const_expr, cute
-from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.cute.runtime import make_fake_stream
 
 from codegen.kernels.common import VEC, g2r_atom, r2g_atom
-from codegen.kernels.emit import CUTE_DTYPES, RowSplit, run
+from codegen.kernels.emit import CUTE_DTYPES, RowSplit, fake_input, run
 from codegen.launchers.generated import MAX_INPUTS, MAX_OUTPUTS, threads_for
 from codegen.lowered import Program
 
@@ -126,17 +126,10 @@ def build(spec) -> tuple[RowKernel, tuple]:
     tokens, n = cute.sym_int32(), program.width
     strides = p.get("strides") or (n,) * len(program.inputs)  # an input row may be a view of a wider one
 
-    def tensor(kind, dtype, stride=n):
-        ct = CUTE_DTYPES[dtype]
-        if kind == "row":
-            return make_fake_tensor(ct, (tokens, n), (stride, 1), assumed_align=16)
-        if kind == "stat":
-            return make_fake_tensor(ct, (tokens, 1), (1, 1), assumed_align=ct.width // 8)
-        return make_fake_tensor(ct, (n,), (1,), assumed_align=16)
-
     kinds = program.kinds
-    ins = [tensor(kind, dtype, stride) for (kind, dtype), stride in zip(program.inputs, strides, strict=True)]
-    outs = [tensor(kinds[v], dtype) for v, dtype, _ in program.outputs]
+    ins = [fake_input(kind, dtype, tokens, n, stride, vectors=True)
+           for (kind, dtype), stride in zip(program.inputs, strides, strict=True)]
+    outs = [fake_input(kinds[v], dtype, tokens, n, vectors=True) for v, dtype, _ in program.outputs]
     return kernel, (*ins, *[None] * (MAX_INPUTS - len(ins)), *outs, *[None] * (MAX_OUTPUTS - len(outs)),
                     make_fake_stream(use_tvm_ffi_env_stream=True))
 
