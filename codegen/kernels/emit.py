@@ -11,6 +11,10 @@ warps' through shared memory (one barrier a reduction; every thread combines the
 in the same order, so every thread holds the same statistic). A vector past the row's end (the
 last thread's, where the threads do not divide the row) counts as the reduction's identity.
 
+The generated kernels (rowwise, product GEMV and GEMM) also share here how a program's inputs
+are declared to ``cute.compile`` (``fake_input``) and read (``input_value``), and which of a
+kernel's parts a block serves (``part_of``).
+
 To teach the kernels one more program op, add it to ``codegen.lowered`` and to a table here.
 """
 from __future__ import annotations
