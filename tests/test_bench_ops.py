@@ -3,6 +3,7 @@ timing itself needs a GPU)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import on_gpu
 from rewriter.commands.bench_ops import OpRow, _fused_calls, _sides, render
@@ -23,17 +24,30 @@ def test_the_ops_timed_are_those_with_hand_written_and_generated_kernels(cfg, tp
     """Kimi K3's projections with their prologues and epilogues: the input projections, the dense
     MLP, the shared experts and the router's two projections; not the ops whose references the
     lowering refuses (topk, the collective in the middle of o_proj)."""
-    timed = {op for layer in (0, 1, 3) for op, fake in _fused_calls(cfg, layer, tp, batch, "sm_90a", None)
+    timed = {op for layer in (0, 1, 3) for op, fake, _ in _fused_calls(cfg, layer, tp, batch, "sm_90a", None)
              if _sides(op, "sm_90a", fake) is not None}
     expected = {"k3f::kda_in_proj", "k3f::mla_in_proj", "k3f::shared_experts", "k3f::dense_mlp", "k3f::router_down"}
     assert timed == expected
 
 
 def test_the_generated_side_is_the_products_template_and_the_hand_written_side_is_not(cfg):
-    (op, fake), = _fused_calls(cfg, 1, 16, 8, "sm_90a", ["shared_experts"])
+    (op, fake, _), = _fused_calls(cfg, 1, 16, 8, "sm_90a", ["shared_experts"])
     hand, generated = _sides(op, "sm_90a", fake)
     assert generated.kernel == "products" and generated.generated
     assert hand.kernel == "shared_experts_gemm" and not hand.generated
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_the_floor_counts_the_rows_of_a_weight_this_rank_reads(cfg, tp):
+    """The router's op is handed both whole weights and reads its rank's rows: its floor is those
+    rows (and the activation), not the arguments' bytes; an op handed its shard floors at it."""
+    (_, fake, floor), = _fused_calls(cfg, 1, tp, 1, "sm_90a", ["router_down"])
+    x, gate, down = fake[:3]
+    rows = (gate.shape[0] + down.shape[0]) // tp
+    assert rows * gate.shape[1] * 2 <= floor < rows * gate.shape[1] * 2 + 2 * x.numel() * 2 + (1 << 16)
+    (_, fake, floor), = _fused_calls(cfg, 1, tp, 1, "sm_90a", ["shared_experts"])
+    assert floor >= sum(a.numel() * a.element_size() for a in fake if isinstance(a, torch.Tensor) and a.dim() == 2
+                        and min(a.shape) >= 64)
 
 
 def test_the_table_gives_the_ratio_and_the_kernels():

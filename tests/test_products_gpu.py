@@ -62,7 +62,7 @@ def _projections(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
     """Several widths from one packed weight (an input projection's q, k, gates): one kernel of
     three parts on the GEMM, a part narrower than a tile (6 columns) among them."""
     q, k, g = F.linear(x, w).split([1024, 320, 6], dim=-1)
-    return [q.contiguous(), k.contiguous(), torch.sigmoid(g.float())]
+    return [q.clone(), k.clone(), torch.sigmoid(g.float())]  # clone: at one token a split is contiguous
 
 
 @fused_op("products_probe_two_weights")
@@ -223,7 +223,7 @@ def test_kimi_k3s_own_fused_ops_generate_kernels_at_their_served_shapes(kcache, 
     from codegen.launchers.generated import PRODUCTS
     from rewriter.commands.bench_ops import _fused_calls
 
-    (name, fake), = _fused_calls(kimi_k3, OWN_OPS[op], tp, batch, arch, [op])
+    (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS[op], tp, batch, arch, [op])
     specs = PRODUCTS.make_specs(name, arch, fake)
     assert not isinstance(specs, str), specs
     kernels = {"kda_in_proj": 1, "mla_in_proj": 1 if tp == 16 else 2, "router_down": 1, "shared_experts": 2,
@@ -268,3 +268,27 @@ def test_generated_products_match_program_and_reference(name, tokens):
     torch.cuda.synchronize()
     for c, w in zip(captured, want, strict=True):
         assert not torch.isnan(c).any() and rel_err(c, w) < 1e-2
+
+
+@on_gpu
+@pytest.mark.parametrize("tp,batch", [(16, 1), (8, 1), (16, 8), (8, 64)])
+@pytest.mark.parametrize("op", sorted(OWN_OPS))
+def test_kimi_k3s_own_fused_ops_on_generated_kernels_match_their_references(kimi_k3, op, tp, batch):
+    """At the served shapes, fresh inputs scaled as a trained layer's, outputs poisoned: every
+    result of the generated kernels against the op's reference (collectives stood down: one GPU)."""
+    from rewriter.commands.bench_ops import _fused_calls, _materialized
+    from rewriter.model.ops import collectives_excluded
+
+    (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS[op], tp, batch, "sm_90a", [op])
+    args = _materialized(fake, torch.Generator().manual_seed(7 * tp + batch))
+    with torch.no_grad(), collectives_excluded():
+        ref = getattr(torch.ops.k3f, op)(*args)
+        tpl, specs, fns = gpu_kernels(name, args, "products")
+        torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN bytes for the outputs to reuse
+        got = tpl.launch(fns, specs, args)
+        torch.cuda.synchronize()
+    ref, got = ([t] if torch.is_tensor(t) else list(t) for t in (ref, got))
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == r.dtype and g.shape == r.shape, (g.dtype, r.dtype, g.shape, r.shape)
+        assert not torch.isnan(g).any() and not torch.isinf(g).any()
+        assert rel_err(g, r) < 2e-2, (op, tp, batch, rel_err(g, r))

@@ -7,8 +7,10 @@ inputs are fresh random tensors of the rewritten layer's shapes, in enough copie
 weights of one call are out of L2 when it comes round again (as in a model's step, each layer's
 own weights); each side is captured in one CUDA graph over every copy, and the two graphs'
 replays alternate (A B, B A, ...). A row gives each side's time a call (the median replay over
-the copies), the ratio, and the op's HBM floor: its arguments' bytes (weights, activations) at
-the copy bandwidth ``bench`` uses.
+the copies), the ratio, and the op's HBM floor: the bytes the rewriter counts for its match (the
+rows of each weight this rank reads, the activations in and out) at the copy bandwidth ``bench``
+uses. An op handed a whole weight that it slices to its rank's rows (the router's) floors at the
+rows.
 """
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ def add_bench_ops_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _fused_calls(cfg, layer: int, tp: int, batch: int, arch: str, only: Sequence[str] | None):
-    """(op, call arguments as fake tensors and values) of every fused op of the rewritten layer."""
+    """(op, call arguments as fake tensors and values, the bytes its match moves) of every fused op
+    of the rewritten layer."""
     from patterns import default_rules
     from rewriter.compiler.pipeline import decode_shape, rewritten_layer
 
@@ -74,7 +77,8 @@ def _fused_calls(cfg, layer: int, tp: int, batch: int, arch: str, only: Sequence
         op = name.split(".")[1]
         if only and op not in only:
             continue
-        yield f"k3f::{op}", [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args]
+        yield (f"k3f::{op}", [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args],
+               n.meta["fused"]["bytes"])
 
 
 def _materialized(args: Sequence[Any], gen: torch.Generator) -> list[Any]:
@@ -117,8 +121,8 @@ def _loaded(template, op: str, arch: str, args: Sequence[Any]) -> tuple[Callable
     return (lambda a: tpl.launch(fns, specs, a)), " + ".join(s.label() for s in specs)
 
 
-def time_op(op: str, layer: int, tp: int, batch: int, arch: str, fake: Sequence[Any], reps: int,
-            tbps: float) -> OpRow | None:
+def time_op(op: str, layer: int, tp: int, batch: int, arch: str, fake: Sequence[Any], floor_bytes: int,
+            reps: int, tbps: float) -> OpRow | None:
     sides = _sides(op, arch, fake)
     if sides is None:
         return None
@@ -133,7 +137,7 @@ def time_op(op: str, layer: int, tp: int, batch: int, arch: str, fake: Sequence[
     for run in runs:
         bench_cmd.warmed_up(run)
     hand, generated = bench_cmd.alternated_us(runs[0], runs[1], reps)
-    floor_us = hbm_us(_bytes(fake), tbps)  # the arguments once (weights, activations); the results are small
+    floor_us = hbm_us(floor_bytes, tbps)
     return OpRow(op.split("::")[1], layer, tp, batch, labels[0], labels[1], statistics.median(hand) / copies,
                  statistics.median(generated) / copies, floor_us)
 
@@ -196,13 +200,13 @@ def run_bench_ops(args: argparse.Namespace) -> int:
         for tp in args.tp:
             for batch in args.batch:
                 for layer in args.layers:
-                    for op, fake in _fused_calls(cfg, layer, tp, batch, arch, args.ops):
+                    for op, fake, floor_bytes in _fused_calls(cfg, layer, tp, batch, arch, args.ops):
                         key = (op, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
                                          for a in fake))
                         if key in seen:  # the same call in another layer (the shared experts of every MoE layer)
                             continue
                         seen.add(key)
-                        row = time_op(op, layer, tp, batch, arch, fake, args.reps, tbps)
+                        row = time_op(op, layer, tp, batch, arch, fake, floor_bytes, args.reps, tbps)
                         if row is not None:
                             rows.append(row)
                             if not args.json:
