@@ -75,6 +75,36 @@ class Program:
         """The program as a spec parameter (plain tuples)."""
         return (self.width, self.inputs, self.ops, self.outputs)
 
+    def depends_on(self) -> list[frozenset[int]]:
+        """For each value, the inputs it is computed from."""
+        deps = [frozenset({i}) for i in range(len(self.inputs))]
+        for op, args in self.ops:
+            deps.append(frozenset().union(*(deps[a] for a in operands(op, args))))
+        return deps
+
+    def only(self, outputs: Sequence[int]) -> tuple[Program, tuple[int, ...]]:
+        """(the program computing just its outputs ``outputs`` (indices into ``self.outputs``),
+        the inputs it keeps, as indices into ``self.inputs``): every value none of them needs
+        dropped, the rest renumbered in order."""
+        needed = set()
+        stack = [self.outputs[o][0] for o in outputs]
+        while stack:
+            v = stack.pop()
+            if v not in needed:
+                needed.add(v)
+                if v >= len(self.inputs):
+                    stack.extend(operands(*self.ops[v - len(self.inputs)]))
+        kept = tuple(i for i in range(len(self.inputs)) if i in needed)
+        new = {v: j for j, v in enumerate(kept)}
+        ops = []
+        for i, (op, args) in enumerate(self.ops):
+            if len(self.inputs) + i in needed:
+                new[len(self.inputs) + i] = len(kept) + len(ops)
+                ops.append((op, (new[args[0]], args[1]) if op == ROUND else
+                            tuple(a if is_const(a) else new[a] for a in args)))
+        return (Program(self.width, tuple(self.inputs[i] for i in kept), tuple(ops),
+                        tuple((new[self.outputs[o][0]], *self.outputs[o][1:]) for o in outputs)), kept)
+
     @classmethod
     def from_params(cls, p: Sequence) -> Program:
         width, inputs, ops, outputs = p
@@ -84,6 +114,11 @@ class Program:
 
 def is_const(ref: Ref) -> bool:
     return isinstance(ref, tuple)
+
+
+def operands(op: str, args: tuple) -> tuple[int, ...]:
+    """The values op ``(op, args)`` reads (not its constants, nor a rounding's dtype)."""
+    return (args[0],) if op == ROUND else tuple(a for a in args if not is_const(a))
 
 
 def _kind(op: str, args: tuple, kinds: list[str], i: int) -> str:

@@ -20,7 +20,13 @@ DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 # left out of labels: tiling, and a generated kernel's program and its plumbing (its op names the computation)
 _QUIET = {"eps", "rows_per_warp", "warps_per_cta", "unroll", "stream_weights", "pipeline", "program", "stage",
           "temps", "results", "collectives", "pro_strides", "epi_strides", "parts", "sources", "dests", "strides",
-          "before"}
+          "before", "weights_at"}
+
+
+# parameters only the host-side launcher reads: left out of ``canonical``, so kernels that differ
+# only there share one compile (a generated kernel's weight rows: each TP rank of an op that
+# slices its rank's rows from a whole weight, as the router does, runs the same kernel)
+LAUNCH_ONLY = ("weights_at",)
 
 
 class SpecError(ValueError):
@@ -98,8 +104,11 @@ class KernelSpec:
                         module=d.get("module", ""))
 
     def canonical(self) -> str:
-        """One text per spec (sorted keys, no whitespace): what the disk cache key hashes."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        """One text per compiled kernel (sorted keys, no whitespace; ``LAUNCH_ONLY`` parameters
+        left out): what the disk cache key hashes."""
+        d = self.to_json()
+        d["params"] = {k: v for k, v in d["params"].items() if k not in LAUNCH_ONLY}
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def label(self) -> str:
         """Readable: ``attn_in_proj_gemv[kda_in_proj] k=7168 rows=3216 tokens=1 segments=2304/768/128/6 sm_90a``

@@ -341,6 +341,41 @@ def test_products_of_one_activation_at_two_widths_are_two_kernels():
     _check(products, fn, args)
 
 
+def test_projections_of_one_width_whose_results_never_meet_are_stages_of_their_own():
+    """Two slices of one packed weight of the same width (MLA's q and the fourth segment at TP 8),
+    each returned on its own: one stage each, so both become parts of one kernel beside the other
+    widths; a scaled and a plain product that an epilogue adds stay one stage."""
+    gen = torch.Generator().manual_seed(4)
+    args = [_rand((3, 256), BF16, gen), _weight(3 * 128 + 64, 256, gen), _rand((128,), BF16, gen, positive=True)]
+
+    def fn(x, w, s):
+        a, b, c, d = F.linear(x, w).split([128, 64, 128, 128], dim=-1)
+        return a.clone(), (b.float() * 2).to(BF16), c.clone(), (d.float() * s.float() + c.float()).to(BF16)
+
+    products = lower(fn, args)
+    stages = sorted((s.n, tuple(sorted(s.weights)), tuple(sorted(s.epilogue_to))) for s in products.stages)
+    assert stages == [(64, ((1, 128),), (("result", 1),)),
+                      (128, ((1, 0),), (("result", 0),)),  # q alone: a part of its own
+                      (128, ((1, 192), (1, 320)), (("result", 2), ("result", 3)))]  # added in one epilogue
+    _check(products, fn, args)
+
+
+def test_a_program_keeps_only_what_its_chosen_outputs_need():
+    """``Program.only``: the values an output needs, renumbered; its inputs named by index."""
+    p = Program(8, (("row", "bf16"), ("row", "fp32"), ("col", "bf16")),
+                (("mul", (0, ("c", 2.0))), ("add", (1, 2)), ("round", (3, "bf16")), ("sigmoid", (4,))),
+                ((3, "bf16", 2), (5, "fp32", 2), (6, "bf16", 2)))
+    sub, kept = p.only([2])
+    assert kept == (1, 2)
+    assert sub.inputs == (("row", "fp32"), ("col", "bf16"))
+    assert sub.ops == (("add", (0, 1)), ("sigmoid", (2,)))
+    assert sub.outputs == ((3, "bf16", 2),)
+    x = [torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)]
+    from codegen.lowered import interpret
+    assert torch.equal(interpret(sub, [x[i] for i in kept])[0], interpret(p, x)[2])
+    assert p.only([0, 1])[1] == (0,)
+
+
 def test_a_statistic_of_the_prologue_reaches_the_epilogue():
     """A per-token scale of the activation's row, computed in the prologue and kept for the epilogue."""
     gen = torch.Generator().manual_seed(3)

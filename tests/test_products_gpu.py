@@ -226,7 +226,7 @@ def test_kimi_k3s_own_fused_ops_generate_kernels_at_their_served_shapes(kcache, 
     (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS[op], tp, batch, arch, [op])
     specs = PRODUCTS.make_specs(name, arch, fake)
     assert not isinstance(specs, str), specs
-    kernels = {"kda_in_proj": 1, "mla_in_proj": 1 if tp == 16 else 2, "router_down": 1, "shared_experts": 2,
+    kernels = {"kda_in_proj": 1, "mla_in_proj": 1, "router_down": 1, "shared_experts": 2,
                "dense_mlp": 2}[op]
     assert len(specs) == kernels, [s.label() for s in specs]
     for spec in specs:
@@ -268,6 +268,25 @@ def test_generated_products_match_program_and_reference(name, tokens):
     torch.cuda.synchronize()
     for c, w in zip(captured, want, strict=True):
         assert not torch.isnan(c).any() and rel_err(c, w) < 1e-2
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_every_rank_of_the_router_runs_one_compiled_kernel(kimi_k3, batch):
+    """The router's op slices its rank's rows from both whole weights: the rows each rank reads
+    are the launcher's (``weights_at``), the kernel and its cache key the same for all 16."""
+    from codegen.compiler import cache_key
+    from codegen.launchers.generated import PRODUCTS
+    from rewriter.commands.bench_ops import _fused_calls
+
+    (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS["router_down"], 16, batch, "sm_90a", ["router_down"])
+    keys, rows = set(), set()
+    for rank in range(16):
+        (spec,) = PRODUCTS.make_specs(name, "sm_90a", [*fake[:5], rank])
+        keys.add(cache_key(spec))
+        rows.add(spec.param_dict["weights_at"])
+        gate, down = spec.param_dict["weights_at"]
+        assert gate == (1, rank * 56) and down == (2, rank * 224)
+    assert len(keys) == 1 and len(rows) == 16
 
 
 @on_gpu

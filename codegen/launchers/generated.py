@@ -17,7 +17,9 @@ these after every hand-written template of the op.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -368,7 +370,11 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
                                          module="rowwise"))
             continue
         shapes = {**shapes, "k": parts[0].k, "n": sum(st.n for st in parts)}
-        params = {**plumbing, "parts": tuple(st.to_params() for st in parts), **params}
+        # the kernel reads each product's rows as the launcher slices them: where they start is the
+        # launcher's alone (weights_at), so the kernel is the same whichever rows a rank reads
+        kernel_parts = tuple(replace(st, weights=tuple((w, 0) for w, _ in st.weights)) for st in parts)
+        params = {**plumbing, "parts": tuple(st.to_params() for st in kernel_parts),
+                  "weights_at": tuple(w for st in parts for w in st.weights), **params}
         specs.append(KernelSpec.make(module, op, arch, shapes=shapes, params=params))
     for i, tail in enumerate(products.tails):  # after the collective inside the op, on the rowwise kernel
         program = tail.program
@@ -427,11 +433,12 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
             fn(*pad(ins, MAX_INPUTS), *pad(outs, MAX_OUTPUTS))
             continue
         pins, ws, eins, qs, ys = [], [], [], [], []
+        weights_at = iter(spec.param_dict["weights_at"])
         for stage in stages_of(spec):
             pro, epi = stage.prologue, stage.epilogue
             pins = [_source(s, tensors, temps, kind, stage.k) for s, (kind, _) in
                     zip(stage.prologue_from, pro.inputs, strict=True)]  # the same for every part
-            ws += [tensors[w][r0:r0 + stage.n] for w, r0 in stage.weights]
+            ws += [tensors[w][r0:r0 + stage.n] for w, r0 in itertools.islice(weights_at, len(stage.weights))]
             eins += [_source(s, tensors, temps, kind, stage.n) for s, (kind, _) in
                      zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in READ]
             pkinds, ekinds = pro.kinds, epi.kinds

@@ -326,5 +326,47 @@ def lower_products(gm: fx.GraphModule, args: dict[fx.Node, int], results: list[f
     for node, i in (*late, *early):
         s.result(node, i)
     order = sorted(s.stages.items(), key=lambda kv: kv[0][0])  # by depth: an intermediate before its reader
-    return Products(tuple(st.stage() for _, st in order), tuple(s.temps), len(results))
+    return Products(tuple(part for _, st in order for part in apart(st.stage())), tuple(s.temps), len(results))
+
+
+def apart(stage: Stage) -> list[Stage]:
+    """``stage`` cut into one stage for each group of its products whose results meet in its
+    epilogue: two projections of one width from one activation (two slices of a packed weight)
+    become two stages, each a part of one kernel beside the other widths, while a gate and its up
+    projection stay one. Only where the prologue computes the activation alone (nothing else a
+    second copy of it would write again)."""
+    if len(stage.weights) == 1 or stage.prologue_to != (("product",),):
+        return [stage]
+    epi = stage.epilogue
+    deps = epi.depends_on()
+    products_of = [{stage.epilogue_from[i][1] for i in deps[v] if stage.epilogue_from[i][0] == "acc"}
+                   for v, _, _ in epi.outputs]
+    group = list(range(len(stage.weights)))  # union-find over the products
+
+    def root(p):
+        while group[p] != p:
+            p = group[p]
+        return p
+    for ps in products_of:
+        for p in ps:
+            group[root(p)] = root(min(ps))
+    roots = sorted({root(p) for p in range(len(stage.weights))})
+    if len(roots) == 1:
+        return [stage]
+    parts = []
+    for r in roots:
+        products = [p for p in range(len(stage.weights)) if root(p) == r]
+        outputs = [o for o, ps in enumerate(products_of) if ps and root(min(ps)) == r]
+        if not outputs:  # a product no output reads: the stage stays whole, as the reference wrote it
+            return [stage]
+        program, kept = epi.only(outputs)
+        renumber = {p: j for j, p in enumerate(products)}
+        sources = tuple(("acc", renumber[stage.epilogue_from[i][1]]) if stage.epilogue_from[i][0] == "acc"
+                        else stage.epilogue_from[i] for i in kept)
+        parts.append(Stage(stage.prologue, stage.prologue_from, stage.prologue_to,
+                           tuple(stage.weights[p] for p in products), program, sources,
+                           tuple(stage.epilogue_to[o] for o in outputs), stage.weight_dtype))
+    if sum(len(p.epilogue_to) for p in parts) != len(stage.epilogue_to):
+        return [stage]  # an output of no product's value (an argument passed through): kept whole
+    return parts
 
