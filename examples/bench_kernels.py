@@ -5,12 +5,12 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py        # or --only dense o_proj latent_tail router (also: in_proj,
+    python examples/bench_kernels.py        # or --only dense o_proj latent_tail (also: in_proj,
                                             # attn_res, kda_core, mla_attend)
     python examples/bench_kernels.py --only dense_tiling   # the dense MLP's GEMM at other tilings than the chosen
     python examples/bench_kernels.py --only mla_attend --tp 16   # one TP shape of the per-TP parts
 
-The dense MLP, output projection, latent tail and router sections time the GEMV and the GEMM at the same batches
+The dense MLP, output projection and latent tail sections time the GEMV and the GEMM at the same batches
 (each forced outside its range for the sweep only), to place the batch where the templates
 hand over from the GEMVs to the GEMM.
 """
@@ -154,9 +154,9 @@ def forced_tiling(gate_up: dict, down: dict) -> Iterator[None]:
 
     chosen = gemm_specs.gemm_tiling
 
-    def tiling(tokens, k, rows_out, arch, glu=False, weights=(), norm=False):
+    def tiling(tokens, k, rows_out, arch, glu=False, norm=False):
         forced = gate_up if glu else down
-        out = {**chosen(tokens, k, rows_out, arch, glu=glu, weights=weights, norm=norm), **forced}
+        out = {**chosen(tokens, k, rows_out, arch, glu=glu, norm=norm), **forced}
         if forced and "stages" not in forced:
             out["stages"] = gemm_specs.two_cta_stages(out["rows_per_cta"], out["token_tile"], k, out["split_k"])
         return out
@@ -258,24 +258,6 @@ def bench_latent_tail() -> None:
 
     sweep(f"latent_tail (K = {lat})", latent_tail, "LATENT_GEMM_MIN_TOKENS", "k3f::latent_tail", make_args, call,
           D * lat * 2, lambda: rotated(D, lat))
-
-
-def bench_router(tp: int) -> None:
-    """The router and latent down projection (``k3f::router_down``) at one rank's rows (gate
-    896 / TP, down 3584 / TP; K = 7168): GEMV and GEMM, gathers left out."""
-    from codegen.launchers import router_down
-
-    gate, down = 896 // tp, 3584 // tp
-
-    def make_args(t, w):
-        return (torch.randn(t, D, device="cuda").bfloat16(), *w, "tp", 1, 0)
-
-    def call(fn, spec, args, w):
-        router_down.TEMPLATE.launch((fn,), (spec,), (args[0], *w, "tp", 1, 0))
-
-    sweep(f"router_down TP {tp} (gate {gate} + down {down} rows)", router_down, "ROUTER_GEMM_MIN_TOKENS",
-          "k3f::router_down", make_args, call, (gate + down) * D * 2,
-          lambda: list(zip(rotated(gate, D), rotated(down, D))))  # as many pairs as down copies: >= 200 MB
 
 
 def kda_core_args(tp: int, requests: int, gen: torch.Generator, device: str = "cuda") -> list:
@@ -398,7 +380,7 @@ def bench_mla_attend(tp: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("in_proj", "attn_res", "dense", "dense_tiling", "o_proj", "latent_tail", "router", "kda_core",
+    parts = ("in_proj", "attn_res", "dense", "dense_tiling", "o_proj", "latent_tail", "kda_core",
              "mla_attend")
     parser.add_argument("--only", nargs="+", choices=parts, default=[p for p in parts if p != "dense_tiling"])
     parser.add_argument("--tp", type=int, nargs="+", choices=(16, 8), default=[16, 8],
@@ -427,9 +409,6 @@ def main() -> None:
             bench_o_proj(tp)
     if "latent_tail" in only:
         bench_latent_tail()
-    if "router" in only:
-        for tp in tps:
-            bench_router(tp)
     if "kda_core" in only:
         for tp in tps:
             bench_kda_core(tp)

@@ -99,12 +99,12 @@ def test_tiling_follows_the_sm_count():
 @pytest.mark.parametrize("tokens", [8, 64])
 @pytest.mark.parametrize("weights", [(56, 224), (112, 448)])  # the router at TP 16 and 8
 def test_small_grids_hold_their_whole_k_in_the_ring(tokens, weights):
-    """The router's 40 to 72 CTAs (at most WHOLE_K_MAX_SHARE of the SMs, one CTA an SM) take
-    every K tile of their share in flight at once, within one CTA's shared memory; larger grids
-    keep a ring that fits two CTAs an SM."""
+    """The router's 40 to 72 CTAs (its generated GEMM: a part for each weight, at most
+    WHOLE_K_MAX_SHARE of the SMs, one CTA an SM) take every K tile of their share in flight at
+    once, within one CTA's shared memory; larger grids keep a ring that fits two CTAs an SM."""
     from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA, WHOLE_K_MAX_SHARE
 
-    t = gemm_tiling(tokens, D, sum(weights), "sm_90a", weights=weights)
+    t = gemm_tiling(tokens, D, sum(weights), "sm_90a")
     tiles = sum(-(-n // t["rows_per_cta"]) for n in weights)
     assert tiles * t["split_k"] <= WHOLE_K_MAX_SHARE * 132
     assert t["stages"] == D // 64 // t["split_k"] == 14

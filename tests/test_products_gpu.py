@@ -289,8 +289,24 @@ def test_every_rank_of_the_router_runs_one_compiled_kernel(kimi_k3, batch):
     assert len(keys) == 1 and len(rows) == 16
 
 
+@needs_cutedsl
+def test_a_stage_whose_k_the_gemv_cannot_hold_takes_the_gemm_at_one_token(kcache, kimi_k3):
+    """The dense MLP at TP 1: its down stage's K (the whole intermediate, 33792) is more than a
+    GEMV lane holds in registers, so that stage runs on the tensor-core GEMM at one token; the
+    gate-and-up stage keeps the GEMV."""
+    from codegen.compiler import compile_kernel
+    from codegen.launchers.generated import PRODUCTS
+    from rewriter.commands.bench_ops import _fused_calls
+
+    (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS["dense_mlp"], 1, 1, "sm_90a", ["dense_mlp"])
+    specs = PRODUCTS.make_specs(name, "sm_90a", fake)
+    assert [(s.module, s.shape_dict["k"]) for s in specs] == [("product_gemv", 7168), ("product_gemm", 33792)]
+    ptx = compile_kernel(specs[1], cache=kcache).ptx
+    assert all(p in ptx for p in PROMISES["product_gemm"]) and "ld.local" not in ptx
+
+
 @on_gpu
-@pytest.mark.parametrize("tp,batch", [(16, 1), (8, 1), (16, 8), (8, 64)])
+@pytest.mark.parametrize("tp,batch", [(16, 1), (8, 1), (16, 8), (8, 64), (1, 1)])
 @pytest.mark.parametrize("op", sorted(OWN_OPS))
 def test_kimi_k3s_own_fused_ops_on_generated_kernels_match_their_references(kimi_k3, op, tp, batch):
     """At the served shapes, fresh inputs scaled as a trained layer's, outputs poisoned: every
@@ -311,3 +327,30 @@ def test_kimi_k3s_own_fused_ops_on_generated_kernels_match_their_references(kimi
         assert g.dtype == r.dtype and g.shape == r.shape, (g.dtype, r.dtype, g.shape, r.shape)
         assert not torch.isnan(g).any() and not torch.isinf(g).any()
         assert rel_err(g, r) < 2e-2, (op, tp, batch, rel_err(g, r))
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [1, 5, 13, 64])
+@pytest.mark.parametrize("tp,ranks", [(16, (0, 3, 15)), (8, (0, 7)), (1, (0,))])
+def test_the_router_on_generated_kernels_reads_each_ranks_rows(kimi_k3, tokens, tp, ranks):
+    """The router's op is handed both whole weights: each rank's kernels read that rank's rows
+    (the launcher's ``weights_at``), fp32 logits within 1e-4, the bf16 projection within 1e-2;
+    GEMV at one token, GEMM from 2 (13: a partial token tile)."""
+    from rewriter.commands.bench_ops import _fused_calls, _materialized
+    from rewriter.model.ops import collectives_excluded
+
+    (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS["router_down"], tp, tokens, "sm_90a", ["router_down"])
+    args = _materialized(fake, torch.Generator().manual_seed(tp + tokens))
+    for rank in ranks:
+        call = [*args[:5], rank]
+        with torch.no_grad(), collectives_excluded():
+            ref_logits, ref_latent = torch.ops.k3f.router_down(*call)
+            tpl, specs, fns = gpu_kernels(name, call)
+            assert tpl.kernel == "products"
+            torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)
+            logits, latent = tpl.launch(fns, specs, call)
+            torch.cuda.synchronize()
+        assert logits.dtype == torch.float32 and latent.dtype == torch.bfloat16
+        assert logits.shape == ref_logits.shape and latent.shape == ref_latent.shape
+        assert torch.isfinite(logits).all() and torch.isfinite(latent).all()
+        assert rel_err(logits, ref_logits) <= 1e-4 and rel_err(latent, ref_latent) <= 1e-2, (rank, tokens)

@@ -1,7 +1,7 @@
 """The tensor-core skinny GEMM of decode (2..64 tokens): the attention input projection
 (``attn_in_proj_gemm``), the output projection (``o_proj_gemm``), the dense MLP's two
-projections and the shared experts' (``mlp_gate_up_gemm``, ``mlp_down_gemm``), the latent tail
-(``latent_tail_gemm``) and the router with the latent down projection (``router_down_gemm``).
+projections and the shared experts' (``mlp_gate_up_gemm``, ``mlp_down_gemm``) and the latent tail
+(``latent_tail_gemm``); the generated ``product_gemm`` is built on its main loop.
 
 Computes ``y[T, n] = sum_k x[T, k] * W[n, k]`` (``torch.nn.functional.linear(x, W)``, fp32
 accumulation, bf16 result) and writes it split like ``attn_in_proj_gemv``: rows
@@ -19,11 +19,7 @@ tiles and the epilogue scales each token's row by ``rsqrt(mean(x^2) + eps)`` (th
 scales before rounding, this kernel after the projection: the same math, bf16 rounding apart);
 with ``residual`` the epilogue adds ``r`` in bf16, ``y = bf16(bf16(acc) + r)`` (each thread's
 ``r`` read right after the wait, so no load stands between the cluster's sums and the stores). x and r may be
-row-strided views. With ``second_weight`` (the router: its gate rows and the latent down
-projection's rows are two tensors of one rank, both multiplied by the same x) output 0 is
-``x @ W0^T`` and output 1 ``x @ W1^T``: the first row tiles read W0, the rest W1, each tile's
-rows past its weight's end neither loaded nor stored (the gate has 56 rows at TP 16, fewer than
-a tile). ``out_fp32`` names the outputs stored in fp32 (the router's logits), unrounded.
+row-strided views.
 
 Work split (decode is bound by reading W once from HBM; x is small and stays in L2):
 - the MMA's M is the weight rows, its N the tokens (padded to ``token_tile``, a multiple of 16;
@@ -89,10 +85,10 @@ class SkinnyGemm:
                  split_k: int = 1, stages: int = 4, token_groups: int = 1,
                  glu: tuple[float | None, float | None] | None = None,
                  norm_eps: float | None = None, residual: bool = False, x_stride: int | None = None,
-                 r_stride: int | None = None, second_weight: bool = False, out_fp32: tuple[bool, ...] = ()):
+                 r_stride: int | None = None):
         if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:
             raise ValueError(f"token tile {token_tile}: a multiple of 16 in 16..{MAX_TOKENS}")
-        if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or (sum(segments) > rows and not second_weight):
+        if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or sum(segments) > rows:
             raise ValueError(f"segments {segments}: 1..{MAX_SEGMENTS} positive sizes summing to at most {rows}")
         if glu is not None and (len(segments) != 1 or 2 * segments[0] != rows):
             raise ValueError(f"a gated projection writes one segment of rows / 2 channels, got {segments} of {rows}")
@@ -103,13 +99,6 @@ class SkinnyGemm:
             raise ValueError(f"rows per CTA {rows_per_cta}: 32, or a multiple of {ROW_WARPS * MMA_SHAPE[0]}")
         if (norm_eps is not None or residual) and (glu is not None or len(segments) != 1):
             raise ValueError("the norm prologue and the residual epilogue go with one plain output segment")
-        if second_weight and (glu is not None or len(segments) != 2 or rows != segments[0]):
-            raise ValueError(f"a second weight gives output 1: two plain segments (W0's {rows} rows, W1's), "
-                             f"got {segments}")
-        self.out_fp32 = tuple(out_fp32) + (False,) * (len(segments) - len(out_fp32))
-        if len(self.out_fp32) != len(segments):
-            raise ValueError(f"out_fp32 {out_fp32}: one flag per output of {segments}")
-        self.two = second_weight
         self.norm = norm_eps is not None
         self.eps = float(norm_eps) if self.norm else 0.0
         self.residual = residual
@@ -129,7 +118,7 @@ class SkinnyGemm:
         self.segments = tuple(segments)
         self.starts = tuple(sum(segments[:i]) for i in range(len(segments)))
         self.rows_out = sum(segments)
-        if self.rows_out < self.tile_out and not self.two:
+        if self.rows_out < self.tile_out:
             raise ValueError(f"{self.rows_out} output rows < {self.tile_out} per CTA tile")
         self.tile_m = rows_per_cta
         self.groups = token_groups
@@ -141,9 +130,7 @@ class SkinnyGemm:
         if not 2 <= stages <= self.k_tiles:
             raise ValueError(f"stages {stages} outside 2..{self.k_tiles} (K tiles per CTA)")
         self.stages = stages
-        # the tiles of each weight (with a second one, each tile lies within one weight's rows)
-        self.tiles = (tuple(-(-size // self.tile_out) for size in segments) if self.two
-                      else (-(-self.rows_out // self.tile_out),))
+        self.tiles = (-(-self.rows_out // self.tile_out),)
         self.row_tiles = sum(self.tiles)
         self.grid = self.row_tiles * split_k
         self.slice_m = self.tile_out // split_k  # output rows each CTA of a cluster sums and stores
@@ -166,8 +153,8 @@ class SkinnyGemm:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
                  mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
-                 mW1: cute.Tensor | None, stream: cuda.CUstream):
-        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, mW1, *self.machinery()).launch(
+                 stream: cuda.CUstream):
+        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, *self.machinery()).launch(
             grid=[self.grid, 1, 1], block=[self.threads, 1, 1], cluster=self.cluster(), stream=stream, use_pdl=True)
 
     def machinery(self) -> tuple:
@@ -195,8 +182,7 @@ class SkinnyGemm:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
                mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
-               mW1: cute.Tensor | None, sW_layout: cute.Layout, sX_layout: cute.Layout, tiled_g2s: cute.TiledCopy,
-               tiled_mma: cute.TiledMma):
+               sW_layout: cute.Layout, sX_layout: cute.Layout, tiled_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         C = const_expr(self.split_k)
@@ -208,13 +194,6 @@ class SkinnyGemm:
         tile = bidx // C
         first = tile * TO  # the tile's own output rows start here
         row0 = cutlass.min(first, self.rows_out - TO)  # the last tile reaches back to stay in bounds
-        second = tile >= self.tiles[0]  # with a second weight: this tile's rows are W1's
-        bound = cutlass.Int32(self.segments[0])  # ... and its rows end at its weight's end
-        if const_expr(self.two):
-            if second:
-                first = (tile - self.tiles[0]) * TO
-                bound = cutlass.Int32(self.segments[1])
-            row0 = first
         k0 = rank * (NK * TILE_K)
 
         # this CTA's W rows and x, K slice cut into (rows, TILE_K, NK) tiles; gated: the rows are
@@ -227,10 +206,6 @@ class SkinnyGemm:
             gW = cute.local_tile(cute.domain_offset((row0, k0), mW), (BM, TILE_K), (0, None))
         gX = cute.local_tile(cute.domain_offset((0, k0), mX), (self.tile_n, TILE_K), (0, None))
         gW = cute.make_tensor(gW.iterator.align(16), gW.layout)
-        gW1 = gW
-        if const_expr(self.two):
-            gW1 = cute.local_tile(cute.domain_offset((row0, k0), mW1), (BM, TILE_K), (0, None))
-            gW1 = cute.make_tensor(gW1.iterator.align(16), gW1.layout)
         gX = cute.make_tensor(gX.iterator.align(16), gX.layout)
         cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.tile_n, TILE_K), (0, None))
 
@@ -250,21 +225,13 @@ class SkinnyGemm:
 
         thr_g2s = tiled_g2s.get_slice(tidx)
         tWgW = thr_g2s.partition_S(gW)
-        tWgW1 = thr_g2s.partition_S(gW1)
         tWsW = thr_g2s.partition_D(sW)
-        # with a second weight, which of this thread's W rows lie within its weight
-        tWcW = thr_g2s.partition_S(cute.local_tile(cute.make_identity_tensor((BM, NK * TILE_K)), (BM, TILE_K),
-                                                   (0, None)))
-        WR = const_expr(cute.size(tWgW, mode=[1]))  # W rows per thread and stage
-        w_ok = cute.make_rmem_tensor((WR,), cutlass.Boolean)
-        for j in cutlass.range_constexpr(WR):
-            w_ok[j] = row0 + tWcW[0, j, 0, 0][0] < bound
         tXgX, tXsX, tXcX, x_ok = self.x_rows(thr_g2s, gX, sX, cX, tokens)
         XR = const_expr(cute.size(tXgX, mode=[1]))  # x rows per thread and stage
         rSq = cute.make_rmem_tensor((XR,), Float32)  # the norm prologue's sums of squares, per x row
         rSq.fill(0.0)
 
-        loads = (tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second)
+        loads = (tiled_g2s, tWgW, tWsW)
 
         def after_wait():
             # the residuals this thread adds in the epilogue, read now: after the sums their load
@@ -288,7 +255,7 @@ class SkinnyGemm:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens, second, bound)
+        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens)
         if const_expr(C > 1):
             # peers may still be reading this CTA's partials: an execution barrier only (relaxed:
             # a released arrive would first wait for this CTA's output stores to be acknowledged)
@@ -422,18 +389,9 @@ class SkinnyGemm:
 
     @cute.jit
     def load_w(self, loads, kt, stage):
-        """Issue the cp.async copies of W's K tile ``kt`` into ``stage`` (with a second weight:
-        from W1 on its tiles, only the rows within the weight)."""
-        tiled_g2s, tWgW, tWgW1, tWsW, w_ok, second = loads
-        if const_expr(self.two):
-            for j in cutlass.range_constexpr(cute.size(tWgW, mode=[1])):
-                if w_ok[j]:
-                    if second:
-                        cute.copy(tiled_g2s, tWgW1[None, j, None, kt], tWsW[None, j, None, stage])
-                    else:
-                        cute.copy(tiled_g2s, tWgW[None, j, None, kt], tWsW[None, j, None, stage])
-        else:
-            cute.copy(tiled_g2s, tWgW[None, None, None, kt], tWsW[None, None, None, stage])
+        """Issue the cp.async copies of W's K tile ``kt`` into ``stage``."""
+        tiled_g2s, tWgW, tWsW = loads
+        cute.copy(tiled_g2s, tWgW[None, None, None, kt], tWsW[None, None, None, stage])
 
     @cute.jit
     def load_tile(self, loads, tiled_g2s, tXgX, tXsX, x_ok, kt, stage):
@@ -477,13 +435,12 @@ class SkinnyGemm:
                     rRes[e, j] = mR[t, row0 + mv * ACC_VEC + e]
 
     @cute.jit
-    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens, second, bound):
+    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens):
         """Sum output rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4
         rows per 128-bit load; gated: each with its up row ``tile_out`` further, then the
-        activation) and store them, rounded to bf16 (or fp32 where ``out_fp32``), into their
-        output segments; rows below ``first`` (the last tile's overlap) are its neighbour's to
-        store. With a second weight the rows are the weight's own (output 1 on W1's tiles),
-        those from ``bound`` on not stored. ``rRes``: the residuals (``load_residual``)."""
+        activation) and store them, rounded to bf16, into their output segments; rows below
+        ``first`` (the last tile's overlap) are its neighbour's to store. ``rRes``: the
+        residuals (``load_residual``)."""
         outs = (mY0, mY1, mY2, mY3)
         up_groups = self.tile_out // ACC_VEC  # 4-row groups from a gate row to its up row
         gate = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
@@ -514,26 +471,11 @@ class SkinnyGemm:
                     rounded = val.to(BFloat16)
                     if const_expr(self.residual):
                         rounded = (rounded.to(Float32) + rRes[e, j].to(Float32)).to(BFloat16)
-                    if const_expr(self.two):
-                        if n < bound:
-                            if second:
-                                self.store(mY1, t, n, val, rounded, 1)
-                            else:
-                                self.store(mY0, t, n, val, rounded, 0)
-                    else:
-                        for i in cutlass.range_constexpr(len(self.segments)):
-                            lo = const_expr(self.starts[i])
-                            hi = const_expr(lo + self.segments[i])
-                            if n >= lo and n < hi and n >= first:
-                                self.store(outs[i], t, n - lo, val, rounded, i)
-
-    @cute.jit
-    def store(self, mY, t, n, val, rounded, i):
-        """Element (t, n) of output ``i``: fp32 or rounded to bf16."""
-        if const_expr(self.out_fp32[i]):
-            mY[t, n] = val
-        else:
-            mY[t, n] = rounded
+                    for i in cutlass.range_constexpr(len(self.segments)):
+                        lo = const_expr(self.starts[i])
+                        hi = const_expr(lo + self.segments[i])
+                        if n >= lo and n < hi and n >= first:
+                            outs[i][t, n - lo] = rounded
 
     @cute.jit
     def cluster_sum(self, sP, group, t, total):
@@ -558,17 +500,14 @@ def build(spec) -> tuple[SkinnyGemm, tuple]:
     kernel = SkinnyGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
                         stages=p["stages"], token_groups=p.get("token_groups", 1), glu=glu,
                         norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
-                        x_stride=p.get("x_stride"), r_stride=p.get("r_stride"),
-                        second_weight=p.get("second_weight", False), out_fp32=tuple(p.get("out_fp32", ())))
+                        x_stride=p.get("x_stride"), r_stride=p.get("r_stride"))
     tokens = cute.sym_int32()
     # outputs: scalar stores, any alignment torch gives a fresh [T, size] tensor
-    ys = [make_fake_tensor(Float32 if fp32 else BFloat16, (tokens, size), (size, 1), assumed_align=4 if fp32 else 2)
-          for size, fp32 in zip(segments, kernel.out_fp32)]
+    ys = [make_fake_tensor(BFloat16, (tokens, size), (size, 1), assumed_align=2) for size in segments]
     ys += [None] * (MAX_SEGMENTS - len(ys))
     norm_w = make_fake_tensor(BFloat16, (k,), (1,), assumed_align=16) if kernel.norm else None
     r = (make_fake_tensor(BFloat16, (tokens, kernel.rows_out), (kernel.r_stride, 1), assumed_align=2)
          if kernel.residual else None)
-    w1 = make_fake_tensor(BFloat16, (segments[1], k), (k, 1), assumed_align=16) if kernel.two else None
     return kernel, (make_fake_tensor(BFloat16, (tokens, k), (kernel.x_stride, 1), assumed_align=16),
-                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys, norm_w, r, w1,
+                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys, norm_w, r,
                     make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -1,11 +1,9 @@
 """``gemv``: the skinny GEMV of the fused ops that are a projection with extras
-(``k3f::router_down``, ``k3f::latent_tail``, ``k3f::o_proj_attn_res``), 1..64 tokens.
+(``k3f::latent_tail``, ``k3f::o_proj_attn_res``), 1..64 tokens; the generated ``product_gemv``
+is built on its main loop.
 
 Computes ``y[t, n] = <x[t], W[n]>`` (bf16 x and W, fp32 accumulation) with compile-time
 options:
-- two weights: rows ``0..N0`` from ``W0``, then ``N1`` rows from ``W1`` (two separate
-  tensors, e.g. row slices of the router gate and of the down projection), each segment
-  written to its own output in its own dtype (fp32 or bf16);
 - an RMSNorm prologue: ``x_n = bf16(x * rsqrt(mean(x^2) + eps) * norm_weight)`` per token,
   in fp32 as ``rewriter/model/layers/common.py:rms_norm``; each CTA computes it from the whole x
   row and stages ``x_n`` in shared memory;
@@ -46,7 +44,7 @@ import operator
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float32, Int64, const_expr, cute
+from cutlass import BFloat16, Float32, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from codegen.kernels.common import VEC, g2r_atom, g2r_stream_atom, r2s_atom
@@ -55,18 +53,16 @@ MAX_TOKENS = 64
 MAX_CHUNK = 8
 MAX_SLICE = 16  # weight vectors per lane and row held in registers
 X_AHEAD = 16  # x vectors per lane a chunk loads before its first use, at most (4 registers each)
-DTYPES = {"fp32": Float32, "bf16": BFloat16}
 
 
 class Gemv:
-    """Compile-time configuration: tokens, K, the two segments' rows and output dtypes, the
-    norm prologue (eps), the residual epilogue, x / r row strides, the token chunk and the
-    tiling (rows per warp, warps per CTA, K slices per row group)."""
+    """Compile-time configuration: tokens, K, the weight's rows, the norm prologue (eps), the
+    residual epilogue, x / r row strides, the token chunk and the tiling (rows per warp, warps
+    per CTA, K slices per row group)."""
 
-    def __init__(self, tokens: int, k: int, rows0: int, rows1: int = 0, *, out0: str = "bf16", out1: str = "bf16",
-                 norm: bool = False, eps: float = 1e-6, residual: bool = False, x_stride: int | None = None,
-                 r_stride: int | None = None, chunk: int = MAX_CHUNK, rows_per_warp: int = 1,
-                 warps_per_cta: int = 4, ksplit: int = 1):
+    def __init__(self, tokens: int, k: int, rows: int, *, norm: bool = False, eps: float = 1e-6,
+                 residual: bool = False, x_stride: int | None = None, r_stride: int | None = None,
+                 chunk: int = MAX_CHUNK, rows_per_warp: int = 1, warps_per_cta: int = 4, ksplit: int = 1):
         if not 1 <= tokens <= MAX_TOKENS:
             raise ValueError(f"tokens {tokens} outside 1..{MAX_TOKENS}")
         if not 1 <= chunk <= min(MAX_CHUNK, tokens):
@@ -75,11 +71,9 @@ class Gemv:
             raise ValueError(f"K {k} is not {ksplit} slices of whole 128-bit vectors per lane")
         if warps_per_cta % ksplit:
             raise ValueError(f"{warps_per_cta} warps per CTA do not split into groups of {ksplit}")
-        if rows0 < 1 or rows1 < 0:
-            raise ValueError(f"rows {rows0} + {rows1}: the first weight needs rows")
-        self.tokens, self.k, self.rows0, self.rows1 = tokens, k, rows0, rows1
-        self.rows = rows0 + rows1
-        self.out0, self.out1 = DTYPES[out0], DTYPES[out1]
+        if rows < 1:
+            raise ValueError(f"{rows} weight rows")
+        self.tokens, self.k, self.rows = tokens, k, rows
         self.norm, self.eps, self.residual = norm, float(eps), residual
         self.x_stride = x_stride or k
         self.r_stride = r_stride or self.rows
@@ -100,14 +94,14 @@ class Gemv:
         self.x_even = self.x_vectors % self.threads == 0
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor | None, mNormW: cute.Tensor | None,
-                 mR: cute.Tensor | None, mY0: cute.Tensor, mY1: cute.Tensor | None, stream: cuda.CUstream):
-        self.kernel(mX, mW0, mW1, mNormW, mR, mY0, mY1).launch(
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mNormW: cute.Tensor | None, mR: cute.Tensor | None,
+                 mY: cute.Tensor, stream: cuda.CUstream):
+        self.kernel(mX, mW, mNormW, mR, mY).launch(
             grid=[self.grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW0: cute.Tensor, mW1: cute.Tensor | None, mNormW: cute.Tensor | None,
-               mR: cute.Tensor | None, mY0: cute.Tensor, mY1: cute.Tensor | None):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mNormW: cute.Tensor | None, mR: cute.Tensor | None,
+               mY: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -118,7 +112,6 @@ class Gemv:
         S = const_expr(self.slice)
         KS = const_expr(self.ksplit)
         N = const_expr(self.rows)
-        N0 = const_expr(self.rows0)
         ld_w = g2r_stream_atom(BFloat16)
         ld_x = g2r_atom(BFloat16)
         st_s = r2s_atom(BFloat16)
@@ -140,16 +133,7 @@ class Gemv:
         # a row past the end (last CTA) re-reads the last row and stores nothing
         rW = cute.make_rmem_tensor((VEC, S, R), BFloat16)
         for r in cutlass.range_constexpr(R):
-            n = cutlass.min(first + r, N - 1)
-            if const_expr(self.rows1 > 0):
-                # two weights: the row's address from whichever tensor holds it
-                a0 = mW0.iterator.toint() + Int64(cutlass.min(n, N0 - 1)) * (self.k * 2)
-                a1 = mW1.iterator.toint() + Int64(cutlass.max(n - N0, 0)) * (self.k * 2)
-                addr = Int64(cutlass.select_(n < N0, a0, a1))
-                gRow = cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16),
-                                        cute.make_layout(self.k))
-            else:
-                gRow = mW0[n, None]
+            gRow = mW[cutlass.min(first + r, N - 1), None]
             for s in cutlass.range_constexpr(S):
                 v = (ks * S + s) * 32 + lane
                 cute.copy(ld_w, cute.local_tile(gRow, (VEC,), (v,)), rW[None, s, r])
@@ -264,13 +248,7 @@ class Gemv:
                         val = rOut[r, t]
                         if const_expr(self.residual):
                             val = val.to(BFloat16).to(Float32) + res
-                        if const_expr(self.rows1 > 0):
-                            if n < N0:
-                                mY0[tg, n] = val.to(self.out0)
-                            else:
-                                mY1[tg, n - N0] = val.to(self.out1)
-                        else:
-                            mY0[tg, n] = val.to(self.out0)
+                        mY[tg, n] = val.to(BFloat16)
             if const_expr(self.num_chunks > 1 and (KS > 1 or self.norm)):
                 cute.arch.barrier()  # shared memory is reused by the next chunk
 
@@ -282,24 +260,19 @@ class Gemv:
 
 def build(spec) -> tuple[Gemv, tuple]:
     """The kernel object and the fake arguments ``cute.compile`` takes for ``spec``."""
-    s, d, p = spec.shape_dict, spec.dtype_dict, spec.param_dict
-    t, k, n0, n1 = s["tokens"], s["k"], s["rows0"], s["rows1"]
-    kernel = Gemv(t, k, n0, n1, out0=d["out0"], out1=d.get("out1", "bf16"), norm=p["norm"], eps=p.get("eps", 1e-6),
+    s, p = spec.shape_dict, spec.param_dict
+    t, k, n = s["tokens"], s["k"], s["rows"]
+    kernel = Gemv(t, k, n, norm=p["norm"], eps=p.get("eps", 1e-6),
                   residual=p["residual"], x_stride=p["x_stride"], r_stride=p.get("r_stride"), chunk=p["chunk"],
                   rows_per_warp=p["rows_per_warp"], warps_per_cta=p["warps_per_cta"], ksplit=p["ksplit"])
-
-    def weight(rows):
-        return make_fake_tensor(BFloat16, (rows, k), (k, 1), assumed_align=16)
-
-    def out(dtype, cols):  # scalar stores: any alignment torch gives a fresh [T, cols] tensor
-        return make_fake_tensor(DTYPES[dtype], (t, cols), (cols, 1), assumed_align=DTYPES[dtype].width // 8)
 
     x = make_fake_tensor(BFloat16, (t, k), (kernel.x_stride, 1), assumed_align=16)
     norm_w = make_fake_tensor(BFloat16, (k,), (1,), assumed_align=16) if kernel.norm else None
     res = make_fake_tensor(BFloat16, (t, kernel.rows), (kernel.r_stride, 1), assumed_align=2) if kernel.residual \
         else None
-    return kernel, (x, weight(n0), weight(n1) if n1 else None, norm_w, res, out(d["out0"], n0),
-                    out(d["out1"], n1) if n1 else None, make_fake_stream(use_tvm_ffi_env_stream=True))
+    w = make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16)
+    y = make_fake_tensor(BFloat16, (t, n), (n, 1), assumed_align=2)  # scalar stores: any fresh [T, n] tensor
+    return kernel, (x, w, norm_w, res, y, make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 @cute.jit

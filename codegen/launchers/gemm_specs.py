@@ -1,6 +1,7 @@
 """Spec helpers of every template built on the skinny tensor-core ``gemm`` kernel
-(``codegen/kernels/gemm.py``: attn_in_proj_gemm, o_proj_gemm, latent_tail_gemm, router_down_gemm,
-the shared experts' and the dense MLP's): its tiling, its spec and how it is called."""
+(``codegen/kernels/gemm.py``: attn_in_proj_gemm, o_proj_gemm, latent_tail_gemm, the shared
+experts' and the dense MLP's; the generated ``product_gemm`` takes its tiling too): its tiling,
+its spec and how it is called."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ def two_cta_stages(rows_per_cta: int, token_tile: int, k: int, split: int) -> in
 
 
 def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False, products: int = 1,
-                weights: Sequence[int] = (), norm: bool = False) -> dict[str, Any]:
+                norm: bool = False) -> dict[str, Any]:
     """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
     128 weight rows per CTA (x then costs at most half the weight bytes in L2 traffic), 64
     where that alone fills more SMs, 32 where even 64 leaves half the SMs idle and the token
@@ -62,8 +63,7 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     CTA an SM at most, so each warp's MMA chain is half as long (the input projection's 208
     CTAs keep one group: with 8 warps its registers hold one CTA an SM, and it ran 1 us
     slower). ``glu``: a CTA's rows are half gate, half up rows, so it writes half as many outputs;
-    ``products``: likewise, a generated stage's rows are shared by that many products. ``weights``:
-    the row counts of two weights whose tiles do not mix (``second_weight``). ``norm``: the RMSNorm
+    ``products``: likewise, a generated stage's rows are shared by that many products. ``norm``: the RMSNorm
     prologue's shared memory (``norm_bytes``) comes out of the one-CTA ring's (the dense down stage
     at TP 3 asked for 64 bytes more than a CTA may have, and failed at its launch).
     """
@@ -75,12 +75,12 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     best = None
     for rows_per_cta in (GEMM_ROWS_PER_CTA, GEMM_ROWS_PER_CTA // 2, GEMM_ROWS_PER_CTA // 4):
         per_tile = rows_per_cta // (2 if glu else products)
-        if rows_out < per_tile and not weights:
+        if rows_out < per_tile:
             continue
         if rows_per_cta == GEMM_ROWS_PER_CTA // 4 and (glu or products > 1 or groups == 1 or best is None
                                                        or best[0] >= sms // 2):
             continue
-        tiles = sum(-(-n // per_tile) for n in weights) if weights else -(-rows_out // per_tile)
+        tiles = -(-rows_out // per_tile)
         split = next(c for c in (8, 4, 2, 1)
                      if k_tiles % c == 0 and k_tiles // c >= 2 and per_tile % (4 * c) == 0
                      and (tiles * c <= limit or c == 1))
@@ -102,32 +102,25 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
 
 
 def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int, segments: Sequence[int],
-              k_name: str = "K", glu: bool = False, second_weight: bool = False, **params: Any) -> KernelSpec | str:
+              k_name: str = "K", glu: bool = False, **params: Any) -> KernelSpec | str:
     """The skinny GEMM's spec for ``tokens`` x [``rows``, ``k``] writing ``segments`` (gated:
-    one segment of rows / 2 channels; ``second_weight``: segment 1 from a second weight of
-    ``segments[1]`` rows, ``rows`` = ``segments[0]``), its tiling chosen here; or why K or the
-    rows do not fit (``k_name``: what K is, for the reason). ``params``: the kernel's options
-    (norm, residual, activation, strides, fp32 outputs)."""
+    one segment of rows / 2 channels), its tiling chosen here; or why K or the rows do not fit
+    (``k_name``: what K is, for the reason). ``params``: the kernel's options (norm, residual,
+    activation, strides)."""
     if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
         return f"{k_name} {k} is not a multiple of {GEMM_TILE_K} of at least two tiles (the GEMM's K tile)"
     rows_out = sum(segments)
     smallest = GEMM_ROWS_PER_CTA // 2 if glu else GEMM_ROWS_PER_CTA
-    if rows_out < smallest and not second_weight:
+    if rows_out < smallest:
         return f"{rows_out} output rows < {smallest} (one CTA tile)"
-    if second_weight and len(segments) != 2:
-        return f"a second weight writes the second of two segments, got {list(segments)}"
-    tiling = gemm_tiling(tokens, k, rows_out, arch, glu=glu, weights=segments if second_weight else (),
-                         norm=params.get("norm_eps") is not None)
+    tiling = gemm_tiling(tokens, k, rows_out, arch, glu=glu, norm=params.get("norm_eps") is not None)
     if glu:
         params["glu"] = True
-    if second_weight:
-        params["second_weight"] = True
     return KernelSpec.make(kernel, op, arch, shapes={"token_tile": tiling.pop("token_tile"), "k": k, "rows": rows},
                            dtypes={"act": "bf16", "weight": "bf16"},
                            params={"segments": list(segments), **params, **tiling}, module="gemm")
 
 
-def gemm_call(fn, x, weight, ys, norm_weight=None, residual=None, weight1=None) -> None:
-    """Launch a compiled skinny GEMM: up to 4 outputs, then its optional norm weight, residual
-    and second weight."""
-    fn(x, weight, *ys, *[None] * (MAX_SEGMENTS - len(ys)), norm_weight, residual, weight1)
+def gemm_call(fn, x, weight, ys, norm_weight=None, residual=None) -> None:
+    """Launch a compiled skinny GEMM: up to 4 outputs, then its optional norm weight and residual."""
+    fn(x, weight, *ys, *[None] * (MAX_SEGMENTS - len(ys)), norm_weight, residual)

@@ -1,5 +1,6 @@
 """Spec helpers of every template built on the skinny ``gemv`` kernel (``codegen/kernels/gemv.py``:
-router_down, latent_tail, o_proj): the token chunking, the tiling and the spec itself."""
+latent_tail, o_proj; the generated ``product_gemv`` takes its tiling too): the token chunking,
+the tiling and the spec itself."""
 from __future__ import annotations
 
 from typing import Any
@@ -41,9 +42,8 @@ def skinny_gemv_tiling(chunk: int, k: int, rows: int, norm: bool = False) -> dic
     return {"rows_per_warp": rows_per_warp, "warps_per_cta": ks * max(1, warps // ks), "ksplit": ks}
 
 
-def gemv_spec(op: str, arch: str, *, tokens: int, k: int, rows0: int, rows1: int = 0, out0: str = "bf16",
-              out1: str = "bf16", x_stride: int, norm: bool = False, eps: float = 0.0, residual: bool = False,
-              r_stride: int = 0) -> KernelSpec | str:
+def gemv_spec(op: str, arch: str, *, tokens: int, k: int, rows: int, x_stride: int, norm: bool = False,
+              eps: float = 0.0, residual: bool = False, r_stride: int = 0) -> KernelSpec | str:
     """The ``gemv`` kernel's spec, or the reason it cannot take this call."""
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
         return f"{tokens} tokens outside 1..{GEMV_MAX_TOKENS} (the skinny GEMV template)"
@@ -52,16 +52,13 @@ def gemv_spec(op: str, arch: str, *, tokens: int, k: int, rows0: int, rows1: int
     if x_stride % 8:
         return f"x row stride {x_stride} is not a multiple of 8 (128-bit vectors)"
     chunk = token_chunk(tokens)
-    tiling = skinny_gemv_tiling(chunk, k, rows0 + rows1, norm)
+    tiling = skinny_gemv_tiling(chunk, k, rows, norm)
     if isinstance(tiling, str):
         return tiling
-    dtypes = {"act": "bf16", "weight": "bf16", "out0": out0}
-    if rows1:
-        dtypes["out1"] = out1
     params: dict[str, Any] = {"norm": norm, "residual": residual, "x_stride": x_stride, "chunk": chunk, **tiling}
     if norm:
         params["eps"] = float(eps)
     if residual:
         params["r_stride"] = r_stride
-    return KernelSpec.make("gemv", op, arch, shapes={"tokens": tokens, "k": k, "rows0": rows0, "rows1": rows1},
-                           dtypes=dtypes, params=params)
+    return KernelSpec.make("gemv", op, arch, shapes={"tokens": tokens, "k": k, "rows": rows},
+                           dtypes={"act": "bf16", "weight": "bf16", "out": "bf16"}, params=params)

@@ -8,7 +8,8 @@ from its own reference, when the compiler can lower that reference (``codegen.ho
 - ``products``: a reference with products by weights: one kernel a stage (prologue, products,
   epilogue), on the skinny tensor-core GEMM's main loop from ``GEMM_MIN_TOKENS`` tokens where the
   stage reads its activation as it is (``codegen/kernels/product_gemm.py``), else on the skinny
-  GEMV's (``codegen/kernels/product_gemv.py``).
+  GEMV's (``codegen/kernels/product_gemv.py``), and on the GEMM at one token too where a stage's
+  K is longer than the GEMV holds in registers.
 
 A call the lowering refuses (an op it does not know, a shape it does not take) is refused here
 with that reason, so the plan, ``inspect`` and the server name it. ``codegen.templates`` tries
@@ -128,11 +129,12 @@ def is_plain(stage: Stage) -> bool:
     return not p.ops and p.inputs == (("row", "bf16"),) and p.outputs == ((0, "bf16", 2),)
 
 
-def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str) -> dict[str, Any] | str:
+def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int = GEMM_MIN_TOKENS
+                 ) -> dict[str, Any] | str:
     """The GEMM's tiling for stages of one activation (its parts; ``gemm_tiling`` over their
     columns, a tile's rows shared by the products), or why the GEMM does not take them."""
     k, products, n = parts[0].k, len(parts[0].weights), sum(st.n for st in parts)
-    if tokens < GEMM_MIN_TOKENS:
+    if tokens < min_tokens:
         return f"{tokens} token: the GEMV main loop"
     if not all(is_plain(st) for st in parts):
         return "the prologue computes (the GEMM multiplies its activation as it is read)"
@@ -357,7 +359,12 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
                          {**tiling, "x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
             continue
         tiling = _tiling(parts, tokens)
-        if isinstance(tiling, str):
+        if isinstance(tiling, str):  # a K too long for the GEMV's registers (the dense MLP at TP 1): the GEMM's
+            gemm = _gemm_tiling(parts, tokens, arch, min_tokens=1)
+            if not isinstance(gemm, str):
+                made.append(("product_gemm", parts, run, {"token_tile": gemm.pop("token_tile")},
+                             {**gemm, "x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
+                continue
             return f"stage{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}: {tiling}"
         made.append(("product_gemv", parts, run, {"tokens": tokens},
                      {**tiling, "pro_strides": checked[run[0]][0], "epi_strides": epi_strides}))

@@ -50,7 +50,7 @@ def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
                          norm_eps=float(eps), residual=True, x_stride=stride or latent, r_stride=stride or hidden)
         if not isinstance(spec, str):
             return (spec,)
-    spec = gemv_spec(op, arch, tokens=t, k=latent, rows0=rows, out0="bf16", x_stride=stride or latent, norm=True,
+    spec = gemv_spec(op, arch, tokens=t, k=latent, rows=rows, x_stride=stride or latent, norm=True,
                      eps=eps, residual=True, r_stride=stride or hidden)
     return spec if isinstance(spec, str) else (spec,)
 
@@ -82,7 +82,7 @@ def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
     if specs[0].kernel == "latent_tail_gemm":
         gemm_call(fn, routed, rows, [y], norm_weight, part)
     else:
-        fn(routed, rows, None, norm_weight, part, y, None)
+        fn(routed, rows, norm_weight, part, y)
     return host().gather_last_dim(y, group, pieces)
 
 

@@ -60,7 +60,7 @@ def _projection_spec(op: str, arch: str, t: int, k: int, hidden: int) -> KernelS
         spec = gemm()
         if not isinstance(spec, str):
             return spec
-    spec = gemv_spec(op, arch, tokens=t, k=k, rows0=hidden, out0="bf16", x_stride=k)
+    spec = gemv_spec(op, arch, tokens=t, k=k, rows=hidden, x_stride=k)
     if isinstance(spec, str) and t < O_PROJ_GEMM_MIN_TOKENS:
         fallback = gemm()
         return spec if isinstance(fallback, str) else fallback
@@ -72,7 +72,7 @@ def project(fn, spec: KernelSpec, o: torch.Tensor, weight: torch.Tensor, attn: t
     if spec.kernel == "o_proj_gemm":
         gemm_call(fn, o, weight, [attn])
     else:
-        fn(o, weight, None, None, None, attn, None)
+        fn(o, weight, None, None, attn)
 
 
 def _o_proj_runtime(args: Sequence[Any]) -> str | None:

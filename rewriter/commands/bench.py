@@ -376,7 +376,7 @@ def short_name(kernel: str) -> str:
 
 
 def label_kernels(launched: list[tuple[str, float]], specs: list) -> list[tuple[str, float]]:
-    """Each profiled kernel under the name of the spec it ran (``router_down_gemm`` rather than
+    """Each profiled kernel under the name of the spec it ran (``latent_tail_gemm`` rather than
     the ``gemm.SkinnyGemm`` class five templates share): generated kernels are matched, in launch
     order, to the first unmatched spec of the schedule whose kernel module they come from;
     torch's kernels keep their own names, cut short."""
