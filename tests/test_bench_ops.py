@@ -50,12 +50,28 @@ def test_the_floor_counts_the_rows_of_a_weight_this_rank_reads(cfg, tp):
                         and min(a.shape) >= 64)
 
 
-def test_the_table_gives_the_ratio_and_the_kernels():
-    row = OpRow("shared_experts", 1, 16, 8, "a + b", "c + d", 10.0, 10.5, 4.0)
+def test_the_table_gives_the_ratio_the_agreement_and_the_kernels():
+    row = OpRow("shared_experts", 1, 16, 8, "a + b", "c + d", 10.0, 10.5, 4.0, 1.2e-3)
     text = render([row], "H100")
     assert row.ratio == pytest.approx(1.05)
-    assert " 1.05 " in text and "a + b; c + d" in text and "hand-written us" in text
+    assert " 1.05 " in text and " 1e-03 " in text and "a + b; c + d" in text and "hand-written us" in text
     assert "hand-written us" not in render([row], "H100", head=False)
+    # two sides that disagree, or a NaN, are marked where the time is read
+    far, nan = (OpRow("dense_mlp", 0, 8, 1, "a", "b", 1.0, 1.0, 1.0, err) for err in (0.5, float("nan")))
+    assert " 5e-01! " in render([far], "H100", head=False) and " NaN! " in render([nan], "H100", head=False)
+
+
+@pytest.mark.parametrize("nan_first", [True, False])
+def test_agreement_is_nan_where_either_side_has_a_nan(nan_first):
+    """Whatever the order of the results, a NaN is never hidden behind a finite error."""
+    from rewriter.commands.bench import agreement
+
+    good, bad = torch.ones(4, 8), torch.ones(4, 8)
+    bad[1, 2] = float("nan")
+    outs = [bad, good] if nan_first else [good, bad]
+    err = agreement(lambda x: [good, good], lambda x: outs, [torch.zeros(1)])
+    assert err != err  # NaN
+    assert agreement(lambda x: [good], lambda x: [good * 1.01], [torch.zeros(1)]) == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize("argv,named", [(["--layers", "93"], "--layers 93: the model has layers 0..92"),
@@ -87,3 +103,4 @@ def test_it_times_the_shared_experts_both_ways(capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert len(rows) == 1 and rows[0]["op"] == "shared_experts"
     assert 0 < rows[0]["hand_us"] < 1e4 and 0 < rows[0]["generated_us"] < 1e4
+    assert rows[0]["agree"] is not None and rows[0]["agree"] <= 2e-2  # the two sides compute the same

@@ -614,12 +614,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def agreement(run_a: Callable[..., Any], run_b: Callable[..., Any], inputs: list) -> float:
     """The largest relative error between two paths' outputs and updated states over one step
-    from the same inputs (each on its own copy)."""
+    from the same inputs (each on its own copy); NaN where either holds a NaN or an infinity."""
     copies = [[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs] for _ in range(2)]
     outs = [_tensors(run(*c)) + [t for t in c if isinstance(t, torch.Tensor)]
             for run, c in zip((run_a, run_b), copies)]
-    return max(float((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30))
-               for a, b in zip(*outs) if a.is_floating_point())
+    errors = [float((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30))
+              for a, b in zip(*outs) if a.is_floating_point()]
+    return math.nan if any(not math.isfinite(e) for e in errors) else max(errors)
 
 
 def _stock_row(case: _Case, tp: int, batch: int, floor_us: float, ref_floor_us: float, reps: int, rounds: int,

@@ -10,12 +10,15 @@ replays alternate (A B, B A, ...). A row gives each side's time a call (the medi
 the copies), the ratio, and the op's HBM floor: the bytes the rewriter counts for its match (the
 rows of each weight this rank reads, the activations in and out) at the copy bandwidth ``bench``
 uses. An op handed a whole weight that it slices to its rank's rows (the router's) floors at the
-rows.
+rows. ``agree`` is the largest relative error between the two sides' results on the first copy's
+inputs: a bench that times a wrong kernel says so (``!`` above 2e-2, ``NaN!`` for a NaN or an
+infinity).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +45,7 @@ class OpRow:
     hand_us: float
     generated_us: float
     floor_us: float
+    agree: float  # the largest relative error between the two sides' results on the same inputs (NaN: a NaN)
 
     @property
     def ratio(self) -> float:
@@ -129,21 +133,30 @@ def time_op(op: str, layer: int, tp: int, batch: int, arch: str, fake: Sequence[
     gen = torch.Generator().manual_seed(1000 * layer + 10 * tp + batch)
     copies = bench_cmd.copies_for(_bytes(fake), None)
     sets = [_materialized(fake, gen) for _ in range(copies)]
-    runs, labels = [], []
+    runs, labels, launches = [], [], []
     for template in sides:
         launch, label = _loaded(template, op, arch, sets[0])
         runs.append(bench_cmd.captured_graph(lambda launch=launch: [launch(s) for s in sets]).replay)
         labels.append(label)
+        launches.append(lambda *a, launch=launch: launch(list(a)))
+    agree = bench_cmd.agreement(*launches, sets[0])
     for run in runs:
         bench_cmd.warmed_up(run)
     hand, generated = bench_cmd.alternated_us(runs[0], runs[1], reps)
     floor_us = hbm_us(floor_bytes, tbps)
     return OpRow(op.split("::")[1], layer, tp, batch, labels[0], labels[1], statistics.median(hand) / copies,
-                 statistics.median(generated) / copies, floor_us)
+                 statistics.median(generated) / copies, floor_us, agree)
 
 
 HEAD = (f"{'op':<16} {'layer':>5} {'TP':>3} {'batch':>5} {'hand-written us':>16} {'generated us':>13} "
-        f"{'ratio':>6} {'floor us':>9}  kernels (hand-written; generated)")
+        f"{'ratio':>6} {'floor us':>9} {'agree':>8}  kernels (hand-written; generated)")
+
+
+DISAGREE = 2e-2  # two sides' bf16 results further apart than this: one of them is wrong at these shapes
+
+
+def _agree(err: float) -> str:
+    return "NaN!" if math.isnan(err) else f"{err:.0e}" + ("!" if err > DISAGREE else "")
 
 
 def render(rows: list[OpRow], device: str, head: bool = True) -> str:
@@ -152,7 +165,7 @@ def render(rows: list[OpRow], device: str, head: bool = True) -> str:
              "replays, weights out of L2", HEAD, "-" * 100] if head else []
     for r in rows:
         lines.append(f"{r.op:<16} {r.layer:>5} {r.tp:>3} {r.batch:>5} {r.hand_us:>16.1f} {r.generated_us:>13.1f} "
-                     f"{r.ratio:>6.2f} {r.floor_us:>9.1f}  {r.hand_written}; {r.generated}")
+                     f"{r.ratio:>6.2f} {r.floor_us:>9.1f} {_agree(r.agree):>8}  {r.hand_written}; {r.generated}")
     return "\n".join(lines)
 
 
@@ -213,7 +226,8 @@ def run_bench_ops(args: argparse.Namespace) -> int:
                                 print(render([row], device, head=len(rows) == 1), flush=True)
     if args.json:
         print(json.dumps({"device": device, "arch": arch, "hbm_tbps": tbps,
-                          "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=1))
+                          "rows": [{**asdict(r), "ratio": r.ratio, "agree": None if math.isnan(r.agree) else r.agree}
+                                   for r in rows]}, indent=1, allow_nan=False))
     elif not rows:
         print("no fused op of these layers has both a hand-written template and generated kernels")
     return 0
