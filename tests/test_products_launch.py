@@ -101,6 +101,26 @@ def test_the_launcher_hands_each_probes_kernels_their_tensors(name, tokens):
     _check(f"k3f::products_probe_{name}", list(_args(name, tokens, "cpu", gen)))
 
 
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_an_activation_read_from_a_wider_row_runs_at_its_stride(tokens):
+    """A row-strided view (the op handed columns of a wider tensor) is taken: its stride goes in
+    the specs and the run-time check passes it; a view strided along its last dim, or a weight
+    that is not contiguous rows, is refused by name."""
+    gen = torch.Generator().manual_seed(tokens)
+    x, gate_up, down = _args("mlp", tokens, "cpu", gen)
+    wide = torch.randn(tokens, 2 * x.shape[1], generator=gen).to(x.dtype)
+    view = wide[:, :x.shape[1]]
+    specs = PRODUCTS.make_specs("k3f::products_probe_mlp", "sm_90a", [view, gate_up, down])
+    assert not isinstance(specs, str), specs
+    assert specs[0].param_dict.get("x_stride", (specs[0].param_dict.get("pro_strides") or (0,))[0]) == 2 * x.shape[1]
+    assert PRODUCTS.runtime_check([view, gate_up, down]) is None
+    _check("k3f::products_probe_mlp", [view, gate_up, down])
+    columns = wide[:, ::2]
+    assert "strides (4096, 2)" in PRODUCTS.make_specs("k3f::products_probe_mlp", "sm_90a", [columns, gate_up, down])
+    padded = torch.randn(gate_up.shape[0], 2 * gate_up.shape[1], generator=gen).to(x.dtype)[:, :gate_up.shape[1]]
+    assert "a weight is contiguous" in PRODUCTS.make_specs("k3f::products_probe_mlp", "sm_90a", [x, padded, down])
+
+
 @pytest.fixture(scope="module")
 def kimi_k3():
     from rewriter.compiler.plan import install_host

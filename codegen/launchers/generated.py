@@ -309,6 +309,14 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
     tokens = _tokens(first.prologue_from, first.prologue, tensors)
     if not 1 <= tokens <= MAX_TOKENS:
         return f"{tokens} tokens outside 1..{MAX_TOKENS}"
+    for i, t in enumerate(tensors):  # rows may be views of wider ones (their strides go in the specs)
+        if t.dim() and t.stride(-1) != 1:
+            return f"tensor argument {i} of strides {tuple(t.stride())}: the kernels read 128-bit vectors of a row"
+        if t.dim() == 2 and t.shape[1] == 1 < t.shape[0] and t.stride(0) != 1:
+            return f"tensor argument {i}, a [T, 1] statistic, of strides {tuple(t.stride())}: it is read packed"
+    for w in {w for st in products.stages for w, _ in st.weights}:
+        if tensors[w].dim() != 2 or tensors[w].stride(0) != tensors[w].shape[1]:
+            return f"weight argument {w} of strides {tuple(tensors[w].stride())}: a weight is contiguous [N, K] rows"
     checked = []  # each stage's (prologue row strides, epilogue row strides)
     for i, stage in enumerate(products.stages):
         pro, epi = stage.prologue, stage.epilogue
@@ -403,9 +411,7 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
 
 
 def _product_runtime(args: Sequence[Any]) -> str | None:
-    for i, t in enumerate(_tensors(args)):
-        if t.stride(-1) != 1 or (t.dim() == 2 and t.stride(0) != t.shape[1]):
-            return f"tensor argument {i} is not contiguous (strides {tuple(t.stride())})"
+    """What the specs cannot know: where the tensors lie (their layouts are the specs')."""
     return aligned({f"tensor argument {i}": t for i, t in enumerate(_tensors(args))})
 
 
