@@ -4,6 +4,8 @@ for sm_90a and sm_100a with the PTX its main loop promises, and, on a GPU, that 
 reference on fresh random inputs, alone and inside a CUDA graph."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -28,6 +30,13 @@ def _norm_proj_res(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, 
 @fused_op("products_probe_mlp")
 def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Two stages: a packed gate-and-up weight as two products meeting in a SiLU epilogue, then down."""
+    return F.linear(silu_and_mul(F.linear(x, gate_up)), down)
+
+
+@fused_op("products_probe_short_k_mlp")
+def _short_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The shared experts' shape at TP 16: a down projection of K 384 (48 vectors), which 16-lane
+    groups of the GEMV fill where a warp's 32 lanes would not."""
     return F.linear(silu_and_mul(F.linear(x, gate_up)), down)
 
 
@@ -111,6 +120,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
                 t(2048, 3584), t(tokens, 2048))
     if name in ("mlp", "situ_mlp", "mlp_all_reduced"):
         return (t(tokens, 2048), t(2 * 768, 2048), t(2048, 768))
+    if name == "short_k_mlp":
+        return (t(tokens, 1024), t(2 * 384, 1024), t(2048, 384))
     if name.startswith("fp8"):
         w = t(1536, 2048, dtype=torch.float32).to(torch.float8_e4m3fn) if device != "meta" else \
             t(1536, 2048, dtype=torch.float8_e4m3fn)
@@ -130,9 +141,9 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
     return (t(tokens, 1024), t(tokens, 1024), t(1024, positive=True), t(1536, 1024))
 
 
-PROBES = ["norm_proj_res", "mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced", "projections",
-          "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm"]
-STAGES = {"mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
+PROBES = ["norm_proj_res", "mlp", "short_k_mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced",
+          "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm"]
+STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
 # before the GEMM
@@ -180,7 +191,7 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
                                          ("add_norm_proj", 5), ("situ_mlp", 17), ("projections", 1),
                                          ("projections", 8), ("two_weights", 1), ("two_weights", 64),
                                          ("fp8_per_channel", 8), ("fp8_per_tensor", 1),
-                                         ("o_proj_residual_norm", 8)])
+                                         ("o_proj_residual_norm", 8), ("short_k_mlp", 1)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill)."""
     from codegen.compiler import compile_kernel
@@ -195,6 +206,23 @@ def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kca
             assert spec.module == "product_gemm" or "ld.global.L1::no_allocate.L2::256B.v2.b32" in ptx
         assert "griddepcontrol.wait" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@needs_cutedsl
+def test_a_short_k_is_spread_over_16_lane_groups(kcache):
+    """K 384 is 48 vectors: 16 lanes of 3 each, two columns a lane group and four a warp, one
+    4-step butterfly a sum; K 768 (96 vectors) keeps the whole warp."""
+    from codegen.compiler import compile_kernel
+
+    _, (up, down) = spec_for_call("k3f::products_probe_short_k_mlp", "sm_90a", _args("short_k_mlp", 1, "meta", None))
+    assert (down.param_dict["lanes"], down.param_dict["cols"], down.param_dict["ksplit"]) == (16, 2, 1)
+    assert "lanes" not in up.param_dict
+    _, (_, wide) = spec_for_call("k3f::products_probe_mlp", "sm_90a", _args("mlp", 1, "meta", None))
+    assert "lanes" not in wide.param_dict
+    ptx = compile_kernel(down, cache=kcache).ptx
+    assert ptx.count("ld.global.L1::no_allocate.L2::256B.v4") == 2 * 3  # two rows of 3 vectors a lane, once
+    bfly = [int(m) for m in re.findall(r"shfl\.sync\.bfly\.b32\s+%r\d+, %r\d+, (\d+),", ptx)]
+    assert sorted(set(bfly)) == [1, 2, 4, 8] and len(bfly) == 2 * 4  # a 16-lane butterfly for each column
 
 
 @pytest.fixture(scope="module")

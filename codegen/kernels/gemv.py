@@ -277,13 +277,14 @@ def build(spec) -> tuple[Gemv, tuple]:
 
 @cute.jit
 def lane_and_slice_sums(rAcc: cute.Tensor, rOut: cute.Tensor, sRed: cute.Tensor | None, lane, ks, group, rows: int,
-                        tokens: int, ksplit: int):
-    """``rOut[r, t]``: ``rAcc[r, t]`` summed over the warp's lanes (a butterfly: every lane holds
-    every sum), then over the ``ksplit`` warps of the K slices of its column group (through
-    ``sRed[ks, group, r, t]`` in shared memory, behind one barrier)."""
+                        tokens: int, ksplit: int, lanes: cutlass.Constexpr = 32):
+    """``rOut[r, t]``: ``rAcc[r, t]`` summed over the ``lanes`` lanes of a row (the warp, or each
+    of its 16- or 8-lane groups: a butterfly, every lane of the group holds every sum), then over
+    the ``ksplit`` warps of the K slices of its column group (through ``sRed[ks, group, r, t]``
+    in shared memory, behind one barrier; whole warps only)."""
     for r in cutlass.range_constexpr(rows):
         for t in cutlass.range_constexpr(tokens):
-            rOut[r, t] = cute.arch.warp_reduction(rAcc[r, t], operator.add)
+            rOut[r, t] = cute.arch.warp_reduction(rAcc[r, t], operator.add, threads_in_group=lanes)
     if const_expr(ksplit > 1):
         if lane == 0:
             for r in cutlass.range_constexpr(rows):

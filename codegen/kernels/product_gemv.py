@@ -5,7 +5,8 @@ v and gates) are the kernel's *parts*: each CTA's columns lie in one part, whose
 reads and whose epilogue it runs (``product_gemm.py`` holds parts the same way).
 
 The main loop is the one of ``codegen/kernels/gemv.py`` (decode reads every weight once from
-HBM): a warp owns ``cols`` output columns of every product (``cols x products`` weight rows),
+HBM): a warp owns ``cols`` output columns of every product (``cols x products`` weight rows;
+for a short K each 16- or 8-lane group of a warp owns ``cols`` columns of its own, ``lanes``),
 ``ksplit`` warps split K, each lane loads its whole K slice of its rows at once
 (``ld.global.L1::no_allocate.L2::256B.v4``, before ``griddepcontrol.wait``: weights are never
 written by the layer) and keeps it in registers for every token; tokens run in chunks of at most
@@ -17,7 +18,8 @@ generated code goes into two hooks, emitted op by op from the programs
   whole row, spread over the CTA as in the rowwise kernel (reductions across the CTA), and
   stages its bf16 result in shared memory; the statistics the epilogue reads stay in
   registers; a result the op returns from the prologue is written by CTA 0;
-- the epilogue: lane ``c * chunk + t`` of a column group's first warp owns (column c, token t):
+- the epilogue: lane ``c * chunk + t`` of a column group's first warp (of each lane group)
+  owns (column c, token t):
   it reads its epilogue inputs (rows, columns, statistics) with the chunk's x, takes every
   product's sum for its (c, t), runs the epilogue on scalars and stores each output.
 
@@ -42,12 +44,18 @@ from codegen.targets import MAX_TOKENS
 
 class ProductGemv:
     """Compile-time configuration: the parts (stages of one prologue; the first's prologue is
-    every part's), the tokens and their chunk, the tiling (columns per warp, warps per CTA, K
-    slices), and the row strides of the row inputs (views of wider rows), the epilogue's per
-    part."""
+    every part's), the tokens and their chunk, the tiling (lanes a row, columns per lane group,
+    warps per CTA, K slices), and the row strides of the row inputs (views of wider rows), the
+    epilogue's per part.
+
+    ``lanes``: a row's K is spread over the whole warp (32), or over each of its 16- or 8-lane
+    groups, which then own columns of their own: a short K (the shared experts' down projection,
+    384 at TP 16: 48 vectors) fills every lane of 16 with 3 vectors, where a warp would leave a
+    quarter of its lanes idle on a second one. Groups smaller than the warp take one K slice."""
 
     def __init__(self, parts: tuple[Stage, ...], tokens: int, *, chunk: int, cols: int, warps_per_cta: int,
-                 ksplit: int, pro_strides: tuple[int, ...], epi_strides: tuple[tuple[int, ...], ...]):
+                 ksplit: int, pro_strides: tuple[int, ...], epi_strides: tuple[tuple[int, ...], ...],
+                 lanes: int = 32):
         if not 1 <= tokens <= MAX_TOKENS or not 1 <= chunk <= min(8, tokens):
             raise ValueError(f"{tokens} tokens in chunks of {chunk}: 1..{MAX_TOKENS} in chunks of 1..8")
         stage = parts[0]
@@ -61,18 +69,21 @@ class ProductGemv:
         if self.k % VEC or warps_per_cta % ksplit:
             raise ValueError(f"K {self.k} is not whole 128-bit vectors, or {warps_per_cta} warps do not split into "
                              f"groups of {ksplit}")
-        self.cols, self.ksplit, self.warps_per_cta = cols, ksplit, warps_per_cta
-        self.rows = cols * self.products  # weight rows a warp holds
+        if lanes not in (8, 16, 32) or (lanes < 32 and ksplit != 1):
+            raise ValueError(f"{lanes} lanes a row with {ksplit} K slices: 32, or 16 or 8 in one K slice")
+        self.cols, self.ksplit, self.warps_per_cta, self.lanes = cols, ksplit, warps_per_cta, lanes
+        self.subs = 32 // lanes  # lane groups a warp, each its own columns
+        self.rows = cols * self.products  # weight rows a lane holds
         self.k_vectors = self.k // VEC
-        self.slice = -(-self.k_vectors // (32 * ksplit))  # vectors a lane holds of each row
+        self.slice = -(-self.k_vectors // (lanes * ksplit))  # vectors a lane holds of each row
         # K not whole vectors a lane: the lanes past the row's end read its last vector and add nothing
-        self.k_even = self.k_vectors == self.slice * 32 * ksplit
-        if cols * chunk > 32:
-            raise ValueError(f"{cols} columns x {chunk} tokens: one storing lane each, at most 32")
+        self.k_even = self.k_vectors == self.slice * lanes * ksplit
+        if cols * chunk > lanes:
+            raise ValueError(f"{cols} columns x {chunk} tokens: one storing lane each, at most {lanes}")
         self.groups = warps_per_cta // ksplit
         self.threads = 32 * warps_per_cta
         # each part's CTAs, from tile_starts[q]
-        tiles = [-(-st.n // (self.groups * cols)) for st in parts]
+        tiles = [-(-st.n // (self.groups * self.subs * cols)) for st in parts]
         self.tile_starts = tuple(sum(tiles[:q]) for q in range(len(parts)))
         self.grid = sum(tiles)
         self.num_chunks = -(-tokens // chunk)
@@ -113,7 +124,7 @@ class ProductGemv:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         T, TC, C, P = const_expr(self.tokens), const_expr(self.chunk), const_expr(self.cols), const_expr(self.products)
-        R, S, KS = const_expr(self.rows), const_expr(self.slice), const_expr(self.ksplit)
+        R, S, KS, L = const_expr(self.rows), const_expr(self.slice), const_expr(self.ksplit), const_expr(self.lanes)
         one = const_expr(len(self.parts) == 1)
         pro = self.stage.prologue
         pro_kinds = pro.kinds
@@ -127,7 +138,10 @@ class ProductGemv:
         ks = warp % KS
         # the part this CTA's columns lie in, and the CTA's place in it
         part, cta = part_of(bidx, self.tile_starts)
-        first = (cta * self.groups + group) * C  # this warp's first output column of its part
+        first = (cta * self.groups + group) * C  # this warp's (lane group's) first output column of its part
+        if const_expr(L < 32):
+            first = ((cta * self.groups + group) * self.subs + lane // L) * C
+            lane = lane % L  # the lane within its group from here on
 
         smem = cutlass.memory.SmemAllocator()
         sRed = None
@@ -240,11 +254,11 @@ class ProductGemv:
                     for r in cutlass.range_constexpr(R):
                         dot = (w[r] * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                         if const_expr(not self.k_even):
-                            dot = cutlass.select_((ks * S + s) * 32 + lane < self.k_vectors, dot, Float32(0.0))
+                            dot = cutlass.select_((ks * S + s) * L + lane < self.k_vectors, dot, Float32(0.0))
                         rAcc[r, t] = rAcc[r, t] + dot
 
             # sums over the warp (butterfly: every lane holds every sum), then over the K slices
-            lane_and_slice_sums(rAcc, rOut, sRed, lane, ks, group, R, TC, KS)
+            lane_and_slice_sums(rAcc, rOut, sRed, lane, ks, group, R, TC, KS, L)
 
             # the epilogue hook: this lane's (column, token): every product's sum, the kept
             # statistics and its inputs, through the epilogue program, to the outputs
@@ -278,8 +292,9 @@ class ProductGemv:
                 cute.arch.barrier()  # shared memory is reused by the next chunk
 
     def k_vector(self, ks, s, lane):
-        """The K vector lane ``lane`` of K slice ``ks`` holds at step ``s`` (clamped to the last)."""
-        v = (ks * self.slice + s) * 32 + lane
+        """The K vector lane ``lane`` (of its group) of K slice ``ks`` holds at step ``s`` (clamped
+        to the last)."""
+        v = (ks * self.slice + s) * self.lanes + lane
         return v if const_expr(self.k_even) else cutlass.min(v, self.k_vectors - 1)
 
     def x_row(self, base, t):
@@ -294,7 +309,7 @@ def build(spec) -> tuple[ProductGemv, tuple]:
     t = spec.shape_dict["tokens"]
     kernel = ProductGemv(parts, t, chunk=p["chunk"], cols=p["cols"], warps_per_cta=p["warps_per_cta"],
                          ksplit=p["ksplit"], pro_strides=tuple(p["pro_strides"]),
-                         epi_strides=tuple(tuple(e) for e in p["epi_strides"]))
+                         epi_strides=tuple(tuple(e) for e in p["epi_strides"]), lanes=p.get("lanes", 32))
     k = parts[0].k
 
     pro = parts[0].prologue

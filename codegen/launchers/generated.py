@@ -239,7 +239,23 @@ def _tiling(parts: Sequence[Stage], tokens: int) -> dict[str, Any] | str:
     if cols * products * -(-vec // ks) > MAX_WEIGHT_VECTORS:
         return (f"{products} products of K {k}: {cols * products * -(-vec // ks)} weight vectors a lane, at most "
                 f"{MAX_WEIGHT_VECTORS} in registers")
-    return {"chunk": chunk, "cols": cols, "ksplit": ks, "warps_per_cta": ks * max(1, tiling["warps_per_cta"] // ks)}
+    out = {"chunk": chunk, "cols": cols, "ksplit": ks, "warps_per_cta": ks * max(1, tiling["warps_per_cta"] // ks)}
+    return {**out, **_lane_groups(k // VEC, products, chunk)} if ks == 1 else out
+
+
+def _lane_groups(k_vectors: int, products: int, chunk: int) -> dict[str, int]:
+    """For a short K that a warp's 32 lanes do not divide (the shared experts' down projection at
+    TP 16: 48 vectors, a quarter of the lanes idle on their second): 16 or 8 lanes a row that it
+    fills, each lane holding rows of as many columns as the warp has lane groups (the hand-written
+    shared-experts kernel's 16 lanes and two rows a lane); else nothing (the whole warp)."""
+    if k_vectors % 32 == 0:
+        return {}
+    for lanes in (16, 8):
+        cols = 32 // lanes
+        if k_vectors % lanes == 0 and cols * products * (k_vectors // lanes) <= MAX_WEIGHT_VECTORS \
+                and cols * chunk <= lanes:
+            return {"lanes": lanes, "cols": cols}
+    return {}
 
 
 def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] | None, kind: str, width: int):
