@@ -48,10 +48,17 @@ def test_near_ties_in_the_first_steps_give_the_same_verdict_at_100_steps_as_at_1
     """Two near-ties early, broken the other way by the rewritten path (0.3 and 0.4 in the
     logits, carried for tens of steps) while the bf16 reference broke them as fp32 did: the
     whole run's median at 100 steps was theirs, and the gate failed there but passed at 1000
-    (the GPU's ``--layers 4 --tp 16 --steps 100 --batch 1``)."""
+    (the GPU's ``--layers 4 --tp 16 --steps 100 --batch 1``). Over 200 fresh runs the 1000-step
+    verdict always passes and the 100-step one at least 99% of the time (the ties' residue
+    still lifts the second half's median past twice bf16's in about 1 run of 3,000: a bound
+    on a rate, so the test does not fail on one unlucky draw)."""
     gen = fresh()
-    first, second = int(torch.randint(2, 6, (), generator=gen)), int(torch.randint(6, 10, (), generator=gen))
-    assert passed(*traces(gen, spikes=((first, 0.3), (second, 0.4)))) == (True, True)
+    verdicts = []
+    for _ in range(200):
+        first, second = int(torch.randint(2, 6, (), generator=gen)), int(torch.randint(6, 10, (), generator=gen))
+        verdicts.append(passed(*traces(gen, spikes=((first, 0.3), (second, 0.4)))))
+    assert all(whole for _, whole in verdicts)
+    assert sum(not cut for cut, _ in verdicts) <= 2, sum(not cut for cut, _ in verdicts)
 
 
 def test_a_growing_error_fails_at_100_steps_and_at_1000():
