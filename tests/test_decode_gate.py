@@ -62,11 +62,16 @@ def test_near_ties_in_the_first_steps_give_the_same_verdict_at_100_steps_as_at_1
 
 
 def test_a_growing_error_fails_at_100_steps_and_at_1000():
+    """Failed at both lengths; at 1000 steps for its growth. At 100 the last window is about 4.5x
+    the first, next to the growth rule's 4x, so the reason may be the ceiling instead (about 1
+    run in 5,000): the verdict, not its first reason, is what 100 steps must get right."""
     gen = fresh()
     rewritten, bf16, rewritten_fp32 = traces(gen, growth=0.5)  # 1e-2 at first, 0.5 at step 100
     for cut in (CUT, STEPS):
         verdict = gate(rewritten[:cut], bf16[:cut], rewritten_fp32[:cut])
-        assert not verdict["passed"] and verdict["reasons"][0].startswith("the error grows"), verdict
+        assert not verdict["passed"] and verdict["verdict"] == "failed", verdict
+        assert any(r.startswith(("the error grows", "the median error over the last")) for r in verdict["reasons"])
+    assert verdict["reasons"][0].startswith("the error grows"), verdict
 
 
 def test_an_error_that_stays_above_bf16_level_fails_at_any_length():
