@@ -155,8 +155,9 @@ def test_each_rank_of_the_router_reads_its_own_rows(kimi_k3, tp, rank, tokens):
     _check(op, args)
 
 
-@pytest.mark.parametrize("op,tp,tokens", [("kda_in_proj", 16, 1), ("mla_in_proj", 8, 8), ("shared_experts", 16, 1),
-                                          ("dense_mlp", 8, 64)])
+@pytest.mark.parametrize("op,tp,tokens", [("kda_in_proj", 16, 1), ("kda_in_proj", 8, 8), ("mla_in_proj", 8, 8),
+                                          ("mla_in_proj", 16, 64), ("shared_experts", 16, 1), ("dense_mlp", 16, 1),
+                                          ("dense_mlp", 8, 64), ("dense_mlp", 1, 1)])
 def test_kimi_k3s_own_ops_reach_their_kernels_slot_by_slot(kimi_k3, op, tp, tokens):
     """The input projections' four parts (MLA's at TP 8: four stages of one kernel), the MLPs'
     two stages through an intermediate, at the served shapes."""
