@@ -130,27 +130,15 @@ def kimi_k3():
     return KimiK3Config.load("kimi-k3")
 
 
-def _random(fake: list, gen: torch.Generator) -> list:
-    """CPU tensors of the fake arguments' shapes and dtypes, weights scaled as a trained layer's."""
-    out = []
-    for a in fake:
-        if not isinstance(a, torch.Tensor):
-            out.append(a)
-            continue
-        t = torch.randn(tuple(a.shape), generator=gen)
-        out.append((t * 0.02 if a.dim() == 2 and min(a.shape) >= 64 else t).to(a.dtype))
-    return out
-
-
 @pytest.mark.parametrize("tp,rank", [(16, 0), (16, 5), (16, 15), (8, 7)])
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_each_rank_of_the_router_reads_its_own_rows(kimi_k3, tp, rank, tokens):
     """The router's op is handed both whole weights: the launcher slices the rank's rows
     (``weights_at``), the kernel is the same for every rank."""
-    from rewriter.commands.bench_ops import _fused_calls
+    from rewriter.commands.bench_ops import _fused_calls, _materialized
 
     (op, fake, _), = _fused_calls(kimi_k3, OWN_OPS["router_down"], tp, tokens, "sm_90a", ["router_down"])
-    args = _random(fake, torch.Generator().manual_seed(rank))
+    args = _materialized(fake, torch.Generator().manual_seed(rank), "cpu")
     args[5] = rank
     _check(op, args)
 
@@ -161,7 +149,7 @@ def test_each_rank_of_the_router_reads_its_own_rows(kimi_k3, tp, rank, tokens):
 def test_kimi_k3s_own_ops_reach_their_kernels_slot_by_slot(kimi_k3, op, tp, tokens):
     """The input projections' four parts (MLA's at TP 8: four stages of one kernel), the MLPs'
     two stages through an intermediate, at the served shapes."""
-    from rewriter.commands.bench_ops import _fused_calls
+    from rewriter.commands.bench_ops import _fused_calls, _materialized
 
     (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS[op], tp, tokens, "sm_90a", [op])
-    _check(name, _random(fake, torch.Generator().manual_seed(tp + tokens)))
+    _check(name, _materialized(fake, torch.Generator().manual_seed(tp + tokens), "cpu"))

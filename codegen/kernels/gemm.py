@@ -130,9 +130,7 @@ class SkinnyGemm:
         if not 2 <= stages <= self.k_tiles:
             raise ValueError(f"stages {stages} outside 2..{self.k_tiles} (K tiles per CTA)")
         self.stages = stages
-        self.tiles = (-(-self.rows_out // self.tile_out),)
-        self.row_tiles = sum(self.tiles)
-        self.grid = self.row_tiles * split_k
+        self.grid = -(-self.rows_out // self.tile_out) * split_k
         self.slice_m = self.tile_out // split_k  # output rows each CTA of a cluster sums and stores
         # a thread's rounds of 4-row groups in the epilogue (per token, slice_m / 4 groups)
         self.store_rounds = -(-(self.slice_m // ACC_VEC * self.tile_n) // self.threads)

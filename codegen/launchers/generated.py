@@ -377,21 +377,18 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
                 made.append(("product_gemm", plain, run, {"token_tile": tiling.pop("token_tile")},
                              {**tiling, "x_stride": plain[0].k, "epi_strides": strides}))
                 continue
-        tiling = _gemm_tiling(parts, tokens, arch)
-        if not isinstance(tiling, str):
-            made.append(("product_gemm", parts, run, {"token_tile": tiling.pop("token_tile")},
-                         {**tiling, "x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
-            continue
-        tiling = _tiling(parts, tokens)
-        if isinstance(tiling, str):  # a K too long for the GEMV's registers (the dense MLP at TP 1): the GEMM's
-            gemm = _gemm_tiling(parts, tokens, arch, min_tokens=1)
-            if not isinstance(gemm, str):
-                made.append(("product_gemm", parts, run, {"token_tile": gemm.pop("token_tile")},
-                             {**gemm, "x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
+        gemm = _gemm_tiling(parts, tokens, arch)
+        if isinstance(gemm, str):
+            tiling = _tiling(parts, tokens)
+            if not isinstance(tiling, str):
+                made.append(("product_gemv", parts, run, {"tokens": tokens},
+                             {**tiling, "pro_strides": checked[run[0]][0], "epi_strides": epi_strides}))
                 continue
-            return f"stage{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}: {tiling}"
-        made.append(("product_gemv", parts, run, {"tokens": tokens},
-                     {**tiling, "pro_strides": checked[run[0]][0], "epi_strides": epi_strides}))
+            gemm = _gemm_tiling(parts, tokens, arch, min_tokens=1)  # a K too long for the GEMV's registers
+            if isinstance(gemm, str):
+                return f"stage{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}: {tiling}"
+        made.append(("product_gemm", parts, run, {"token_tile": gemm.pop("token_tile")},
+                     {**gemm, "x_stride": checked[run[0]][0][0], "epi_strides": epi_strides}))
     specs = []
     for module, parts, run, shapes, params in made:
         plumbing = {"stage_index": tuple(run), "temps": tuple(temps), "results": products.results,

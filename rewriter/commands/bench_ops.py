@@ -85,9 +85,9 @@ def _fused_calls(cfg, layer: int, tp: int, batch: int, arch: str, only: Sequence
                n.meta["fused"]["bytes"])
 
 
-def _materialized(args: Sequence[Any], gen: torch.Generator) -> list[Any]:
-    """Random tensors of the fake arguments' shapes and dtypes, on the GPU; weights ([N, K], both
-    at least 64) scaled as a trained layer's."""
+def _materialized(args: Sequence[Any], gen: torch.Generator, device: str = "cuda") -> list[Any]:
+    """Random tensors of the fake arguments' shapes and dtypes, on ``device``; weights ([N, K],
+    both at least 64) scaled as a trained layer's."""
     out = []
     for a in args:
         if not isinstance(a, torch.Tensor):
@@ -96,7 +96,7 @@ def _materialized(args: Sequence[Any], gen: torch.Generator) -> list[Any]:
         t = torch.randn(tuple(a.shape), generator=gen, dtype=torch.float32)
         if a.dim() == 2 and min(a.shape) >= 64:
             t = t * WEIGHT_SCALE
-        out.append(t.to(a.dtype).to("cuda"))
+        out.append(t.to(a.dtype).to(device))
     return out
 
 
