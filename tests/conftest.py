@@ -222,6 +222,24 @@ def sass_or_skip(make):
         pytest.skip(str(e))
 
 
+def divergent_warp_collectives(ptx: str) -> list[str]:
+    """Warp-wide ``.sync`` instructions of every lane (``shfl.sync``, ``vote.sync``, ...) that
+    ``ptx`` places between a predicated forward branch and its label, where only some lanes
+    may reach them: each waits for lanes that never come (a lane-0 branch that read the warp's
+    index hung the rowwise kernel). A branch on a warp-uniform condition is flagged too."""
+    found, open_labels = [], set()
+    for line in ptx.splitlines():
+        line = line.strip()
+        m = re.match(r"@!?%p\d+ bra(?:\.uni)?\s+(\$\w+);", line)
+        if m:
+            open_labels.add(m.group(1))
+        elif line.endswith(":"):
+            open_labels.discard(line[:-1])
+        elif open_labels and re.match(r"(shfl|vote|match|redux)\.sync|bar\.warp\.sync", line):
+            found.append(line)
+    return found
+
+
 def ptxas_usage(ptx: str, arch: str) -> tuple[int, int]:
     """(registers per thread, spill store bytes) ptxas reports for ``ptx`` (the kernel's,
     ``codegen.sass.assemble``); the test is skipped where no ptxas reads this PTX (none

@@ -15,7 +15,7 @@ import torch
 
 from codegen.lowered import LoweringError, Program, interpret
 from codegen.templates import spec_for_call
-from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
+from conftest import divergent_warp_collectives, gpu_kernels, needs_cutedsl, on_gpu, rel_err
 from rewriter.compiler.lowering import lower
 from rewriter.compiler.rules import fused_op
 from rewriter.model.layers.common import rms_norm
@@ -190,7 +190,8 @@ def test_the_plan_says_which_kernels_are_generated():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("seed", [0, 3, 7, 11])
 def test_generated_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, seed):
-    """Vector loads and stores, one butterfly per reduction, no local memory (a spill)."""
+    """Vector loads and stores, one butterfly per reduction, no local memory (a spill), no
+    warp-wide instruction that only some of a warp's lanes reach (it would wait forever)."""
     from codegen.compiler import compile_kernel
     from codegen.launchers.generated import ROWWISE
 
@@ -210,6 +211,7 @@ def test_generated_kernels_compile_with_the_ptx_their_class_promises(kcache, arc
     assert ptx.count("shfl.sync.bfly") >= 5 * program.reductions
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "griddepcontrol.wait" in ptx
+    assert not divergent_warp_collectives(ptx)
 
 
 @on_gpu

@@ -13,7 +13,7 @@ from codegen.host import host
 from codegen.launchers.generated import stages_of
 from codegen.lowered import Products, interpret_products
 from codegen.templates import spec_for_call
-from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
+from conftest import divergent_warp_collectives, gpu_kernels, needs_cutedsl, on_gpu, rel_err
 from rewriter.compiler.rules import fused_op
 from rewriter.model.layers.common import rms_norm, silu_and_mul, situ_and_mul
 
@@ -193,7 +193,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
                                          ("fp8_per_channel", 8), ("fp8_per_tensor", 1),
                                          ("o_proj_residual_norm", 8), ("short_k_mlp", 1)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
-    """The main loop's instructions, PDL, no local memory (a spill)."""
+    """The main loop's instructions, PDL, no local memory (a spill), no warp-wide instruction in a
+    branch some of a warp's lanes skip."""
     from codegen.compiler import compile_kernel
 
     _, specs = spec_for_call(f"k3f::products_probe_{name}", arch, _args(name, tokens, "meta", None))
@@ -206,6 +207,7 @@ def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kca
             assert spec.module == "product_gemm" or "ld.global.L1::no_allocate.L2::256B.v2.b32" in ptx
         assert "griddepcontrol.wait" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
+        assert not divergent_warp_collectives(ptx), spec.label()
 
 
 @needs_cutedsl

@@ -95,9 +95,12 @@ def _reduce(op, xs, split: RowSplit, tidx, sRed, index):
 
 @cute.jit
 def _stash(sRed: cute.Tensor, index: cutlass.Constexpr, part: Float32):
-    """Lane 0 of each warp keeps its warp's partial of reduction ``index`` in shared memory."""
+    """Lane 0 of each warp keeps its warp's partial of reduction ``index`` in shared memory. The
+    warp's index is read by the whole warp first: ``warp_idx`` is a shuffle of every lane, which
+    lane 0 alone waits on forever (the rowwise kernel hung on the GPU with it in the branch)."""
+    warp = cute.arch.warp_idx()
     if cute.arch.lane_idx() == 0:
-        sRed[index, cute.arch.warp_idx()] = part
+        sRed[index, warp] = part
 
 
 def _fmax(a, b):
