@@ -1,6 +1,7 @@
 """What a fused op's launcher needs of the model around it, handed over by the compiler:
-the collectives it runs between its kernels, how the model lays out its decode state, and the
-lowering of a fused op's reference into a program a generated kernel runs.
+the collectives it runs between its kernels, how the model lays out its decode state and its
+quantized weights, and the lowering of a fused op's reference into a program a generated kernel
+runs.
 
 codegen imports nothing of the model: the compiler installs a ``Host`` (``install``) before it
 plans kernels or registers launchers (``rewriter.compiler.plan``), and the templates read it
@@ -30,6 +31,9 @@ class Host:
     kv_cache_is_fp8: Callable[[Tensor], bool]
     # (fused op "k3f::name", a call's arguments) -> its reference as a codegen.lowered.Program, or why not
     lower: Callable[[str, Sequence[Any]], Any]
+    # (format, packed weight, its scales) -> the weight's [N, K] bf16 values, exactly (a quantized
+    # weight's format: codegen.lowered.MXFP4)
+    dequant: Callable[[str, Tensor, Tensor], Tensor]
 
 
 _installed: list[Host] = []

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from codegen.host import host
+
 KINDS = ("row", "stat", "col")  # [T, N], [T, 1], [N]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "relu", "reciprocal", "erf")
@@ -224,6 +226,9 @@ def interpret(program: Program, inputs: Sequence[torch.Tensor]) -> list[torch.Te
 SOURCES = ("arg", "acc", "pro", "temp", "scalar")
 READ = ("arg", "temp", "scalar")  # the sources a kernel reads from memory (tensors it is handed)
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}  # what a product's weight rows hold
+# MXFP4 weights: E2M1 codes in Humming's layout (what vLLM leaves on Hopper: int32 [K/16, 2N]) with
+# one E8M0 scale per 32 values of a row ([K/32, N]); the host's ``dequant`` reads them by this name
+MXFP4 = "mxfp4/humming"
 DESTS = ("product", "keep", "result", "temp")
 
 
@@ -241,7 +246,8 @@ class Stage:
     epilogue: Program
     epilogue_from: tuple[tuple, ...]
     epilogue_to: tuple[tuple, ...]
-    weight_dtype: str = "bf16"  # every product's (WEIGHT_DTYPES)
+    weight_dtype: str = "bf16"  # every product's (WEIGHT_DTYPES, or MXFP4)
+    scales: tuple[int, ...] = ()  # MXFP4: the op tensor argument of each product's E8M0 scales
 
     def __post_init__(self) -> None:
         pro, epi = self.prologue, self.epilogue
@@ -257,8 +263,12 @@ class Stage:
                                 "CTAs, so the epilogue is pointwise")
         if not self.weights:
             raise LoweringError("a stage without a product")
-        if self.weight_dtype not in WEIGHT_DTYPES:
-            raise LoweringError(f"weights of {self.weight_dtype}: the products read {', '.join(WEIGHT_DTYPES)}")
+        if self.weight_dtype not in (*WEIGHT_DTYPES, MXFP4):
+            raise LoweringError(f"weights of {self.weight_dtype}: the products read {', '.join(WEIGHT_DTYPES)} and "
+                                f"{MXFP4}")
+        if len(self.scales) != (len(self.weights) if self.weight_dtype == MXFP4 else 0):
+            raise LoweringError(f"{len(self.scales)} scale arguments for {len(self.weights)} {self.weight_dtype} "
+                                "products: one each for MXFP4, none otherwise")
         for src in (*self.prologue_from, *self.epilogue_from):
             if src[0] not in SOURCES or (src[0] in ("acc", "pro") and src in self.prologue_from):
                 raise LoweringError(f"source {src!r}: the prologue reads arguments and intermediates, the epilogue "
@@ -279,18 +289,23 @@ class Stage:
     def n(self) -> int:
         return self.epilogue.width
 
+    @property
+    def weight_tensors(self) -> int:
+        """Tensors the kernel is handed for the products' weights: an MXFP4 product's codes and its scales."""
+        return len(self.weights) * (2 if self.weight_dtype == MXFP4 else 1)
+
     def to_params(self) -> tuple:
         return (self.prologue.to_params(), self.prologue_from, self.prologue_to, self.weights,
-                self.epilogue.to_params(), self.epilogue_from, self.epilogue_to, self.weight_dtype)
+                self.epilogue.to_params(), self.epilogue_from, self.epilogue_to, self.weight_dtype, self.scales)
 
     @classmethod
     def from_params(cls, p: Sequence) -> Stage:
-        pro, pro_from, pro_to, weights, epi, epi_from, epi_to, weight_dtype = p
+        pro, pro_from, pro_to, weights, epi, epi_from, epi_to, weight_dtype, scales = p
 
         def tuples(xs):
             return tuple(tuple(x) for x in xs)
         return cls(Program.from_params(pro), tuples(pro_from), tuples(pro_to), tuples(weights),
-                   Program.from_params(epi), tuples(epi_from), tuples(epi_to), weight_dtype)
+                   Program.from_params(epi), tuples(epi_from), tuples(epi_to), weight_dtype, tuple(scales))
 
 
 @dataclass(frozen=True)
@@ -340,6 +355,16 @@ class Products:
                    tuple(Tail.from_params(t) for t in tails))
 
 
+def weight_rows(stage: Stage, p: int, args: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Product ``p``'s [N, K] weight rows of ``stage`` from the op's tensor arguments ``args``, as
+    the kernels multiply them (MXFP4: dequantized by the host, exactly)."""
+    w, r0 = stage.weights[p]
+    if stage.weight_dtype != MXFP4:
+        return args[w][r0:r0 + stage.n]
+    codes, scales = args[w][:, 2 * r0:2 * (r0 + stage.n)], args[stage.scales[p]][:, r0:r0 + stage.n]
+    return host().dequant(MXFP4, codes, scales)
+
+
 def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The results of ``products`` for the op's tensor arguments ``args``, computed as the kernels
     do: each stage's prologue, its products in fp32 from bf16 or fp8 operands, its epilogue; the
@@ -371,7 +396,7 @@ def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list
         for dest, value in zip(stage.prologue_to, pro, strict=True):
             place(dest, value)
         a = pro[0].float()
-        acc = [a @ args[w][r0:r0 + stage.n].float().t() for w, r0 in stage.weights]
+        acc = [a @ weight_rows(stage, p, args).float().t() for p in range(len(stage.weights))]
         pro_stats = [p.reshape(-1, 1) for p in pro]
         epi_in = [source(s, stage.epilogue, kind, acc, pro_stats)
                   for s, (kind, _) in zip(stage.epilogue_from, stage.epilogue.inputs, strict=True)]

@@ -19,6 +19,7 @@ from codegen.spec import KernelSpec
 from conftest import needs_cutedsl, rel_err
 from rewriter.compiler.lowering import lower
 from rewriter.model.layers.common import rms_norm, silu_and_mul, situ_and_mul
+from rewriter.model.layers.experts import ExpertFormat, random_mxfp4
 
 F = torch.nn.functional
 BF16 = torch.bfloat16
@@ -33,6 +34,15 @@ def _rand(shape, dtype, gen, scale=1.0, positive=False):
 def _weight(rows, k, gen):
     """A bf16 [rows, k] weight scaled so that a product of an O(1) activation is O(1)."""
     return _rand((rows, k), BF16, gen, scale=k ** -0.5)
+
+
+MXFP4 = ExpertFormat.parse("mxfp4/humming")
+
+
+def _mxfp4_weight(rows: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An [N, K] MXFP4 weight in Humming's layout: (codes int32 [K/16, 2N], E8M0 scales [K/32, N])."""
+    codes, scales = MXFP4.from_checkpoint(*random_mxfp4(1, rows, k, generator=gen))
+    return codes[0], scales[0]
 
 
 def _check(products, fn, args, seed=None):
@@ -50,10 +60,16 @@ def _check(products, fn, args, seed=None):
 
 
 def _weights_are_bf16_rows(products, tensors):
-    """Every product reads whole bf16 rows [row0, row0 + N) of a [rows, K] argument."""
+    """Every product reads whole rows [row0, row0 + N) of a [rows, K] argument: bf16 rows, or
+    MXFP4 codes (two int32 columns a row) beside their scales argument."""
     for stage in products.stages:
-        for w, row0 in stage.weights:
+        for p, (w, row0) in enumerate(stage.weights):
             t = tensors[w]
+            if stage.weight_dtype == "mxfp4/humming":
+                scales = tensors[stage.scales[p]]
+                assert t.dtype == torch.int32 and t.shape[0] * 16 == stage.k and scales.shape[0] * 32 == stage.k
+                assert 0 <= row0 and 2 * (row0 + stage.n) <= t.shape[1] and row0 % 64 == 0, (w, row0, stage.n)
+                continue
             assert t.dtype == BF16 and t.dim() == 2 and t.shape[1] == stage.k, (w, tuple(t.shape), stage.k)
             assert 0 <= row0 and row0 + stage.n <= t.shape[0], (w, row0, stage.n, tuple(t.shape))
 
@@ -72,16 +88,32 @@ def random_products(seed: int):
     casts, activations), multiplied by 1-3 bf16 weights (separate [N, K] ones, or a packed
     [2N, K] gate-and-up weight whose output is chunked), an epilogue (SiLU(g) * u, SiTU, gates,
     residual rows, columns, a statistic of the prologue, casts) to a bf16 row; sometimes a
-    second stage (that row times [N2, N]); one or two results."""
+    second stage (that row times [N2, N]); one or two results. About a third of the seeds read
+    every weight in MXFP4 (Humming's layout, whole 64-row tiles)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     tokens, k, n = rng.choice(TOKENS), 8 * rng.randint(8, 64), 8 * rng.randint(8, 64)
+    mxfp4 = random.Random(seed + 1000).random() < 0.35
+    if mxfp4:
+        k, n = max(128, -(-k // 64) * 64), -(-n // 64) * 64
     names: list[str] = []
     args: list[torch.Tensor] = []
 
     def arg(name, t):
         names.append(name)
         args.append(t)
+
+    def weight(name, rows, cols):
+        if mxfp4:
+            codes, scales = _mxfp4_weight(rows, cols, gen)
+            arg(name, codes)
+            arg(f"{name}_scales", scales)
+        else:
+            arg(name, _weight(rows, cols, gen))
+
+    def read(v, name):
+        """The weight ``name``'s [rows, K] values, as the reference reads them."""
+        return torch.ops.k3.mxfp4_dequant(v[name], v[f"{name}_scales"], "humming") if mxfp4 else v[name]
 
     arg("x", _rand((tokens, k), BF16, gen))
     pro = [rng.choice(PRO_STEPS) for _ in range(rng.randint(0, 3))]
@@ -95,14 +127,14 @@ def random_products(seed: int):
     if packed:
         count = rng.choice([2, 3])
         start = rng.choice(["silu_and_mul", "situ_and_mul", "chunk"])
-        arg("w_gu", _weight(2 * n, k, gen))
+        weight("w_gu", 2 * n, k)
         if count == 3:
-            arg("w_2", _weight(n, k, gen))
+            weight("w_2", n, k)
     else:
         count = rng.choice([1, 2, 3])
         start = rng.choice(["silu_mul", "sigmoid_gate", "add"])
         for i in range(count):
-            arg(f"w_{i}", _weight(n, k, gen))
+            weight(f"w_{i}", n, k)
     third = rng.choice(["add", "tanh_mul"])
     situ_linear_beta = rng.choice([None, 3.0])
 
@@ -116,9 +148,10 @@ def random_products(seed: int):
 
     second = rng.random() < 0.4
     n2 = 8 * rng.randint(8, 64)
+    n2 = -(-n2 // 64) * 64 if mxfp4 else n2
     epi2 = [rng.choice(EPI2_STEPS) for _ in range(rng.randint(0, 2))] if second else []
     if second:
-        arg("w2", _weight(n2, n, gen))
+        weight("w2", n2, n)
         if "residual" in epi2:
             arg("r2", _rand((tokens, n2), BF16, gen))
         if "col" in epi2:
@@ -142,7 +175,7 @@ def random_products(seed: int):
         stat = torch.rsqrt(hp.pow(2).mean(-1, keepdim=True) + 1.0)  # a statistic of the prologue
 
         if packed:
-            gu = F.linear(a, v["w_gu"])
+            gu = F.linear(a, read(v, "w_gu"))
             g, u = gu.chunk(2, -1)
             if start == "silu_and_mul":
                 h = silu_and_mul(gu).float()
@@ -150,9 +183,9 @@ def random_products(seed: int):
                 h = situ_and_mul(gu, 2.0, situ_linear_beta).float()
             else:
                 h = F.silu(g.float()) * u.float()
-            products = [g, u] + ([F.linear(a, v["w_2"])] if count == 3 else [])
+            products = [g, u] + ([F.linear(a, read(v, "w_2"))] if count == 3 else [])
         else:
-            products = [F.linear(a, v[f"w_{i}"]) for i in range(count)]
+            products = [F.linear(a, read(v, f"w_{i}")) for i in range(count)]
             g = products[0]
             h = products[0].float()
             if count >= 2:
@@ -178,7 +211,7 @@ def random_products(seed: int):
                 h = h.to(BF16).float()
         out = h.to(BF16)
         if second:
-            h2 = F.linear(out, v["w2"]).float()
+            h2 = F.linear(out, read(v, "w2")).float()
             for step in epi2:
                 if step == "tanh":
                     h2 = torch.tanh(h2)
@@ -197,7 +230,7 @@ def random_products(seed: int):
     # a kernel per (products' depth, output width): the packed weight's whole output is one more
     stages = 1 + second + (extra == "packed_whole")
     info = {"stages": stages, "count": count, "tokens": tokens, "start": start, "pro": set(pro), "epi": set(epi),
-            "second": second, "extra": extra}
+            "second": second, "extra": extra, "mxfp4": mxfp4}
     return fn, args, info
 
 
@@ -223,9 +256,12 @@ def test_random_products_compile_with_their_main_loops_ptx(kcache, arch, seed):
     from codegen.compiler import compile_kernel
     from codegen.launchers.generated import product_specs
 
-    fn, args, _ = random_products(seed)
+    fn, args, info = random_products(seed)
     products = lower(fn, args)
     specs = product_specs("k3f::corpus", arch, products, [a for a in args if isinstance(a, torch.Tensor)])
+    if info["mxfp4"] and info["count"] == 3:  # codes and scales of three products: more than a kernel's 4 slots
+        assert specs == "stage 0: 6 weights, at most 4", specs
+        return
     assert not isinstance(specs, str), specs
     promised = {"product_gemv": "ld.global.L1::no_allocate.L2::256B.v4",
                 "product_gemm": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "rowwise": "ld.global.v4"}
@@ -247,6 +283,7 @@ def test_the_corpus_covers_its_shapes():
     assert seen["stages"] >= {1, 2} and seen["pro"] == set(PRO_STEPS) and seen["epi"] == set(EPI_STEPS)
     assert seen["start"] == {"silu_and_mul", "situ_and_mul", "chunk", "silu_mul", "sigmoid_gate", "add"}
     assert seen["extra"] == {None, "product", "depth0", "fp32", "packed_whole"}, seen
+    assert seen["mxfp4"] == {False, True}
 
 
 # ---- named shapes ------------------------------------------------------------------------------------
@@ -495,6 +532,51 @@ def test_a_scaled_weight_rounded_before_its_product_is_refused_by_name():
         lower(lambda x, w, s: F.linear(x, (w.float() * s).to(BF16)), [x, w, s])
     with pytest.raises(LoweringError, match="scales go with fp8 weights"):
         lower(lambda x, w, s: F.linear(x.float(), w.float() * s), [x, _weight(64, 256, gen), s])
+
+
+def test_mxfp4_weights_are_products_of_their_rows_in_humming_s_layout():
+    """``k3.mxfp4_dequant`` of two arguments is the product's weight: a packed gate-and-up's halves
+    are products of their 64-row tiles, each with the scales argument beside it."""
+    gen = torch.Generator().manual_seed(16)
+    x, (codes, scales) = _rand((3, 256), BF16, gen), _mxfp4_weight(2 * 128, 256, gen)
+
+    def fn(x, codes, scales):
+        gate, up = F.linear(x, torch.ops.k3.mxfp4_dequant(codes, scales, "humming")).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    products = lower(fn, [x, codes, scales])
+    (stage,) = products.stages
+    assert stage.weight_dtype == "mxfp4/humming" and sorted(stage.weights) == [(1, 0), (1, 128)]
+    assert stage.scales == (2, 2) and stage.weight_tensors == 4
+    assert Stage.from_params(stage.to_params()) == stage
+    _check(products, fn, [x, codes, scales])
+
+
+@pytest.mark.parametrize("form,named", [
+    ("checkpoint", "in the 'checkpoint' layout: the generated products read Humming's"),
+    ("half_tile", "rows 32..96 of MXFP4 weight mxfp4_dequant: Humming's layout is read in whole 64-row tiles"),
+    ("expert", "its codes and scales are the op's arguments"),
+])
+def test_what_an_mxfp4_product_cannot_be_is_refused_by_name(form, named):
+    gen = torch.Generator().manual_seed(17)
+    x = _rand((3, 256), BF16, gen)
+    if form == "checkpoint":
+        codes, scales = random_mxfp4(1, 128, 256, generator=gen)
+        codes, scales = codes[0], scales[0]
+
+        def fn(x, codes, scales):
+            return F.linear(x, torch.ops.k3.mxfp4_dequant(codes, scales, "checkpoint"))
+    elif form == "half_tile":
+        codes, scales = _mxfp4_weight(128, 256, gen)
+
+        def fn(x, codes, scales):
+            return F.linear(x, torch.ops.k3.mxfp4_dequant(codes, scales, "humming")[32:96])
+    else:  # one expert of several, chosen inside the op
+        codes, scales = MXFP4.from_checkpoint(*random_mxfp4(2, 128, 256, generator=gen))
+
+        def fn(x, codes, scales):
+            return F.linear(x, torch.ops.k3.mxfp4_dequant(codes[1], scales[1], "humming"))
+    with pytest.raises(LoweringError, match=re.escape(named)):
+        lower(fn, [x, codes, scales])
 
 
 def test_a_norm_between_two_products_is_refused():

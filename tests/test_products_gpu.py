@@ -16,8 +16,10 @@ from codegen.templates import spec_for_call
 from conftest import divergent_warp_collectives, gpu_kernels, needs_cutedsl, on_gpu, rel_err
 from rewriter.compiler.rules import fused_op
 from rewriter.model.layers.common import rms_norm, silu_and_mul, situ_and_mul
+from rewriter.model.layers.experts import ExpertFormat, random_mxfp4
 
 F = torch.nn.functional
+k3 = torch.ops.k3
 
 
 # ---- the probes: one fused op per class of stage ------------------------------------------------
@@ -108,6 +110,26 @@ def _o_proj_residual_norm(o: torch.Tensor, w: torch.Tensor, r: torch.Tensor, nw:
     return [rms_norm(h, nw, 1e-5), h]
 
 
+@fused_op("products_probe_mxfp4_mlp")
+def _mxfp4_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+               down_scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 weights in Humming's layout (what vLLM leaves on Hopper), dequantized as the GEMM reads
+    them: a packed gate-and-up projection meeting in a SiLU epilogue, then down."""
+    gate_up_rows = k3.mxfp4_dequant(gate_up, gate_up_scale, "humming")
+    return F.linear(silu_and_mul(F.linear(x, gate_up_rows)), k3.mxfp4_dequant(down, down_scale, "humming"))
+
+
+def mxfp4_weight(n: int, k: int, device: str, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An [N, K] MXFP4 weight in Humming's layout: random codes, scales around 2^-6 (real weights'),
+    as (codes int32 [K/16, 2N], scales E8M0 [K/32, N])."""
+    fmt = ExpertFormat.parse("mxfp4/humming")
+    if device == "meta":
+        return tuple(torch.empty(shape[1:], dtype=dtype, device="meta") for shape, dtype in
+                     (fmt.tensors(1, n, k)["weight"], fmt.tensors(1, n, k)["weight_scale"]))
+    codes, scales = fmt.from_checkpoint(*random_mxfp4(1, n, k, generator=gen))
+    return codes[0].to(device), scales[0].to(device)
+
+
 def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
     def t(*shape, dtype=torch.bfloat16, positive=False):
         if device == "meta":
@@ -132,6 +154,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
         return (t(tokens, 2048), t(1024, 2048), t(tokens, 1024), t(1024, positive=True))
     if name == "router":
         return (t(tokens, 1024), t(56, 1024), t(224, 1024))
+    if name == "mxfp4_mlp":
+        return (t(tokens, 1024), *mxfp4_weight(2 * 768, 1024, device, gen), *mxfp4_weight(1024, 768, device, gen))
     if name == "projections":
         return (t(tokens, 1024), t(1350, 1024))
     if name == "two_weights":
@@ -142,21 +166,24 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 
 PROBES = ["norm_proj_res", "mlp", "short_k_mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced",
-          "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm"]
-STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2}
+          "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm",
+          "mxfp4_mlp"]
+STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2, "mxfp4_mlp": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
 # before the GEMM
 COMPUTED_PROLOGUE = {"norm_proj_res", "add_norm_proj"}
+GEMM_ONLY = {"mxfp4_mlp"}  # MXFP4 weights: the GEMM main loop at every token count
 
 
 @pytest.mark.parametrize("name", PROBES)
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_every_probe_takes_the_generated_product_template(name, tokens):
-    """One token: the GEMV main loop; more: the tensor-core GEMM's, where the prologue only reads."""
+    """One token: the GEMV main loop; more: the tensor-core GEMM's, where the prologue only reads
+    (MXFP4 weights: the GEMM's at every token count)."""
     tpl, specs = spec_for_call(f"k3f::products_probe_{name}", "sm_90a", _args(name, tokens, "meta", None))
     assert tpl is not None and tpl.kernel == "products", specs
-    module = "product_gemv" if tokens == 1 else "product_gemm"
+    module = "product_gemv" if tokens == 1 and name not in GEMM_ONLY else "product_gemm"
     hoisted = ["rowwise"] if tokens > 1 and name in COMPUTED_PROLOGUE else []
     tail = ["rowwise"] if name == "o_proj_residual_norm" else []  # the residual add and norm after the all-reduce
     assert [s.module for s in specs] == (hoisted + [module]) * STAGES.get(name, 1) + tail
@@ -191,7 +218,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
                                          ("add_norm_proj", 5), ("situ_mlp", 17), ("projections", 1),
                                          ("projections", 8), ("two_weights", 1), ("two_weights", 64),
                                          ("fp8_per_channel", 8), ("fp8_per_tensor", 1),
-                                         ("o_proj_residual_norm", 8), ("short_k_mlp", 1)])
+                                         ("o_proj_residual_norm", 8), ("short_k_mlp", 1), ("mxfp4_mlp", 1),
+                                         ("mxfp4_mlp", 64)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill), no warp-wide instruction in a
     branch some of a warp's lanes skip."""
@@ -205,6 +233,9 @@ def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kca
         if name.startswith("fp8"):  # the GEMV: 8 weights a 64-bit load; both: converted in pairs
             assert "e4m3x2" in ptx
             assert spec.module == "product_gemm" or "ld.global.L1::no_allocate.L2::256B.v2.b32" in ptx
+        if name.startswith("mxfp4"):  # codes by 16-byte copies, their rows' scales by 8-byte ones, bf16 pairs
+            assert re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 8, 8;", ptx)
+            assert ptx.count("mul.rn.bf16x2") >= 4 and "0x7E807E80" in ptx
         assert "griddepcontrol.wait" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
         assert not divergent_warp_collectives(ptx), spec.label()

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from codegen.launchers.generated import MAX_INPUTS, MAX_OUTPUTS, PRODUCTS, part_slots, program_of, stages_of
-from codegen.lowered import interpret
+from codegen.lowered import MXFP4, interpret
 from conftest import rel_err
+from rewriter.model.layers.experts import ExpertFormat
 from rewriter.model.ops import collectives_excluded
 from test_products_gpu import OWN_OPS, PROBES, _args
 
@@ -59,8 +60,15 @@ def _products(spec):
         a = pvals[0].float()
         for p, st in enumerate(parts):
             w_slots = part_slots(parts, "weights", p)
-            acc = [a @ ws[s].float().t() for s in w_slots]
-            assert all(ws[s].shape == (st.n, st.k) for s in w_slots)
+            if st.weight_dtype == MXFP4:  # codes int32 [K/16, 2N] and scale bytes [K/32, N], product by product
+                pairs = [(ws[w_slots[i]], ws[w_slots[i + 1]]) for i in range(0, len(w_slots), 2)]
+                assert all(c.shape == (st.k // 16, 2 * st.n) and c.dtype == torch.int32 and
+                           sc.shape == (st.k // 32, st.n) and sc.dtype == torch.uint8 for c, sc in pairs)
+                rows = [ExpertFormat.parse(MXFP4).dequant(c, sc) for c, sc in pairs]
+            else:
+                rows = [ws[s] for s in w_slots]
+                assert all(w.shape == (st.n, st.k) for w in rows)
+            acc = [a @ w.float().t() for w in rows]
             reads = iter(part_slots(parts, "inputs", p))
             inputs = []
             for src, (kind, _) in zip(st.epilogue_from, st.epilogue.inputs, strict=True):

@@ -115,6 +115,35 @@ def scale_pairs(scales: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32]:
         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)) for odd in (0, 1))
 
 
+def bf16_pairs_ptx() -> str:
+    """The inline PTX of ``bf16_pairs``: $0..$3 the pairs of ``_dequant_ptx`` (interleaved order)
+    times their row's ``2^(s - 127)``, any scale byte: first by ``2^126`` (exact: the E2M1 value
+    itself), then by the scale's power of two as bf16 (``s << 7``; byte 0 is bf16's subnormal
+    ``2^-127``, 0x40), so the one rounding is the reference's bf16 ``values * 2^(s - 127)``; $4
+    the word, $5 / $6 the scale bytes of rows r and r + 8."""
+    mult = "".join(f"setp.eq.u32 z, ${i}, 0; shl.b32 s, ${i}, 7; selp.b32 s, 0x40, s, z; prmt.b32 {m}, s, s, 0x1010; "
+                   for i, m in ((5, "m5"), (6, "m6")))
+    return ("{ .reg .b32 a0, a1, a2, a3, t, v, w, s, m5, m6, c; .reg .pred z; mov.b32 w, $4; " + mult
+            + _dequant_ptx("interleaved") + "mov.b32 c, 0x7E807E80; "
+            + "".join(f"mul.rn.bf16x2 a{j}, a{j}, c; " for j in range(4))
+            + "mul.rn.bf16x2 $0, a0, m5; mul.rn.bf16x2 $1, a1, m6; mul.rn.bf16x2 $2, a2, m5; "
+            + "mul.rn.bf16x2 $3, a3, m6; }")
+
+
+@dsl_user_op
+def bf16_pairs(word: Int32, scale_r: Int32, scale_r8: Int32, *, loc=None, ip=None) -> list:
+    """The bf16 values of a word of Humming's codes (interleaved order) as 4 pairs (k, k + 1),
+    each an int32: rows (r, k 2q), (r + 8, k 2q), (r, k 2q + 8), (r + 8, k 2q + 8), where
+    ``scale_r`` / ``scale_r8`` are the E8M0 bytes of rows r and r + 8 (any byte, exact: the
+    generated GEMM's dequantization into its bf16 ring)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(v).ir_value(loc=loc, ip=ip) for v in (word, scale_r, scale_r8)],
+        bf16_pairs_ptx(), "=r,=r,=r,=r,r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
 # ---- loads and the per-warp tile loop (trace-time helpers, inlined into the kernels) -----------
 def _atom(bits: int):
     """Global -> registers, ``bits`` wide, streamed (no L1 allocation: weights are read once)."""

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float8E4M3FN, Float32, const_expr, cute
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, const_expr, cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from codegen.kernels.common import BITS, VEC
 from codegen.kernels.emit import CUTE_DTYPES, fake_input, input_value, part_of, run
 from codegen.kernels.gemm import ACC_VEC, TILE_K, SkinnyGemm
+from codegen.kernels.mxfp4 import bf16_pairs
 from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA
-from codegen.launchers.generated import PRODUCT_SLOTS, is_plain, part_slots
-from codegen.lowered import READ, Stage
+from codegen.launchers.generated import MXFP4_STAGED_PER_ROW, MXFP4_TILE, PRODUCT_SLOTS, is_plain, part_slots
+from codegen.lowered import MXFP4, READ, Stage
 
 
 class ProductGemm(SkinnyGemm):
@@ -43,7 +44,8 @@ class ProductGemm(SkinnyGemm):
     row inputs (views of wider rows). Tensor slots are given out part by part (``part_slots``)."""
 
     def __init__(self, parts: tuple[Stage, ...], token_tile: int, *, rows_per_cta: int, split_k: int, stages: int,
-                 token_groups: int, x_stride: int, epi_strides: tuple[tuple[int, ...], ...]):
+                 token_groups: int, x_stride: int, epi_strides: tuple[tuple[int, ...], ...],
+                 mxfp4_strides: tuple[tuple[int, int], ...] = ()):
         if not parts or not all(is_plain(st) for st in parts) or len({(st.k, len(st.weights)) for st in parts}) != 1:
             raise ValueError("the GEMM's parts read one activation as it is, with as many products each (a prologue "
                              "that computes runs on a rowwise kernel of its own before it)")
@@ -58,14 +60,28 @@ class ProductGemm(SkinnyGemm):
         self.fp8 = parts[0].weight_dtype == "fp8_e4m3"
         if any(st.weight_dtype != parts[0].weight_dtype for st in parts):
             raise ValueError("the parts of one kernel read one weight dtype")
+        # MXFP4 codes and scales land in a staging ring of their own (a thread's 16-byte copies of
+        # codes with the 8 scale bytes of their rows) and are dequantized into the bf16 tile by the
+        # thread that copied them, once resident
+        self.mxfp4 = parts[0].weight_dtype == MXFP4
         self.pass_rows = self.threads // (4 if self.fp8 else 8)  # rows one copy pass of the weight tile covers
-        if self.tile_out % self.pass_rows:
+        if self.tile_out % self.pass_rows and not self.mxfp4:
             raise ValueError(f"{self.products} products of {self.tile_out} rows a CTA: a copy pass covers "
                              f"{self.pass_rows} rows, within one product")
-        self.staged_bytes = stages * rows_per_cta * TILE_K if self.fp8 else 0
+        if self.mxfp4:
+            if self.tile_out % MXFP4_TILE or any(st.n < self.tile_out for st in parts):
+                raise ValueError(f"MXFP4: {self.tile_out} rows a tile and parts {widths} wide, where a tile holds "
+                                 f"whole {MXFP4_TILE}-row tiles of a part")
+            if len(mxfp4_strides) != self.products * len(parts):
+                raise ValueError(f"MXFP4 strides {mxfp4_strides}: (codes, scales) row strides for each product")
+        self.mxfp4_strides = tuple(tuple(x) for x in mxfp4_strides)
+        self.chunks = 2 * self.tile_out  # 16-byte copies of a product's codes a K tile: 4 K blocks x tile_out / 2
+        self.chunk_rounds = -(-self.chunks // self.threads)
+        self.staged_bytes = stages * rows_per_cta * (TILE_K if self.fp8 else MXFP4_STAGED_PER_ROW if self.mxfp4 else 0)
         if self.smem_bytes + self.staged_bytes > GEMM_SMEM_ONE_CTA:
-            raise ValueError(f"{stages} stages with fp8 staging: {self.smem_bytes + self.staged_bytes} bytes of "
-                             f"shared memory, more than the {GEMM_SMEM_ONE_CTA} one CTA may take")
+            raise ValueError(f"{stages} stages with {parts[0].weight_dtype} staging: "
+                             f"{self.smem_bytes + self.staged_bytes} bytes of shared memory, more than the "
+                             f"{GEMM_SMEM_ONE_CTA} one CTA may take")
         # each part's tiles, from tile_starts[s]; a part narrower than a tile has one, masked
         self.tiles = tuple(-(-n // self.tile_out) for n in widths)
         self.tile_starts = tuple(sum(self.tiles[:s]) for s in range(len(parts)))
@@ -121,6 +137,18 @@ class ProductGemm(SkinnyGemm):
         sW, sX, sP = self.ring(smem, sW_layout, sX_layout)
         thr_g2s = tiled_g2s.get_slice(tidx)
         w_copy, thr_w, sLand, on_tile = tiled_g2s, thr_g2s, sW, None
+        loads = None
+        if const_expr(self.mxfp4):
+            sCodes = smem.allocate_tensor(Int32, cute.make_layout(
+                (4, self.products * self.chunks, self.stages), stride=(1, 4, 4 * self.products * self.chunks)),
+                byte_alignment=16)
+            sScales = smem.allocate_tensor(Uint8, cute.make_layout(
+                (8, self.products * self.chunks, self.stages), stride=(1, 8, 8 * self.products * self.chunks)),
+                byte_alignment=16)
+            loads = (weights, sCodes, sScales, part, row0, k0, tidx)
+
+            def on_tile(kt, stage):  # the thread's own copies of tile kt, dequantized into the bf16 ring
+                self.mxfp4_tile(sCodes, sScales, sW, stage, tidx)
         if const_expr(self.fp8):
             w_copy, cvt, sLand = self.fp8_staging(smem)
             thr_w = w_copy.get_slice(tidx)
@@ -130,15 +158,16 @@ class ProductGemm(SkinnyGemm):
             def on_tile(kt, stage):  # the thread's own copies of tile kt, converted into the bf16 ring
                 for j in cutlass.range_constexpr(self.tile_m // self.pass_rows):
                     tCvt[None, j, None, stage].store(tS8[None, j, None, stage].load().to(Float32).to(BFloat16))
-        tWgWs = []
-        for s in cutlass.range_constexpr(len(self.parts)):
-            for w in part_slots(self.parts, "weights", s):
-                g = cute.local_tile(cute.domain_offset((row0, k0), weights[w]), (TO, TILE_K), (0, None))
-                tWgWs.append(thr_w.partition_S(cute.make_tensor(g.iterator.align(16), g.layout)))
-        # which of this thread's rows of a product's tile each copy pass holds (a narrow part's mask)
-        tWcW = thr_w.partition_S(cute.local_tile(cute.make_identity_tensor((TO, NK * TILE_K)), (TO, TILE_K),
-                                                 (0, None)))
-        loads = (w_copy, tWgWs, thr_w.partition_D(sLand), tWcW, part)
+        if const_expr(not self.mxfp4):
+            tWgWs = []
+            for s in cutlass.range_constexpr(len(self.parts)):
+                for w in part_slots(self.parts, "weights", s):
+                    g = cute.local_tile(cute.domain_offset((row0, k0), weights[w]), (TO, TILE_K), (0, None))
+                    tWgWs.append(thr_w.partition_S(cute.make_tensor(g.iterator.align(16), g.layout)))
+            # which of this thread's rows of a product's tile each copy pass holds (a narrow part's mask)
+            tWcW = thr_w.partition_S(cute.local_tile(cute.make_identity_tensor((TO, NK * TILE_K)), (TO, TILE_K),
+                                                     (0, None)))
+            loads = (w_copy, tWgWs, thr_w.partition_D(sLand), tWcW, part)
         gX = cute.local_tile(cute.domain_offset((0, k0), mX), (self.tile_n, TILE_K), (0, None))
         gX = cute.make_tensor(gX.iterator.align(16), gX.layout)
         cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (self.tile_n, TILE_K), (0, None))
@@ -175,11 +204,76 @@ class ProductGemm(SkinnyGemm):
             (self.tile_m, TILE_K, self.stages), stride=(TILE_K, 1, self.tile_m * TILE_K)), byte_alignment=128)
         return w_copy, cvt, staged
 
+    def chunk(self, tidx, i):
+        """(whether it is one, K block, 16-byte column) of this thread's copy ``i`` of a product's
+        codes in a K tile: the tile's 4 K blocks of ``tile_out / 2`` copies, ``threads`` a round;
+        column j holds the 8 codes of lane (r, q) = (j % 32 // 4, j % 4) of 64-row tile j // 32
+        (Humming's layout; trace time)."""
+        c = tidx + i * self.threads
+        live = True if const_expr(self.chunks % self.threads == 0) else c < self.chunks
+        return live, c // (self.tile_out // 2), c % (self.tile_out // 2)
+
+    @cute.jit
+    def load_mxfp4(self, loads, kt, stage):
+        """Issue the cp.async copies of K tile ``kt`` of the tile's part's MXFP4 products into
+        ``stage``: each of the thread's 16 bytes of codes (``chunk``) and the 8 scale bytes of its
+        8 rows (Humming keeps a lane's rows' scales side by side), which this thread dequantizes
+        (``mxfp4_tile``)."""
+        weights, sCodes, sScales, part, row0, k0, tidx = loads
+        codes_copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                         Int32, num_bits_per_copy=BITS)
+        scales_copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS),
+                                          Uint8, num_bits_per_copy=64)
+        kb0 = (k0 + kt * TILE_K) // 16
+        for s in cutlass.range_constexpr(len(self.parts)):
+            if const_expr(len(self.parts) == 1) or part == s:
+                slots = part_slots(self.parts, "weights", s)
+                for p in cutlass.range_constexpr(self.products):
+                    codes, scales = weights[slots[2 * p]], weights[slots[2 * p + 1]]
+                    for i in cutlass.range_constexpr(self.chunk_rounds):
+                        live, kb, j = self.chunk(tidx, i)
+                        if live:
+                            src = cute.local_tile(codes[kb0 + kb, None], (4,), (row0 // 2 + j,))
+                            cute.copy(codes_copy, cute.make_tensor(src.iterator.align(16), src.layout),
+                                      sCodes[None, p * self.chunks + tidx + i * self.threads, stage])
+                            src = cute.local_tile(scales[(kb0 + kb) // 2, None], (8,),
+                                                  (row0 // 8 + j // 32 * 8 + j % 32 // 4,))
+                            cute.copy(scales_copy, cute.make_tensor(src.iterator.align(8), src.layout),
+                                      sScales[None, p * self.chunks + tidx + i * self.threads, stage])
+
+    @cute.jit
+    def mxfp4_tile(self, sCodes, sScales, sW, stage, tidx):
+        """This thread's copies of a K tile in ``stage`` (``load_mxfp4``) dequantized into the bf16
+        ring: word i3 of a copy (K block kb, column j) holds rows ``16 i3 + r (+ 8)`` of its 64-row
+        tile at K ``16 kb + 2q (+1) (+8)``, each pair (k, k + 1) one 32-bit store."""
+        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=32)
+        for p in cutlass.range_constexpr(self.products):
+            for i in cutlass.range_constexpr(self.chunk_rounds):
+                live, kb, j = self.chunk(tidx, i)
+                if live:
+                    c = p * self.chunks + tidx + i * self.threads
+                    words = cute.make_rmem_tensor((4,), Int32)
+                    cute.autovec_copy(sCodes[None, c, stage], words)
+                    scales = cute.make_rmem_tensor((8,), Uint8)
+                    cute.autovec_copy(sScales[None, c, stage], scales)
+                    row = p * self.tile_out + j // 32 * MXFP4_TILE + j % 32 // 4
+                    col = kb * 16 + j % 4 * 2
+                    for i3 in cutlass.range_constexpr(4):
+                        pairs = bf16_pairs(words[i3], Int32(scales[2 * i3]), Int32(scales[2 * i3 + 1]))
+                        for h in cutlass.range_constexpr(4):
+                            rPair = cute.make_rmem_tensor((2,), BFloat16)
+                            cute.recast_tensor(rPair, Int32)[0] = pairs[h]
+                            cute.copy(pair_store, rPair, cute.local_tile(
+                                sW[row + 16 * i3 + h % 2 * 8, None, stage], (2,), (col // 2 + h // 2 * 4,)))
+
     @cute.jit
     def load_w(self, loads, kt, stage):
         """Issue the cp.async copies of K tile ``kt`` of the tile's part's products into
         ``stage``: copy pass j of the CTA tile is pass ``j % (TO / pass_rows)`` of product
         ``j // (TO / pass_rows)``; a narrow part's rows past its end are not read."""
+        if const_expr(self.mxfp4):
+            self.load_mxfp4(loads, kt, stage)
+            return
         tiled_g2s, tWgWs, tWsW, tWcW, part = loads
         per = const_expr(self.tile_out // self.pass_rows)
         for s in cutlass.range_constexpr(len(self.parts)):
@@ -250,14 +344,20 @@ def build(spec) -> tuple[ProductGemm, tuple]:
     parts = tuple(Stage.from_params(st) for st in p["parts"])
     kernel = ProductGemm(parts, spec.shape_dict["token_tile"], rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
                          stages=p["stages"], token_groups=p["token_groups"], x_stride=p["x_stride"],
-                         epi_strides=tuple(tuple(e) for e in p["epi_strides"]))
+                         epi_strides=tuple(tuple(e) for e in p["epi_strides"]),
+                         mxfp4_strides=p.get("mxfp4_strides", ()))
     tokens = cute.sym_int32()
 
     ws, eins, ys = [], [], []
     for st, args, strides in zip(parts, kernel.epi_args, kernel.epi_strides, strict=True):
         epi, kinds = st.epilogue, st.epilogue.kinds
-        ws += [make_fake_tensor(CUTE_DTYPES[st.weight_dtype], (st.n, st.k), (st.k, 1), assumed_align=16)
-               for _ in st.weights]
+        if kernel.mxfp4:  # each product's codes (int32 [K/16, 2N]) and scale bytes ([K/32, N]), row-strided
+            for codes_stride, scales_stride in kernel.mxfp4_strides[len(ws) // 2:len(ws) // 2 + len(st.weights)]:
+                ws += [make_fake_tensor(Int32, (st.k // 16, 2 * st.n), (codes_stride, 1), assumed_align=16),
+                       make_fake_tensor(Uint8, (st.k // 32, st.n), (scales_stride, 1), assumed_align=16)]
+        else:
+            ws += [make_fake_tensor(CUTE_DTYPES[st.weight_dtype], (st.n, st.k), (st.k, 1), assumed_align=16)
+                   for _ in st.weights]
         eins += [fake_input(*epi.inputs[i], tokens, st.n, stride, source=st.epilogue_from[i][0])
                  for i, stride in zip(args, strides, strict=True)]
         ys += [fake_input(kinds[v], dtype, tokens, st.n) for v, dtype, _ in epi.outputs]

@@ -41,7 +41,7 @@ def two_cta_stages(rows_per_cta: int, token_tile: int, k: int, split: int) -> in
 
 
 def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False, products: int = 1,
-                norm: bool = False) -> dict[str, Any]:
+                norm: bool = False, tile_multiple: int = 1) -> dict[str, Any]:
     """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
     128 weight rows per CTA (x then costs at most half the weight bytes in L2 traffic), 64
     where that alone fills more SMs, 32 where even 64 leaves half the SMs idle and the token
@@ -66,6 +66,7 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     ``products``: likewise, a generated stage's rows are shared by that many products. ``norm``: the RMSNorm
     prologue's shared memory (``norm_bytes``) comes out of the one-CTA ring's (the dense down stage
     at TP 3 asked for 64 bytes more than a CTA may have, and failed at its launch).
+    ``tile_multiple``: a tile's output rows a multiple of it (MXFP4's 64-row tiles).
     """
     token_tile = -(-tokens // 16) * 16
     groups = 2 if token_tile % 32 == 0 else 1
@@ -75,7 +76,7 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
     best = None
     for rows_per_cta in (GEMM_ROWS_PER_CTA, GEMM_ROWS_PER_CTA // 2, GEMM_ROWS_PER_CTA // 4):
         per_tile = rows_per_cta // (2 if glu else products)
-        if rows_out < per_tile:
+        if rows_out < per_tile or per_tile % tile_multiple:
             continue
         if rows_per_cta == GEMM_ROWS_PER_CTA // 4 and (glu or products > 1 or groups == 1 or best is None
                                                        or best[0] >= sms // 2):

@@ -35,7 +35,7 @@ from codegen.launchers.gemm_specs import (
     stage_bytes,
 )
 from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
-from codegen.lowered import DTYPES, READ, Products, Program, Stage
+from codegen.lowered import DTYPES, MXFP4, READ, Products, Program, Stage
 from codegen.spec import KernelSpec
 from codegen.targets import MAX_TOKENS, VEC
 from codegen.template import Template, aligned
@@ -51,6 +51,10 @@ STAGED_BYTES = 160 * 1024  # shared memory for a chunk's activations where the p
 # (codegen/launchers/in_proj.py, o_proj.py, dense_mlp.py; BENCHMARKS.md)
 GEMM_MIN_TOKENS = 2
 GEMM_PRODUCTS = (1, 2, 4)  # products sharing a GEMM tile's 128 rows
+MXFP4_TILE = 64  # rows of Humming's tile: a GEMM tile holds whole ones
+# shared memory an MXFP4 GEMM's staging ring takes per weight row and pipeline stage: the codes of
+# 64 K (32 bytes) and, for each 16-byte copy of codes, the 8 scale bytes of its 8 rows (16 bytes)
+MXFP4_STAGED_PER_ROW = 48
 
 
 def threads_for(width: int, vectors: int) -> int:
@@ -134,7 +138,8 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int
     """The GEMM's tiling for stages of one activation (its parts; ``gemm_tiling`` over their
     columns, a tile's rows shared by the products), or why the GEMM does not take them."""
     k, products, n = parts[0].k, len(parts[0].weights), sum(st.n for st in parts)
-    if tokens < min_tokens:
+    mxfp4 = parts[0].weight_dtype == MXFP4
+    if tokens < min_tokens and not mxfp4:
         return f"{tokens} token: the GEMV main loop"
     if not all(is_plain(st) for st in parts):
         return "the prologue computes (the GEMM multiplies its activation as it is read)"
@@ -144,23 +149,30 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int
         return f"K {k} is not a multiple of {GEMM_TILE_K} of at least two tiles"
     if n < GEMM_ROWS_PER_CTA // 2 // products:
         return f"{n} columns: fewer than a tile's {GEMM_ROWS_PER_CTA // 2 // products}"
-    tiling = gemm_tiling(tokens, k, n, arch, products=products)
+    if mxfp4 and (GEMM_ROWS_PER_CTA // products < MXFP4_TILE or any(st.n < MXFP4_TILE for st in parts)):
+        return (f"MXFP4: {products} products of parts {[st.n for st in parts]} wide, where a GEMM tile holds whole "
+                f"{MXFP4_TILE}-row tiles of each product")
+    tiling = gemm_tiling(tokens, k, n, arch, products=products, tile_multiple=MXFP4_TILE if mxfp4 else 1)
     per_tile = tiling["rows_per_cta"] // products
+    if mxfp4 and any(st.n < per_tile for st in parts):
+        return f"MXFP4: a part narrower than a tile's {per_tile} rows (parts {[st.n for st in parts]} wide)"
     threads = 32 * min(4, tiling["rows_per_cta"] // 16) * tiling["token_groups"]
     fp8 = parts[0].weight_dtype == "fp8_e4m3"  # 16 values a copy: 4 threads a row
     pass_rows = threads // (4 if fp8 else 8)
-    if per_tile % pass_rows or n < per_tile:
+    if not mxfp4 and (per_tile % pass_rows or n < per_tile):
         return f"{products} products of {per_tile} columns a tile, copied {pass_rows} rows a pass"
-    if fp8:  # the staging ring beside the bf16 one: fewer stages where one CTA's memory asks it
+    staged = GEMM_TILE_K if fp8 else MXFP4_STAGED_PER_ROW if mxfp4 else 0  # bytes a row and stage
+    if staged:  # the staging ring beside the bf16 one: fewer stages where one CTA's memory asks it
         rows, tile = tiling["rows_per_cta"], tiling["token_tile"]
 
         def smem(stages: int) -> int:  # as ProductGemm counts it
             ring = max(stages * stage_bytes(rows, tile), tile * (rows + GEMM_PARTIAL_PAD) * 4)
-            return ring + stages * rows * GEMM_TILE_K
+            return ring + stages * rows * staged
         while tiling["stages"] > 2 and smem(tiling["stages"]) > GEMM_SMEM_ONE_CTA:
             tiling["stages"] -= 1
         if smem(tiling["stages"]) > GEMM_SMEM_ONE_CTA:
-            return f"fp8 staging: {smem(2)} bytes of shared memory at two stages, more than a CTA may take"
+            return (f"{parts[0].weight_dtype} staging: {smem(2)} bytes of shared memory at two stages, more than a "
+                    "CTA may take")
     return tiling
 
 
@@ -172,7 +184,7 @@ def _parts(stages: Sequence[Stage]) -> list[list[int]]:
     for i, st in enumerate(stages):
         if runs:
             head, run = stages[runs[-1][0]], [stages[j] for j in runs[-1]] + [st]
-            used = {"weights": sum(len(x.weights) for x in run),
+            used = {"weights": sum(x.weight_tensors for x in run),
                     "epilogue_inputs": sum(s[0] in READ for x in run for s in x.epilogue_from),
                     "outputs": sum(len(x.epilogue.outputs) for x in run)}
             if (st.prologue, st.prologue_from, st.prologue_to) == (head.prologue, head.prologue_from,
@@ -206,7 +218,7 @@ def part_slots(parts: Sequence[Stage], what: str, q: int) -> range:
     """The kernel's tensor slots of part ``q``'s ``weights``, epilogue ``inputs`` or ``outputs``
     (given out part by part)."""
     def size(st: Stage) -> int:
-        return {"weights": len(st.weights), "inputs": sum(src[0] in READ for src in st.epilogue_from),
+        return {"weights": st.weight_tensors, "inputs": sum(src[0] in READ for src in st.epilogue_from),
                 "outputs": len(st.epilogue.outputs)}[what]
     start = sum(size(st) for st in parts[:q])
     return range(start, start + size(parts[q]))
@@ -216,6 +228,8 @@ def _tiling(parts: Sequence[Stage], tokens: int) -> dict[str, Any] | str:
     """The GEMV's tiling for its parts (``skinny_gemv_tiling`` over their columns), or why not."""
     stage = parts[0]
     k, products, n = stage.k, len(stage.weights), sum(st.n for st in parts)
+    if stage.weight_dtype == MXFP4:
+        return "MXFP4 weights: the GEMM main loop"
     if k % VEC:
         return f"K {k} is not whole 128-bit vectors of {VEC}"
     chunk = token_chunk(tokens)
@@ -305,7 +319,7 @@ def _hoisted(parts: Sequence[Stage], temps: list[tuple[int, str]]) -> tuple[Prog
     return pro, tuple(dests), [
         Stage(plain, (("temp", kept[0]),), (("product",),), st.weights, st.epilogue,
               tuple(("temp", kept[src[1]]) if src[0] == "pro" else src for src in st.epilogue_from), st.epilogue_to,
-              st.weight_dtype) for st in parts]
+              st.weight_dtype, st.scales) for st in parts]
 
 
 def _product_specs(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSpec, ...] | str:
@@ -330,7 +344,7 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             return f"tensor argument {i} of strides {tuple(t.stride())}: the kernels read 128-bit vectors of a row"
         if t.dim() == 2 and t.shape[1] == 1 < t.shape[0] and t.stride(0) != 1:
             return f"tensor argument {i}, a [T, 1] statistic, of strides {tuple(t.stride())}: it is read packed"
-    for w in {w for st in products.stages for w, _ in st.weights}:
+    for w in {w for st in products.stages for w in (*(w for w, _ in st.weights), *st.scales)}:
         if tensors[w].dim() != 2 or tensors[w].stride(0) != tensors[w].shape[1]:
             return f"weight argument {w} of strides {tuple(tensors[w].stride())}: a weight is contiguous [N, K] rows"
     checked = []  # each stage's (prologue row strides, epilogue row strides)
@@ -338,7 +352,7 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
         pro, epi = stage.prologue, stage.epilogue
         epi_args = [(s, kind) for s, (kind, _) in zip(stage.epilogue_from, epi.inputs, strict=True)
                     if s[0] in READ]
-        counts = {"prologue_inputs": len(pro.inputs), "weights": len(stage.weights), "epilogue_inputs": len(epi_args),
+        counts = {"prologue_inputs": len(pro.inputs), "weights": stage.weight_tensors, "epilogue_inputs": len(epi_args),
                   "prologue_results": sum(d[0] == "result" for d in stage.prologue_to), "outputs": len(epi.outputs)}
         for what, count in counts.items():
             if count > PRODUCT_SLOTS[what]:
@@ -358,7 +372,8 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
     for run in _parts(products.stages):
         parts = [products.stages[i] for i in run]
         epi_strides = tuple(checked[i][1] for i in run)
-        if not is_plain(parts[0]) and tokens >= GEMM_MIN_TOKENS:  # the prologue on a kernel of its own
+        mxfp4 = parts[0].weight_dtype == MXFP4
+        if not is_plain(parts[0]) and (tokens >= GEMM_MIN_TOKENS or mxfp4):  # the prologue on a kernel of its own
             trial = list(temps)
             hoisted = _hoisted(parts, trial)
             tiling = hoisted if isinstance(hoisted, str) else _gemm_tiling(hoisted[2], tokens, arch)
@@ -378,6 +393,8 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
                              {**tiling, "x_stride": plain[0].k, "epi_strides": strides}))
                 continue
         gemm = _gemm_tiling(parts, tokens, arch)
+        if isinstance(gemm, str) and mxfp4:
+            return f"stage{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}: {gemm}"
         if isinstance(gemm, str):
             tiling = _tiling(parts, tokens)
             if not isinstance(tiling, str):
@@ -403,6 +420,9 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
         kernel_parts = tuple(replace(st, weights=tuple((w, 0) for w, _ in st.weights)) for st in parts)
         params = {**plumbing, "parts": tuple(st.to_params() for st in kernel_parts),
                   "weights_at": tuple(w for st in parts for w in st.weights), **params}
+        if parts[0].weight_dtype == MXFP4:  # the codes' and scales' row strides: the whole weight's
+            params["mxfp4_strides"] = tuple((tensors[w].stride(0), tensors[sc].stride(0)) for st in parts
+                                            for (w, _), sc in zip(st.weights, st.scales, strict=True))
         specs.append(KernelSpec.make(module, op, arch, shapes=shapes, params=params))
     for i, tail in enumerate(products.tails):  # after the collective inside the op, on the rowwise kernel
         program = tail.program
@@ -421,6 +441,18 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
                                              "strides": strides, "sources": tail.sources, "dests": tail.dests,
                                              "before": products.between if i == 0 else ()}))
     return tuple(specs)
+
+
+def weight_tensors(stage: Stage, tensors: list[torch.Tensor], weights_at) -> list[torch.Tensor]:
+    """The tensors a kernel reads for ``stage``'s products, whose rows start where ``weights_at``
+    says: each product's [N, K] rows, or an MXFP4 product's codes (two int32 columns a row) and
+    its E8M0 scales (as bytes), in Humming's layout."""
+    if stage.weight_dtype != MXFP4:
+        return [tensors[w][r0:r0 + stage.n] for w, r0 in weights_at]
+    out = []
+    for (w, r0), sc in zip(weights_at, stage.scales, strict=True):
+        out += [tensors[w][:, 2 * r0:2 * (r0 + stage.n)], tensors[sc][:, r0:r0 + stage.n].view(torch.uint8)]
+    return out
 
 
 def _product_runtime(args: Sequence[Any]) -> str | None:
@@ -464,7 +496,7 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
             pro, epi = stage.prologue, stage.epilogue
             pins = [_source(s, tensors, temps, kind, stage.k) for s, (kind, _) in
                     zip(stage.prologue_from, pro.inputs, strict=True)]  # the same for every part
-            ws += [tensors[w][r0:r0 + stage.n] for w, r0 in itertools.islice(weights_at, len(stage.weights))]
+            ws += weight_tensors(stage, tensors, itertools.islice(weights_at, len(stage.weights)))
             eins += [_source(s, tensors, temps, kind, stage.n) for s, (kind, _) in
                      zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in READ]
             pkinds, ekinds = pro.kinds, epi.kinds

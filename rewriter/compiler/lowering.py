@@ -20,7 +20,7 @@ from torch import fx
 
 from codegen.lowered import LoweringError, Products, Program, Tail
 from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, Builder, columns, kind_of
-from rewriter.compiler.products import PRODUCT_OPS, lower_products
+from rewriter.compiler.products import MXFP4_DEQUANT, PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
 
 # collectives a result may end with: the host runs them after the stages (codegen.lowered.Products)
@@ -68,6 +68,9 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
         results[i] = r
         collectives += reversed(ends)  # the innermost runs first
     inner = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES and n not in last]
+    # what an MXFP4 weight reads that is not an argument (an expert chosen inside the op), by the weight's name
+    chosen = {a: n for n in gm.graph.nodes if n.op == "call_function" and n.target is MXFP4_DEQUANT
+              for a in n.args[:2] if a.op != "placeholder"}
     for node in gm.graph.nodes:  # what the reference computes decides first, then the shapes it takes
         if node.op != "call_function" or node.target in POINTWISE or node.target in PRODUCT_OPS or node in last:
             continue
@@ -76,6 +79,9 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
                                 "kernels run one all-reduce inside an op, and collectives on results after them")
         if node.target in COLLECTIVES:
             continue
+        if node in chosen:
+            raise LoweringError(f"MXFP4 weight {chosen[node].name}: its codes and scales are the op's arguments (an "
+                                f"expert chosen inside the op, here by {node.name}, is not a product by one weight)")
         raise LoweringError(f"{node.target} (node {node.name}) has no lowering: the programs take pointwise "
                             "arithmetic, activations, casts, reductions over a token's row and matrix products "
                             "by weights (docs/CODEGEN.md)")

@@ -23,17 +23,19 @@ import torch
 
 def install_host() -> None:
     """Hand codegen the model's collectives (``k3::all_reduce``, ``gather_last_dim``, looked up at
-    call time), its decode state layouts and the lowering of a fused op's reference
-    (``codegen.host``)."""
+    call time), its decode state layouts, its quantized weights' values and the lowering of a
+    fused op's reference (``codegen.host``)."""
     from codegen.host import Host, install
     from rewriter.compiler.lowering import lower_op
     from rewriter.model import ops
+    from rewriter.model.layers.experts import ExpertFormat
     from rewriter.model.layers.state import conv_layout_of
 
     install(Host(all_reduce=lambda x, group, n: torch.ops.k3.all_reduce(x, group, n),
                  gather_last_dim=lambda x, group, n: ops.gather_last_dim(x, group, n),
                  collective_runs=lambda n: ops.reduces(n), conv_layout=conv_layout_of,
-                 kv_cache_is_fp8=ops.cache_is_fp8, lower=lower_op))
+                 kv_cache_is_fp8=ops.cache_is_fp8, lower=lower_op,
+                 dequant=lambda fmt, w, s: ExpertFormat.parse(fmt).dequant(w, s)))
 
 
 def install_kernels(arch: str | None = None, *, allow_without_cuda: bool = False, strict: bool = False) -> list[str]:

@@ -2,7 +2,9 @@
 
 A product is ``aten.mm(a, W^T)`` where ``W`` is one of the op's [N, K] weights (or a row slice
 of one: a chunk of a packed gate-and-up weight), read in bf16 or fp8 E4M3 (times its scale, per
-channel or per tensor: the kernels scale the product's fp32 sums in the epilogue). A node's *depth* is the number
+channel or per tensor: the kernels scale the product's fp32 sums in the epilogue), or the values
+of MXFP4 codes and scales in Humming's layout (``k3.mxfp4_dequant``: the kernels dequantize them
+as they read them). A node's *depth* is the number
 of products on its longest path from the op's arguments. The products of one depth read one
 activation ``a`` and form one stage per output width N: one kernel that computes ``a``
 (the prologue, over rows of K: a norm, a residual add, a cast), multiplies it by every product's
@@ -25,12 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from codegen.lowered import WEIGHT_DTYPES, LoweringError, Products, Ref, Stage
+from codegen.lowered import MXFP4, WEIGHT_DTYPES, LoweringError, Products, Ref, Stage
 from rewriter.compiler.aten_ops import CASTS, DTYPE_NAMES, SHAPE_ONLY, Builder, columns, kind_of
+from rewriter.model import ops as _k3_ops  # noqa: F401  (defines k3::mxfp4_dequant)
 
 aten = torch.ops.aten
 TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
-PRODUCT_OPS = (aten.mm.default, *TRANSPOSES)
+MXFP4_DEQUANT = torch.ops.k3.mxfp4_dequant.default
+PRODUCT_OPS = (aten.mm.default, *TRANSPOSES, MXFP4_DEQUANT)
+MXFP4_TILE_ROWS = 64  # Humming's layout keeps each 64 rows' codes and scales apart: a row slice cuts between them
 
 
 @dataclass(frozen=True)
@@ -38,12 +43,14 @@ class Weight:
     """What a product's second operand reads: rows ``row0 ..`` of the op's [N, K] argument
     ``arg`` in ``dtype``, and the scale its rows are multiplied by, where it has one:
     ``("col", argument, first row)`` (per channel, [N] or [N, 1]) or ``("scalar", argument)``
-    (per tensor, one element)."""
+    (per tensor, one element); MXFP4 (``dtype`` MXFP4): ``arg`` holds the codes and ``block_scales``
+    the argument of their E8M0 scales."""
     arg: int
     row0: int
     rows: int
     dtype: str
     scale: tuple | None = None
+    block_scales: int | None = None
 
 
 def _scale_argument(node: fx.Node, args: dict[fx.Node, int], rows: int) -> tuple | None:
@@ -71,6 +78,8 @@ def _weight(node: fx.Node, args: dict[fx.Node, int]) -> Weight:
     # 1), below it the weight [N, K] itself (rows are dim 0)
     row0, rows, below, seen, scale, rounds = 0, None, False, node, None, None
     while True:
+        if seen.op == "call_function" and seen.target is MXFP4_DEQUANT:
+            return _mxfp4_weight(node, seen, args, below, row0, rows, scale)
         if seen in args:
             val = seen.meta["val"]
             if val.dim() != 2 or not below:
@@ -140,6 +149,32 @@ def _weight(node: fx.Node, args: dict[fx.Node, int]) -> Weight:
         seen = seen.args[0]
 
 
+def _mxfp4_weight(node: fx.Node, dequant: fx.Node, args: dict[fx.Node, int], below: bool, row0: int,
+                  rows: int | None, scale: tuple | None) -> Weight:
+    """The MXFP4 weight ``k3.mxfp4_dequant(codes, scales, layout)`` of product operand ``node``:
+    codes and scales are the op's arguments, in Humming's layout, 2-D (one weight, no experts),
+    read in whole 64-row tiles."""
+    codes, scales, layout = dequant.args
+    if not below:
+        raise LoweringError(f"product operand {node.name} is not the transpose of MXFP4 weight {dequant.name}")
+    if layout != "humming":
+        raise LoweringError(f"MXFP4 weight {dequant.name} in the {layout!r} layout: the generated products read "
+                            "Humming's (what vLLM leaves on Hopper)")
+    if codes not in args or scales not in args:
+        raise LoweringError(f"MXFP4 weight {dequant.name}: its codes and scales are the op's arguments")
+    if codes.meta["val"].dim() != 2:
+        raise LoweringError(f"MXFP4 weight {dequant.name} has codes of {codes.meta['val'].dim()} dims: a product's "
+                            "weight is one [N, K] matrix (an expert chosen at run time is not a product by a weight)")
+    if scale is not None:
+        raise LoweringError(f"MXFP4 weight {dequant.name} is scaled again before its product")
+    n = dequant.meta["val"].shape[0]
+    rows = n - row0 if rows is None else rows
+    if row0 % MXFP4_TILE_ROWS or rows % MXFP4_TILE_ROWS:
+        raise LoweringError(f"rows {row0}..{row0 + rows} of MXFP4 weight {dequant.name}: Humming's layout is read "
+                            f"in whole {MXFP4_TILE_ROWS}-row tiles")
+    return Weight(args[codes], row0, rows, MXFP4, None, args[scales])
+
+
 def _activation(mm: fx.Node) -> fx.Node:
     """The bf16 value a product multiplies: its first operand, through casts to fp32 of a bf16
     value (exact)."""
@@ -160,6 +195,7 @@ class _Stage:
         self.staging, self.depth = staging, depth
         self.a = staging.activation[depth]
         self.weights: list[tuple[int, int]] = []
+        self.scales: list[int] = []  # MXFP4: each product's scales argument
         self.products: dict[tuple[fx.Node, int], int] = {}
         self.weight_dtype: dict[str, str] = {}  # "dtype": the products' weight dtype, once one is read
         self.pro_to: list[tuple] = [("product",)]
@@ -212,8 +248,13 @@ class _Stage:
                                 "products of one stage read one weight dtype")
         key = (mm, c0)
         if key not in self.products:
+            if w.block_scales is not None and c0 % MXFP4_TILE_ROWS:
+                raise LoweringError(f"{mm.name}: columns from {c0} of an MXFP4 product: Humming's layout is read in "
+                                    f"whole {MXFP4_TILE_ROWS}-row tiles")
             self.products[key] = len(self.weights)
             self.weights.append((w.arg, w.row0 + c0))
+            if w.block_scales is not None:
+                self.scales.append(w.block_scales)
         acc = b.input("row", "fp32", ("acc", self.products[key]))
         if w.scale is not None:  # the fp8 weight's scale, on the fp32 sums (exact where the reference is fp32)
             dtype = DTYPE_NAMES[self.staging.arg_dtype(w.scale[1])]
@@ -225,7 +266,7 @@ class _Stage:
     def stage(self) -> Stage:
         return Stage(self.pro.program(), tuple(self.pro.sources), tuple(self.pro_to), tuple(self.weights),
                      self.epi.program(), tuple(self.epi.sources), tuple(self.epi_to),
-                     self.weight_dtype.get("dtype", "bf16"))
+                     self.weight_dtype.get("dtype", "bf16"), tuple(self.scales))
 
 
 class _Staging:
@@ -365,7 +406,8 @@ def apart(stage: Stage) -> list[Stage]:
                         else stage.epilogue_from[i] for i in kept)
         parts.append(Stage(stage.prologue, stage.prologue_from, stage.prologue_to,
                            tuple(stage.weights[p] for p in products), program, sources,
-                           tuple(stage.epilogue_to[o] for o in outputs), stage.weight_dtype))
+                           tuple(stage.epilogue_to[o] for o in outputs), stage.weight_dtype,
+                           tuple(stage.scales[p] for p in products) if stage.scales else ()))
     if sum(len(p.epilogue_to) for p in parts) != len(stage.epilogue_to):
         return [stage]  # an output of no product's value (an argument passed through): kept whole
     return parts
