@@ -213,6 +213,10 @@ def run_ptx(body: str, args: dict[str, int | float]) -> tuple[dict[str, int], li
         elif op == "mul.rn.bf16x2":
             (a0, a1), (b0, b1) = _bf16x2(x[0]), _bf16x2(x[1])
             regs[d] = _pack_bf16x2(a0 * b0, a1 * b1)
+        elif op == "setp.eq.u32":
+            regs[d] = x[0] == x[1]
+        elif op == "selp.b32":
+            regs[d] = x[0] if x[2] else x[1]
         else:
             raise AssertionError(f"instruction the interpreter does not know: {op}")
     return regs, fragments
@@ -281,6 +285,37 @@ def test_dequant_and_mma_ptx_on_one_warp(fmt):
             assert got[0] == got[1] and got[2] == got[3]  # every column is the one token
             assert got[0] == pytest.approx(float(expected[16 * i3 + r]), rel=1e-6, abs=1e-12)
             assert got[2] == pytest.approx(float(expected[16 * i3 + 8 + r]), rel=1e-6, abs=1e-12)
+
+
+@needs_cutedsl
+def test_bf16_pairs_dequantize_every_code_at_every_scale_byte():
+    """The generated GEMM's dequantization (``mxfp4.bf16_pairs``, PTX interpreted): each lane's
+    4 pairs of a word are its rows' values at K 2q (+1) (+8), equal to the reference's bf16
+    values bit for bit for every code and every scale byte but 255 (NaN), subnormal results
+    (bytes below 7) and overflows to infinity (above 252) included: the hand-written kernels'
+    single multiply takes bytes up to 128."""
+    from codegen.kernels.mxfp4 import bf16_pairs_ptx
+
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (1, 64, 32), generator=g)
+    codes[0, :16, :16] = torch.arange(16)  # every code in every row of subtile 0
+    scales = torch.randint(0, 255, (1, 64, 1), generator=g, dtype=torch.uint8)
+    scales[0, :8, 0] = torch.tensor([0, 1, 6, 127, 128, 129, 253, 254], dtype=torch.uint8)
+    weight, scale = HUMMING.from_checkpoint(pack_nibbles(codes), scales)
+    want = HUMMING.dequant(weight, scale)[0]  # [64, 32] bf16
+    words = (weight[0].long() & 0xFFFFFFFF).tolist()  # [2 kb][128]
+    sbytes = scales[0, :, 0].tolist()
+    ptx = bf16_pairs_ptx()
+    for kb in range(2):
+        for lane in range(32):
+            r, q = divmod(lane, 4)
+            for i3 in range(4):
+                rows = (16 * i3 + r, 16 * i3 + 8 + r)
+                regs, _ = run_ptx(ptx, {"$4": words[kb][lane * 4 + i3], "$5": sbytes[rows[0]], "$6": sbytes[rows[1]]})
+                for j in range(4):
+                    row, k = rows[j % 2], 16 * kb + 2 * q + 8 * (j // 2)
+                    got = torch.tensor(_bf16x2(regs[f"${j}"]), dtype=torch.bfloat16)
+                    assert torch.equal(got, want[row, k:k + 2]), (kb, lane, i3, j, got, want[row, k:k + 2])
 
 
 # ---------------------------------------------------------------- 3. specs, refusals, compiles
