@@ -1,9 +1,10 @@
 """``product_gemm``: a generated kernel: the stages of a fused op's ``codegen.lowered.Products``
 that read one bf16 activation as it is (their prologue only reads it), on the skinny tensor-core
-GEMM's main loop (``codegen/kernels/gemm.py``, 2..64 tokens, the token count a runtime size up
-to the tile). Several stages of different widths (the projections of one activation: an input
-projection's q, k, v and gates) are the kernel's *parts*: each CTA tile lies within one part,
-whose weights it reads and whose epilogue it runs.
+GEMM's main loop (``codegen/kernels/gemm.py``, 2..64 tokens, and 1 for MXFP4 weights or a K
+longer than the GEMV holds; the token count a runtime size up to the tile). Several stages of
+different widths (the projections of one activation: an input projection's q, k, v and gates)
+are the kernel's *parts*: each CTA tile lies within one part, whose weights it reads and whose
+epilogue it runs.
 
 The main loop is ``SkinnyGemm.multiply``, unchanged: weight tiles through a ``cp.async`` ring
 before ``griddepcontrol.wait``, x after it, ``mma.sync.m16n8k16`` with fp32 accumulators, the
@@ -18,7 +19,11 @@ partial tile in shared memory, the K split's CTAs a cluster. What is generated:
   wait, as the hand-written residual) go through the part's epilogue program on scalars
   (``codegen/kernels/emit.py``) to each output;
 - a part narrower than a tile (a gate of 6 columns) has one tile, whose rows past the part's
-  end are neither loaded nor stored; a wider part's last tile reaches back to stay in bounds.
+  end are neither loaded nor stored; a wider part's last tile reaches back to stay in bounds;
+- fp8 and MXFP4 weights land in a staging ring of their own and each thread converts what it
+  copied into the bf16 ring once resident (the main loop's per-tile hook): fp8 rows 16 values a
+  copy; MXFP4 (Humming's layout, from one token) 16 bytes of codes a copy with the 8 scale
+  bytes of its rows, dequantized exactly (``mxfp4.bf16_pairs``).
 """
 from __future__ import annotations
 
