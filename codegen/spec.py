@@ -48,7 +48,7 @@ def _items(mapping: Mapping[str, Any] | None, what: str) -> tuple[tuple[str, Any
 
 @dataclass(frozen=True)
 class KernelSpec:
-    kernel: str  # template name, as the schedule names the kernel: "attn_res_norm", "attn_in_proj_gemv"
+    kernel: str  # the kernel's name: "attn_res_norm", "gemv", "product_gemv"
     op: str  # the fused op it implements: "k3f::attn_res_norm", "k3f::kda_in_proj"
     arch: str  # "sm_90a" | "sm_100a" | "sm_103a"
     shapes: tuple[tuple[str, int], ...] = ()
@@ -111,7 +111,7 @@ class KernelSpec:
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def label(self) -> str:
-        """Readable: ``attn_in_proj_gemv[kda_in_proj] k=7168 rows=3216 tokens=1 segments=2304/768/128/6 sm_90a``
+        """Readable: ``gemv[latent_tail] k=3584 rows=448 tokens=1 chunk=1 ksplit=7 norm=True sm_90a``
         (tiling parameters left out)."""
         op = self.op.split("::")[-1]
         head = self.kernel if op == self.kernel else f"{self.kernel}[{op}]"

@@ -57,25 +57,16 @@ def kernel(op, args, name=None):
     return r
 
 
-def bench_gemv(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:
+def bench_in_proj(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:
+    """The input projection on the kernels the call picks (generated from its reference: the
+    GEMV's main loop at one token, the GEMM's from two), beside torch's ``linear``."""
     x = torch.randn(t, D, device="cuda").bfloat16()
-    tpl, specs, fns = kernel("k3f::kda_in_proj", (x, ws[0], split), "attn_in_proj_gemv")
-    outs = [torch.empty(t, s, device="cuda", dtype=torch.bfloat16) for s in split[:4]]
-    us = graph_us(lambda: [tpl.launch(fns, specs, (x, w, split), out=outs) for w in ws]) / len(ws)
+    tpl, specs, fns = kernel("k3f::kda_in_proj", (x, ws[0], split))
+    us = graph_us(lambda: [tpl.launch(fns, specs, (x, w, split)) for w in ws]) / len(ws)
     ref = graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / len(ws)
     used = sum(split[:4])
-    print(f"attn_in_proj_gemv {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s"
+    print(f"in_proj {specs[0].kernel} {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s"
           f"   (torch linear {ref:6.2f} us)")
-
-
-def bench_gemm(name: str, split: list[int], t: int, ws: list[torch.Tensor]) -> None:
-    """The tensor-core GEMM template on the same data."""
-    x = torch.randn(t, D, device="cuda").bfloat16()
-    tpl, specs, fns = kernel("k3f::kda_in_proj", (x, ws[0], split), "attn_in_proj_gemm")
-    outs = [torch.empty(t, s, device="cuda", dtype=torch.bfloat16) for s in split[:4]]
-    us = graph_us(lambda: [tpl.launch(fns, specs, (x, w, split), out=outs) for w in ws]) / len(ws)
-    used = sum(split[:4])
-    print(f"attn_in_proj_gemm {name} T={t}: {us:6.2f} us  {used * D * 2 / us / 1e3:5.0f} GB/s")
 
 
 def bench_attn_res() -> None:
@@ -392,10 +383,8 @@ def main() -> None:
         for name, split in SPLITS.items():
             copies = max(2, int(200e6 // (sum(split) * D * 2)) + 1)
             ws = [(torch.randn(sum(split), D, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
-            for t in (1, 2, 4, 8):
-                bench_gemv(name, split, t, ws)
-            for t in (2, 4, 8, 16, 64):
-                bench_gemm(name, split, t, ws)
+            for t in (1, 2, 4, 8, 16, 64):
+                bench_in_proj(name, split, t, ws)
     if "attn_res" in only:
         bench_attn_res()
     if "dense" in only:

@@ -1,7 +1,8 @@
 """The attention input projection (KDA ``in_proj_qkvgfab``, MLA ``fused_qkv_a_g_proj``) with
-its split, as one kernel: ``attn_in_proj.small``, a weight-streaming GEMV for one token, and
-``attn_in_proj.large``, a tensor-core GEMM for 2..64 (separate guards, same semantics; the GEMM
-streams the weights faster from 2 tokens on: BENCHMARKS.md).
+its split, as one fused op for 1..64 tokens. Its kernels are generated from its reference (one
+kernel whose parts are the split's pieces: the GEMV's main loop at one token, the tensor-core
+GEMM's from two; ``codegen/launchers/generated.py``), within 0.91 to 1.02 of the hand-written
+GEMV and GEMM they replaced (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from codegen.targets import MAX_TOKENS
 from rewriter.compiler.rules import Rule, RuleContext, fused_op, token_range_guard
 from rewriter.model.layers.kda import kda_in_proj
 from rewriter.model.layers.mla import mla_in_proj
-
-SMALL_MAX = 1
 
 
 @fused_op("kda_in_proj")
@@ -47,10 +46,7 @@ def _in_proj_variants(ctx: RuleContext):
 
 
 RULES = [
-    Rule("attn_in_proj.small", "input_projection", _in_proj_variants,
-         token_range_guard(1, SMALL_MAX, "the GEMV rule takes 1 token"), kernel="attn_in_proj_gemv",
-         doc="attention input projection for one token: weight-streaming GEMV"),
-    Rule("attn_in_proj.large", "input_projection", _in_proj_variants,
-         token_range_guard(SMALL_MAX + 1, MAX_TOKENS, f"the GEMM rule takes 2..{MAX_TOKENS} tokens"),
-         kernel="attn_in_proj_gemm", doc=f"attention input projection for 2..{MAX_TOKENS} tokens: tensor-core GEMM"),
+    Rule("attn_in_proj", "input_projection", _in_proj_variants,
+         token_range_guard(1, MAX_TOKENS, f"the rule takes 1..{MAX_TOKENS} tokens"), kernel="attn_in_proj",
+         doc=f"attention input projection for 1..{MAX_TOKENS} tokens, split into its pieces: one generated kernel"),
 ]

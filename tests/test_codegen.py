@@ -47,7 +47,7 @@ def attn_res_args(tokens=1, num_blocks=1, write_idx=-1, delta=True, d=7168, nb=8
             num_blocks, write_idx, 1e-5)
 
 
-def gemv_args(tokens=1, rows=3216, split=TP16_SPLIT, k=7168):
+def in_proj_args(tokens=1, rows=3216, split=TP16_SPLIT, k=7168):
     return (meta(tokens, k), meta(rows, k), list(split))
 
 
@@ -55,18 +55,19 @@ def router_args(tokens=1, experts=896, top_k=16, dtype=torch.float32, renormaliz
     return (meta(tokens, experts, dtype=dtype), meta(experts, dtype=torch.float32), top_k, renormalize, scaling)
 
 
-def gemv_spec(arch, tokens):
-    """The GEMV's spec for ``tokens`` (its kernel takes 1..8; the rules give it one token)."""
-    (spec,) = template("attn_in_proj_gemv").make_specs("k3f::kda_in_proj", arch, gemv_args(tokens=tokens))
+def in_proj_spec(arch, tokens):
+    """The input projection's kernel for ``tokens``, generated from its reference: the GEMV's
+    main loop at one token, the GEMM's from two."""
+    (spec,) = template("products").make_specs("k3f::kda_in_proj", arch, in_proj_args(tokens=tokens))
     return spec
 
 
 # ---------------------------------------------------------------- specs and templates (no CuTe DSL needed)
 
 def test_spec_is_plain_hashable_data():
-    a = KernelSpec.make("attn_in_proj_gemv", "k3f::kda_in_proj", "sm_90a", shapes={"tokens": 1, "k": 7168},
+    a = KernelSpec.make("gemv", "k3f::o_proj_attn_res", "sm_90a", shapes={"tokens": 1, "k": 7168},
                         params={"segments": [1, 2], "unroll": 4})
-    b = KernelSpec.make("attn_in_proj_gemv", "k3f::kda_in_proj", "sm_90a", shapes={"k": 7168, "tokens": 1},
+    b = KernelSpec.make("gemv", "k3f::o_proj_attn_res", "sm_90a", shapes={"k": 7168, "tokens": 1},
                         params={"unroll": 4, "segments": (1, 2)})
     assert a == b and hash(a) == hash(b) and a.canonical() == b.canonical()
     assert a.param_dict["segments"] == (1, 2)
@@ -96,11 +97,13 @@ def test_templates_make_specs_from_the_layer_values():
     # a row whose vectors an 8-way split does not divide takes the largest cluster that does
     assert spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(d=7160)).param_dict["cluster"] == 1
     assert spec_of("k3f::attn_res_norm", "sm_90a", attn_res_args(d=7152)).param_dict["cluster"] == 2
-    g = spec_of("k3f::kda_in_proj", "sm_100a", gemv_args(tokens=1))
-    assert g.kernel == "attn_in_proj_gemv" and g.shape_dict == {"tokens": 1, "k": 7168, "rows": 3216}
-    assert g.param_dict["segments"] == (2304, 768, 128, 6) and not g.param_dict["pipeline"]
-    assert spec_of("k3f::kda_in_proj", "sm_100a", gemv_args(tokens=8)).kernel == "attn_in_proj_gemm"
-    assert spec_of("k3f::mla_in_proj", "sm_90a", gemv_args(rows=2880, split=[1536, 512, 64, 768])).op == \
+    # the input projection's kernels are generated: one kernel whose parts are the split's pieces
+    # (the padding rows after them are not read)
+    g = spec_of("k3f::kda_in_proj", "sm_100a", in_proj_args(tokens=1))
+    assert g.kernel == "product_gemv" and g.shape_dict == {"tokens": 1, "k": 7168, "n": 3206}
+    assert [st[4][0] for st in g.param_dict["parts"]] == [2304, 768, 128, 6]
+    assert spec_of("k3f::kda_in_proj", "sm_100a", in_proj_args(tokens=8)).kernel == "product_gemm"
+    assert spec_of("k3f::mla_in_proj", "sm_90a", in_proj_args(rows=2880, split=[1536, 512, 64, 768])).op == \
         "k3f::mla_in_proj"
     r = spec_of("k3f::router_topk", "sm_90a", router_args(tokens=3))
     assert r.kernel == "router_topk" and r.shape_dict == {"experts": 896}
@@ -110,10 +113,11 @@ def test_templates_make_specs_from_the_layer_values():
 
 
 @pytest.mark.parametrize("op,args,reason", [
-    ("k3f::kda_in_proj", gemv_args(tokens=65), "65 tokens outside 1..8"),
-    ("k3f::kda_in_proj", (meta(1, 7168, dtype=torch.float32), meta(3216, 7168), TP16_SPLIT), "x is fp32"),
-    ("k3f::kda_in_proj", gemv_args(k=7000, rows=3216), "not a multiple of 256"),
-    ("k3f::kda_in_proj", (meta(1, 7168), meta(7168, 3216).t(), TP16_SPLIT), "not contiguous"),
+    ("k3f::kda_in_proj", in_proj_args(tokens=65), "65 tokens outside 1..64"),
+    ("k3f::kda_in_proj", (meta(1, 7168, dtype=torch.float32), meta(3216, 7168), TP16_SPLIT),
+     "the generated products multiply bf16 activations"),
+    ("k3f::kda_in_proj", (meta(1, 7168), meta(7168, 3216).t(), TP16_SPLIT),
+     "the kernels read 128-bit vectors of a row"),
     ("k3f::attn_res_norm", attn_res_args(num_blocks=9, nb=10), "at most 9 sources"),
     ("k3f::attn_res_norm", attn_res_args(write_idx=8), "outside the block buffer"),
     ("k3f::router_topk", router_args(dtype=torch.bfloat16), "logits is bf16; the template is fp32 only"),
@@ -277,13 +281,14 @@ def test_compile_dry_run_lists_the_layer(capsys):
     out = capsys.readouterr().out
     assert "9 scheduled ops, 9 with a CuTe DSL template (12 kernels)" in out
     assert re.search(r"0 attn_res_norm\s+would compile attn_res_norm", out)
-    assert re.search(r"1 attn_in_proj_gemv\s+would compile attn_in_proj_gemv\[kda_in_proj\]", out)
+    assert re.search(r"1 attn_in_proj\s+would compile \(generated\) product_gemv\[kda_in_proj\] k=7168 n=3206", out)
     assert re.search(r"5 router_topk\s+would compile router_topk experts=896 .*top_k=16", out)
     assert re.search(r"6 routed_experts_mxfp4\s+would compile expert_up_mxfp4[^\n]*\n\s+would compile "
                      r"expert_down_mxfp4", out)
-    # the router's op has no hand-written template: its kernels are generated from its reference
+    # the router's and the input projection's ops have no hand-written template: their kernels are
+    # generated from their references
     assert re.search(r"4 router_down\s+would compile \(generated\) product_gemv\[router_down\] k=7168 n=280", out)
-    assert "no GPU kernel" not in out and "generated" not in out.replace("1 generated", "").replace("(generated)", "")
+    assert "no GPU kernel" not in out and "generated" not in out.replace("2 generated", "").replace("(generated)", "")
     assert "compiled" not in out.replace("0 compiled", "")
 
 
@@ -291,7 +296,8 @@ def test_compile_dry_run_lists_the_layer(capsys):
 
 @pytest.fixture(scope="module")
 def compiled(kcache):
-    """Every template compiled for sm_90a and sm_100a at the TP 16 batch 1 shapes (and T=8 GEMV)."""
+    """Every template compiled for sm_90a and sm_100a at the TP 16 batch 1 shapes (and the
+    generated input projection at 8 tokens)."""
     from codegen.compiler import clear_memory_cache, compile_kernel
 
     clear_memory_cache()
@@ -302,8 +308,7 @@ def compiled(kcache):
         out["attn_res_norm_9", arch] = compile_kernel(
             spec_of("k3f::attn_res_norm", arch, attn_res_args(num_blocks=8)), cache=kcache)
         for t in (1, 8):
-            out[f"gemv_{t}", arch] = compile_kernel(gemv_spec(arch, t),
-                                                    cache=kcache)
+            out[f"in_proj_{t}", arch] = compile_kernel(in_proj_spec(arch, t), cache=kcache)
         for e, k in ((896, 16), (16, 4)):
             out[f"router_{e}", arch] = compile_kernel(
                 spec_of("k3f::router_topk", arch, router_args(experts=e, top_k=k)), cache=kcache)
@@ -365,36 +370,8 @@ def test_attn_res_norm_ptx(compiled, arch):
 
 
 @needs_cutedsl
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_gemv_ptx(compiled, arch, tokens):
-    k = compiled[f"gemv_{tokens}", arch]
-    ptx, p = k.ptx, k.spec.param_dict
-    rows, unroll = p["rows_per_warp"], p["unroll"]
-    # the K loop: one step in the code (a loop), or every step unrolled (pipelined)
-    vec = unroll * (7168 // 8 // 32 // unroll if p["pipeline"] else 1)
-    assert f".target {arch}" in ptx
-    # W streamed (no L1 allocation, L2 256B prefetch): rows x unroll 128-bit vectors issued per step;
-    # a K loop (not pipelined) loads step 0 before it and the next step in its body
-    sites = vec if p["pipeline"] else 2 * vec
-    assert _count(ptx, "ld.global.L1::no_allocate.L2::256B.v4.b32") == rows * sites
-    # PDL: the weights of the steps in flight (step 0; 0 and 1 pipelined) are all that comes before
-    # griddepcontrol.wait; launch_dependents right after it, both once
-    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
-    before, after = ptx.split("griddepcontrol.wait;")
-    assert _count(before, "ld.global.L1::no_allocate.L2::256B.v4.b32") == rows * unroll * (2 if p["pipeline"] else 1)
-    assert "ld.global.nc" not in before and _count(before, "st.") == 0
-    assert "griddepcontrol.launch_dependents" in after
-    assert _count(ptx, "ld.global.nc.v4.b32") == tokens * vec  # x: read-only path, 128-bit
-    assert _count(ptx, "shfl.sync.bfly.b32") == 5 * rows * tokens  # butterfly per (row, token)
-    assert _count(ptx, "st.global.b16") == rows * tokens * 4  # one store per (row, token), 4 outputs
-    assert _count(ptx, "fma.rn.f32") == 8 * vec * tokens * rows  # fp32 accumulation
-    assert "ld.global.b16" not in ptx
-
-
-@needs_cutedsl
-@pytest.mark.parametrize("name", ["attn_res_norm", "gemv_1"])
-def test_attn_res_norm_and_gemv_launch_with_pdl(compiled, name):
+@pytest.mark.parametrize("name", ["attn_res_norm", "in_proj_1", "in_proj_8"])
+def test_hand_written_and_generated_kernels_launch_with_pdl(compiled, name):
     assert pdl_flags(compiled[name, "sm_90a"].spec) == [1]
 
 
@@ -443,7 +420,7 @@ def test_router_topk_ptx(compiled, arch, experts, top_k, warps, share):
 def test_cache_hits_in_a_new_process_and_other_specs_miss(compiled, kcache):
     from codegen.compiler import clear_memory_cache, compile_kernel
 
-    spec = compiled["gemv_1", "sm_90a"].spec
+    spec = compiled["in_proj_1", "sm_90a"].spec
     code = ("import json, sys\nfrom codegen.compiler import compile_kernel\nfrom codegen.spec import KernelSpec\n"
             "s = json.loads(sys.argv[1])\n"
             "k = compile_kernel(KernelSpec.from_json(s))\n"
@@ -451,12 +428,12 @@ def test_cache_hits_in_a_new_process_and_other_specs_miss(compiled, kcache):
     env = dict(os.environ, K3_REWRITER_CACHE=str(kcache.root))
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec.to_json())], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["disk", compiled["gemv_1", "sm_90a"].key, "False"]  # a hit needs no CuTe DSL import
+    assert out == ["disk", compiled["in_proj_1", "sm_90a"].key, "False"]  # a hit needs no CuTe DSL import
     assert compile_kernel(spec, cache=kcache).cache == "memory"
     clear_memory_cache()
     again = compile_kernel(spec, cache=kcache)
-    assert again.cache == "disk" and again.ptx == compiled["gemv_1", "sm_90a"].ptx
-    other = gemv_spec("sm_90a", 2)
+    assert again.cache == "disk" and again.ptx == compiled["in_proj_1", "sm_90a"].ptx
+    other = in_proj_spec("sm_90a", 17)  # a token tile of 32: not the fixture's
     assert compile_kernel(other, cache=kcache).cache == "miss"
     assert compile_kernel(spec.with_arch("sm_103a"), cache=kcache).cache == "miss"
 
@@ -482,11 +459,11 @@ def test_corrupt_entry_is_recompiled(compiled, kcache):
 @needs_cutedsl
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the argument check on a machine without a GPU")
 def test_loaded_kernel_checks_its_arguments(compiled):
-    fn = compiled["gemv_1", "sm_90a"].load()  # loads without a GPU
+    k = compiled["in_proj_1", "sm_90a"]
+    fn = k.load()  # loads without a GPU
     x, w = torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(3216, 7168, dtype=torch.bfloat16)
-    ys = [torch.empty(1, n, dtype=torch.bfloat16) for n in TP16_SPLIT[:4]]
     with pytest.raises(ValueError, match="cuda"):
-        fn(x, w, *ys)
+        template("products").launch((fn,), (k.spec,), (x, w, TP16_SPLIT))
 
 
 @needs_cutedsl
@@ -501,13 +478,14 @@ def test_compile_command(capsys, kcache):
     assert re.search(r"0 attn_res_norm\s+compiled \d+\.\d+s \(cache hit\)", out)
     assert re.search(r"3 o_proj_all_reduce_attn_res\s+compiled [^\n]*gemv\[o_proj_attn_res\][^\n]*\n"
                      r"\s+compiled [^\n]*attn_res_norm", out)
-    assert "12 compiled (0 cache miss, 12 hit)" in out and "1 generated; 0 fused ops without a GPU kernel" in out
+    assert "12 compiled (0 cache miss, 12 hit)" in out and "2 generated; 0 fused ops without a GPU kernel" in out
     assert main([*args, "--json", "--batch", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
     status = {r["kernel"]: r for r in report["kernels"]}
     assert status["attn_res_norm"]["stages"][0]["cache"] == "hit"  # tokens are a runtime size there
-    gemm = status["attn_in_proj_gemm"]["stages"][0]  # batch 3: the GEMM rule's
-    assert gemm["cache"] == "miss" and gemm["spec"]["shapes"] == {"k": 7168, "rows": 3216, "token_tile": 16}
+    gemm = status["attn_in_proj"]["stages"][0]  # batch 3: the generated GEMM
+    assert gemm["spec"]["kernel"] == "product_gemm" and gemm["spec"]["shapes"] == {"k": 7168, "n": 3206,
+                                                                                   "token_tile": 16}
     assert status["router_topk"]["stages"][0]["cache"] == "hit"  # tokens are a runtime size there too
     assert report["compiled"] == 12 and report["failed"] == 0
 
@@ -572,9 +550,6 @@ def test_compile_batches_and_jobs_need_all_layers(capsys):
 # What each CuTe DSL kernel is built on, as its PTX must show (on every arch)
 BUILT_ON = {
     "attn_res_norm": ("ld.global.nc.v4", "shfl.sync.bfly"),
-    "attn_in_proj_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
-    "attn_in_proj_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
-                          "ldmatrix.sync.aligned"),
     "kda_core": ("shfl.sync.bfly", "ex2.approx"),
     "o_proj_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                     "ldmatrix.sync.aligned"),
@@ -584,7 +559,7 @@ BUILT_ON = {
     "latent_tail_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                          "ldmatrix.sync.aligned", "rsqrt.approx"),
     "gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
-    # generated: the GEMV's and the GEMM's main loops (the router's op)
+    # generated: the GEMV's and the GEMM's main loops (the router's and the input projection's ops)
     "product_gemv": ("ld.global.L1::no_allocate.L2::256B.v4", "shfl.sync.bfly"),
     "product_gemm": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
                      "ldmatrix.sync.aligned"),
@@ -683,18 +658,19 @@ def test_server_compile_step_shows_each_kernel_it_compiles(tmp_path, monkeypatch
 
 
 def test_load_kernels_says_why_not():
-    assert "99 tokens outside" in bind.load_kernels("k3f::kda_in_proj", "sm_90a", gemv_args(tokens=99))
-    assert bind.load_kernels("k3f::kda_in_proj", "sm_90a", gemv_args(), "nope") == \
+    assert "99 tokens outside" in bind.load_kernels("k3f::kda_in_proj", "sm_90a", in_proj_args(tokens=99))
+    assert bind.load_kernels("k3f::kda_in_proj", "sm_90a", in_proj_args(), "nope") == \
         "no CuTe DSL template named 'nope'"
-    assert "outside 1..8" in bind.load_kernels("kda_in_proj", "sm_90a", gemv_args(tokens=9), "attn_in_proj_gemv")
+    assert "outside 1..64" in bind.load_kernels("kda_in_proj", "sm_90a", in_proj_args(tokens=65), "products")
 
 
 @needs_cutedsl
 def test_load_kernels_loads_the_named_template_or_the_one_the_call_picks(kcache, monkeypatch):
     monkeypatch.setenv("K3_REWRITER_CACHE", str(kcache.root))
-    tpl, specs, fns = bind.load_kernels("k3f::kda_in_proj", "sm_90a", gemv_args(tokens=3), "attn_in_proj_gemv")
-    assert tpl.kernel == specs[0].kernel == "attn_in_proj_gemv" and len(fns) == 1  # loads without a GPU
-    assert bind.load_kernels("kda_in_proj", "sm_90a", gemv_args(tokens=1))[0].kernel == "attn_in_proj_gemv"
+    tpl, specs, fns = bind.load_kernels("k3f::attn_res_norm", "sm_90a", attn_res_args(tokens=3), "attn_res_norm")
+    assert tpl.kernel == specs[0].kernel == "attn_res_norm" and len(fns) == 1  # loads without a GPU
+    tpl, specs, fns = bind.load_kernels("kda_in_proj", "sm_90a", in_proj_args(tokens=1))
+    assert tpl.kernel == "products" and specs[0].kernel == "product_gemv" and len(fns) == 1
 
 
 @needs_cutedsl

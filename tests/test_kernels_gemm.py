@@ -1,13 +1,11 @@
-"""``attn_in_proj_gemm``: the tensor-core input projection for 2..64 tokens.
-
-Three layers, like the other kernels: specs and refusals from meta tensors (everywhere); the
-kernel compiled for sm_90a and sm_100a with its PTX checked (needs CuTe DSL); the kernel run
-on a GPU against the ``k3f::`` CPU references (marked ``gpu``, skipped without CUDA).
-On the GPU machine: ``python -m pytest -q tests/test_kernels_gemm.py`` (or ``-m gpu``).
+"""The skinny tensor-core GEMM (``codegen/kernels/gemm.py``; its tiling in ``gemm_specs``): the
+main loop of the hand-written output projection, MLP and latent-tail GEMMs and of the generated
+``product_gemm``. Its tiling at Kimi K3's shapes and every TP (no CuTe DSL), the configurations
+its kernel refuses (CuTe DSL), and on a GPU (marked ``gpu``) the input projection's generated
+GEMM at Kimi K3's four split shapes against the ``k3f::`` references, alone and dispatched
+inside a CUDA graph. On the GPU machine: ``python -m pytest -q -m gpu tests/test_kernels_gemm.py``.
 """
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -18,10 +16,8 @@ import patterns.input_projection
 import patterns.kda
 import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
-from codegen.kernels import source_files
 from codegen.launchers.gemm_specs import gemm_tiling
-from codegen.templates import spec_for_call, template
-from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, pdl_flags, rel_err
+from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, rel_err
 
 D = 7168
 TOL = 1e-2
@@ -44,48 +40,7 @@ def args_of(shape="kda_tp16", tokens=16, k=D):
     return op, (meta(tokens, k), meta(sum(split), k), list(split))
 
 
-def gemm_spec(shape="kda_tp16", tokens=16, arch="sm_90a"):
-    op, args = args_of(shape, tokens)
-    tpl, specs = spec_for_call(op, arch, args)
-    assert tpl is not None and tpl.kernel == "attn_in_proj_gemm", specs
-    (spec,) = specs
-    return spec
-
-
-# ---------------------------------------------------------------- specs and refusals (no CuTe DSL needed)
-
-def test_registered_for_both_projections():
-    tpl = template("attn_in_proj_gemm")
-    assert tpl is not None and tpl.ops == ("k3f::kda_in_proj", "k3f::mla_in_proj")
-    (spec,) = tpl.make_specs(*args_of(tokens=8)[:1], "sm_90a", args_of(tokens=8)[1])
-    assert spec.kernel == "attn_in_proj_gemm" and spec.module == "gemm"
-    assert all(p.is_file() for p in source_files(spec.module))
-
-
-@pytest.mark.parametrize("shape,split_k,ctas", [
-    ("kda_tp16", 8, 26 * 8),  # 3206 rows: 26 tiles of 128, K split over a cluster of 8
-    ("kda_tp8", 4, 50 * 4),  # 6284 rows
-    ("mla_tp16", 8, 23 * 8),  # 2880 rows
-    ("mla_tp8", 4, 29 * 4),  # 3648 rows: 29 x 8 would pass 1.6 CTAs per SM on 132 SMs
-])
-def test_specs_at_the_kimi_k3_shapes(shape, split_k, ctas):
-    op, split = SPLITS[shape]
-    for tokens, tile, stages in ((9, 16, 6), (16, 16, 6), (17, 32, 5), (33, 48, 5), (48, 48, 5), (64, 64, 4)):
-        spec = gemm_spec(shape, tokens)
-        assert spec.op == op and spec.arch == "sm_90a"
-        assert spec.shape_dict == {"token_tile": tile, "k": D, "rows": sum(split)}
-        assert spec.dtype_dict == {"act": "bf16", "weight": "bf16"}
-        p = spec.param_dict
-        assert p["segments"] == tuple(split[:4]) and p["rows_per_cta"] == 128
-        assert p["split_k"] == split_k and p["stages"] == stages
-        assert -(-sum(split[:4]) // 128) * p["split_k"] == ctas
-        # two CTAs per SM: the ring of (weight + x) tiles fits 110 KB
-        assert p["stages"] * (128 + tile) * 64 * 2 <= 110 * 1024
-    # the token count is a runtime size inside a tile of 16: one compile serves 9..16, 49..64
-    assert gemm_spec(shape, 9) == gemm_spec(shape, 16) and gemm_spec(shape, 49) == gemm_spec(shape, 64)
-    assert gemm_spec(shape, 16) != gemm_spec(shape, 17)
-    assert gemm_spec(shape, 64, "sm_100a").arch == "sm_100a"
-
+# ---------------------------------------------------------------- the tiling (no CuTe DSL needed)
 
 def test_tiling_follows_the_sm_count():
     # 148 SMs (B200): 29 tiles x 8 = 232 CTAs fit 1.6 per SM
@@ -163,110 +118,7 @@ def test_two_token_groups_from_a_32_token_tile(tokens, groups):
     assert gemm_tiling(tokens, D, 3216, "sm_90a")["token_groups"] == 1
 
 
-@pytest.mark.parametrize("tokens,kernel", [(1, "attn_in_proj_gemv"), (2, "attn_in_proj_gemm"),
-                                           (8, "attn_in_proj_gemm"), (64, "attn_in_proj_gemm")])
-def test_the_gemv_takes_1_token_and_the_gemm_2_to_64(tokens, kernel):
-    """As the rules split the batches (patterns.input_projection.SMALL_MAX)."""
-    from patterns.input_projection import SMALL_MAX
-
-    assert SMALL_MAX == 1
-    for shape in SPLITS:
-        op, args = args_of(shape, tokens)
-        tpl, specs = spec_for_call(op, "sm_90a", args)
-        assert tpl is not None and tpl.kernel == kernel and specs[0].kernel == kernel
-
-
-@pytest.mark.parametrize("args,reason", [
-    (args_of(tokens=65)[1], "65 tokens outside 2..64"),
-    (args_of(tokens=1)[1], "1 tokens outside 2..64"),
-    ((meta(16, D, dtype=torch.float32), meta(3216, D), SPLITS["kda_tp16"][1]), "x is fp32; the template is bf16"),
-    ((meta(16, D), meta(3216, D, dtype=torch.float16), SPLITS["kda_tp16"][1]), "weight is fp16"),
-    ((meta(16, D), meta(D, 3216).t(), SPLITS["kda_tp16"][1]), "weight is not contiguous"),
-    ((meta(D, 16).t(), meta(3216, D), SPLITS["kda_tp16"][1]), "x is not contiguous"),
-    ((meta(16, D), meta(3216, 4096), SPLITS["kda_tp16"][1]), "does not match x"),
-    (args_of(tokens=16, k=7000)[1], "K 7000 is not a multiple of 64"),
-    ((meta(16, D), meta(3216, D), [2304, 768, 128, 6, 9]), "summing to the 3216 weight rows"),
-    ((meta(16, D), meta(3216, D), [2304, 912]), "must be 4 positive pieces"),
-    ((meta(16, D), meta(3216, D), [2304, 0, 896, 6, 10]), "must be 4 positive pieces"),
-    ((meta(16, D), meta(100, D), [40, 30, 20, 10]), "100 output rows < 128"),
-    ((meta(16, D, 1), meta(3216, D), SPLITS["kda_tp16"][1]), "must be 2-D"),
-])
-def test_refusals_say_why(args, reason):
-    tpl = template("attn_in_proj_gemm")
-    for op in tpl.ops:
-        why = tpl.make_specs(op, "sm_90a", args)
-        assert isinstance(why, str) and reason in why, why
-
-
-def test_runtime_check_wants_16_byte_aligned_x_and_weight():
-    tpl = template("attn_in_proj_gemm")
-    x, w = torch.zeros(16 * D + 1, dtype=torch.bfloat16), torch.zeros(3216, D, dtype=torch.bfloat16)
-    assert tpl.runtime_check((x[:16 * D].view(16, D), w, SPLITS["kda_tp16"][1])) is None
-    assert "x is not 16-byte aligned" in tpl.runtime_check((x[1:].view(16, D), w, SPLITS["kda_tp16"][1]))
-
-
 # ---------------------------------------------------------------- compile-only (CuTe DSL)
-
-COMPILED = [  # (shape, tokens, arch): the largest and smallest token tiles, both K splits
-    *[(s, t, a) for a in ARCHS for s, t in (("kda_tp16", 64), ("kda_tp16", 9))],
-    ("mla_tp8", 33, "sm_90a"),  # cluster of 4, token tile 48
-]
-
-
-@pytest.fixture(scope="module")
-def compiled(kcache):
-    from codegen.compiler import clear_memory_cache, compile_kernel
-
-    clear_memory_cache()
-    return {case: compile_kernel(gemm_spec(*case), cache=kcache) for case in COMPILED}
-
-
-def _count(ptx: str, instr: str) -> int:
-    return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(instr)}", ptx, re.MULTILINE))
-
-
-@needs_cutedsl
-@pytest.mark.parametrize("case", COMPILED, ids=["-".join(map(str, c)) for c in COMPILED])
-def test_gemm_ptx(compiled, case):
-    k = compiled[case]
-    ptx, p, s = k.ptx, k.spec.param_dict, k.spec.shape_dict
-    tile, split, stages, groups = s["token_tile"], p["split_k"], p["stages"], p["token_groups"]
-    threads, group_n = 128 * groups, tile // groups  # two token groups from a 32-token tile, 4 warps each
-    assert groups == 1  # the input projection's 208 CTAs: 8 warps would hold one CTA an SM
-    k_steps = 64 // 16  # 16-K MMA steps per pipeline stage (one copy of the K loop's body)
-    assert f".target {case[2]}" in ptx and k.cache == "miss" and k.obj
-    assert f".reqntid {threads}" in ptx or f".maxntid {threads}" in ptx
-    # tensor cores: per warp and 16-K step, 2 m16 tiles x (its group's tokens / 8) n8 tiles
-    assert _count(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == k_steps * 2 * group_n // 8
-    # cp.async ring, 16 bytes per copy bypassing L1: per stage 128 rows x 128 B of weights and
-    # tile rows of x over the CTA's threads; the prologue's stages - 1 stages and the loop's one
-    w_chunks, x_chunks = 128 * 8 // threads, tile * 8 // threads
-    assert _count(ptx, "cp.async.cg.shared.global") == stages * (w_chunks + x_chunks)
-    assert _count(ptx, "cp.async.commit_group") == stages and _count(ptx, "cp.async.wait_group") == 3
-    # PDL: the prologue's stages - 1 weight tiles are all that comes before griddepcontrol.wait
-    # (x is the previous kernel's output); launch_dependents right after it, both once
-    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
-    before, after = ptx.split("griddepcontrol.wait;")
-    assert _count(before, "cp.async.cg.shared.global") == (stages - 1) * w_chunks
-    assert _count(before, "cp.async.commit_group") == 0 and _count(before, "st.global") == 0
-    assert "griddepcontrol.launch_dependents" in after
-    # swizzled shared memory -> fragments: 2 ldmatrix.x4 (weights) + group_n / 16 (x) per 16-K step
-    assert _count(ptx, "ldmatrix.sync.aligned.m8n8.x4.shared.b16") == (k_steps + 1) * (2 + group_n // 16)
-    # split-K over the cluster: partials summed from every CTA's shared memory, 128-bit at a time
-    vecs = -(-(128 // split // 4) * tile // threads)  # 4-row vectors each thread sums
-    assert _count(ptx, "barrier.cluster.arrive") == 2 and _count(ptx, "barrier.cluster.wait") == 2
-    assert _count(ptx, "barrier.cluster.arrive.relaxed") == 1  # the exit's: execution only
-    assert len(re.findall(r"ld\.shared::cluster\.v(?:4\.b32|2\.b64)", ptx)) == vecs * split
-    assert _count(ptx, "mapa.shared::cluster") == vecs * split
-    assert _count(ptx, "st.global.b16") == vecs * 4 * 4  # 4 rows, each tested against 4 segments
-    assert "ld.global" not in ptx  # every global read is a cp.async
-    assert "ld.local" not in ptx and "st.local" not in ptx
-
-
-@needs_cutedsl
-def test_gemm_launches_with_pdl(compiled):
-    assert pdl_flags(compiled["kda_tp16", 9, "sm_90a"].spec) == [1]  # with its cluster of 8
-
 
 @needs_cutedsl
 def test_kernel_refuses_configurations_it_cannot_run():
@@ -300,32 +152,32 @@ def random_problem(shape, tokens, seed):
 @on_gpu
 @pytest.mark.parametrize("tokens", GPU_TOKENS)
 @pytest.mark.parametrize("shape", list(SPLITS))
-def test_gemm_matches_the_reference(tokens, shape):
+def test_in_proj_gemm_matches_the_reference(tokens, shape):
+    """Its padding rows (KDA's) are NaN and never read; outputs poisoned through the allocator;
+    one CTA sums each output's partials in cluster rank order, so a second run gives the same bits."""
     op, split, x, w = random_problem(shape, tokens, seed=tokens * 131 + sum(SPLITS[shape][1]))
     refs = getattr(torch.ops.k3f, op.split("::")[1])(x, w, split)
     x_gpu, w_gpu = x.cuda(), w.cuda()
     w_gpu[sum(split[:4]):] = float("nan")  # the padding rows must not be read
     args = (x_gpu, w_gpu, split)
     tpl, specs, fns = gpu_kernels(op, args)
-    assert tpl.kernel == "attn_in_proj_gemm"
+    assert tpl.kernel == "products" and [s.module for s in specs] == ["product_gemm"]
     assert tpl.runtime_check(args) is None
-    out = [torch.full((tokens, s), float("nan"), dtype=torch.bfloat16, device="cuda") for s in split[:4]]
-    ys = tpl.launch(fns, specs, args, out=out)
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # NaN bytes for the outputs to reuse
+    ys = tpl.launch(fns, specs, args)
     torch.cuda.synchronize()
     assert len(ys) == len(refs) == 4
     for y, ref in zip(ys, refs):
         assert y.shape == ref.shape and torch.isfinite(y).all()
         assert rel_err(y, ref) <= TOL
-    # one CTA sums each output's partials, in cluster rank order: a second run gives the same bits
-    again = [torch.full_like(y, float("nan")) for y in ys]
-    tpl.launch(fns, specs, args, out=again)
+    again = tpl.launch(fns, specs, args)
     torch.cuda.synchronize()
     assert all(torch.equal(a, y) for a, y in zip(again, ys))
 
 
 @on_gpu
 @pytest.mark.parametrize("shape,tokens", [("kda_tp16", 24), ("mla_tp16", 40)])
-def test_ops_dispatch_to_the_gemm_and_capture_in_a_cuda_graph(shape, tokens):
+def test_the_input_projection_dispatches_to_its_generated_gemm_inside_a_cuda_graph(shape, tokens):
     bind.install_cuda_kernels()
     op, split, x, w = random_problem(shape, tokens, seed=tokens)
     fn = getattr(torch.ops.k3f, op.split("::")[1])

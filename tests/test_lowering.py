@@ -176,10 +176,10 @@ def test_the_plan_says_which_kernels_are_generated():
     row = _kernel_for(None, GENERATED, ("k3f::lowering_probe_add_norm", _add_norm_args()), "sm_90a")
     assert (row["status"], row["implementation"], [s.module for s in row["specs"]]) == ("pending", "generated",
                                                                                         ["rowwise"])
-    x = torch.empty(1, 7168, dtype=torch.bfloat16, device="meta")
-    hand = _kernel_for(template("attn_in_proj_gemv"), GENERATED,
-                       ("k3f::kda_in_proj", (x, torch.empty(3216, 7168, dtype=torch.bfloat16, device="meta"),
-                                             [2304, 768, 128, 6, 10])), "sm_90a")
+    logits = torch.empty(1, 896, dtype=torch.float32, device="meta")
+    hand = _kernel_for(template("router_topk"), GENERATED,
+                       ("k3f::router_topk", (logits, torch.empty(896, dtype=torch.float32, device="meta"), 16, True,
+                                             1.0)), "sm_90a")
     assert (hand["status"], hand["implementation"]) == ("pending", "hand-written")
     missing = _kernel_for(None, GENERATED, ("k3f::lowering_probe_add_norm", _add_norm_args(width=4100)), "sm_90a")
     assert (missing["status"], missing["implementation"]) == ("missing", "missing")

@@ -690,8 +690,10 @@ def test_the_generated_rule_example_is_served_by_generated_kernels():
         main_loop = "product_gemv" if batch == 1 else "product_gemm"
         assert [s.module for s in row["specs"]] == [main_loop, main_loop]
         assert "k3f::shared_experts" not in rows
-        # the rest as without the rule: the router's op on its generated kernels, the others hand-written
-        assert all(r["implementation"] == ("generated" if op == "k3f::router_down" else "hand-written")
+        # the rest as without the rule: the router's and the input projection's ops on their
+        # generated kernels, the others hand-written
+        generated = ("k3f::router_down", "k3f::kda_in_proj")
+        assert all(r["implementation"] == ("generated" if op in generated else "hand-written")
                    for op, r in rows.items() if op != "k3f::my_shared_experts")
 
 

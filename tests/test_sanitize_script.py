@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_TEST = "tests/test_kernels_gemm.py::test_gemm_matches_the_reference"  # marked gpu: skips here
+GPU_TEST = "tests/test_kernels_gemm.py::test_in_proj_gemm_matches_the_reference"  # marked gpu: skips here
 
 
 def run(tmp_path, *args, rc=0):
@@ -41,7 +41,7 @@ def test_only_the_projects_kernels_are_instrumented_unless_asked(tmp_path, flags
     assert line.startswith("ARGS: --tool memcheck") and "--report-api-errors no" in line and GPU_TEST in line
     assert ("--kernel-name kns=codegenkernels" in line) == filtered
     summary = (tmp_path / "out" / "sanitize-summary.txt").read_text().splitlines()
-    name = "test_kernels_gemm.py::test_gemm_matches_the_reference"  # a node id names its file and test
+    name = "test_kernels_gemm.py::test_in_proj_gemm_matches_the_reference"  # a node id names its file and test
     assert [s.split(": rc=")[0] for s in summary] == [f"plain {name}", f"memcheck {name}"]
     assert all(": rc=0 " in s for s in summary)
 
@@ -49,7 +49,8 @@ def test_only_the_projects_kernels_are_instrumented_unless_asked(tmp_path, flags
 def test_a_reported_error_fails_the_run(tmp_path):
     r = run(tmp_path, "--jobs", "1", "racecheck", "--", GPU_TEST, rc=99)
     summary = (tmp_path / "out" / "sanitize-summary.txt").read_text()
-    assert r.returncode == 1 and "racecheck test_kernels_gemm.py::test_gemm_matches_the_reference: rc=99" in summary
+    assert r.returncode == 1
+    assert "racecheck test_kernels_gemm.py::test_in_proj_gemm_matches_the_reference: rc=99" in summary
 
 
 def test_per_test_runs_each_gpu_test_of_a_file_on_its_own(tmp_path):
@@ -65,7 +66,7 @@ def test_per_test_runs_each_gpu_test_of_a_file_on_its_own(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     summary = (tmp_path / "out" / "sanitize-summary.txt").read_text().splitlines()
     ran = sorted(s.split(": rc=")[0].split(" ", 1)[1] for s in summary if s.startswith("synccheck "))
-    assert ran == sorted([*nodes, "test_kernels_gemm.py::test_gemm_matches_the_reference"])
+    assert ran == sorted([*nodes, "test_kernels_gemm.py::test_in_proj_gemm_matches_the_reference"])
 
 
 def test_per_test_without_gpu_tests_is_named(tmp_path):

@@ -34,7 +34,7 @@ def _run(seed: int = 0) -> dict:
     import random
 
     rng = random.Random(seed)
-    names = ["attn_res_norm", "attn_in_proj_gemv", "kda_core", "gemv<o_proj&norm>",
+    names = ["attn_res_norm", "product_gemv", "kda_core", "gemv<o_proj&norm>",
              "void at::native::vectorized_elementwise_kernel<4>", "expert_up_mxfp4"]
     timeline, start, last = [], 0.0, 0.0
     for name in names:

@@ -1,10 +1,10 @@
-"""The tensor-core skinny GEMM of decode (2..64 tokens): the attention input projection
-(``attn_in_proj_gemm``), the output projection (``o_proj_gemm``), the dense MLP's two
-projections and the shared experts' (``mlp_gate_up_gemm``, ``mlp_down_gemm``) and the latent tail
-(``latent_tail_gemm``); the generated ``product_gemm`` is built on its main loop.
+"""The tensor-core skinny GEMM of decode (2..64 tokens): the output projection
+(``o_proj_gemm``), the dense MLP's two projections and the shared experts' (``mlp_gate_up_gemm``,
+``mlp_down_gemm``) and the latent tail (``latent_tail_gemm``); the generated ``product_gemm`` is
+built on its main loop.
 
 Computes ``y[T, n] = sum_k x[T, k] * W[n, k]`` (``torch.nn.functional.linear(x, W)``, fp32
-accumulation, bf16 result) and writes it split like ``attn_in_proj_gemv``: rows
+accumulation, bf16 result) and writes it split into up to 4 outputs: rows
 ``[start_i, start_i + size_i)`` of the packed weight go to output ``i``; the padding rows after
 the last segment are neither read nor written. With ``glu`` (the gate/up projection of a
 gated MLP, ``W = [gate; up]``, 2I rows) the output is ``act(gate_c, up_c)`` per channel c < I

@@ -1,6 +1,6 @@
 """Spec helpers of every template built on the skinny tensor-core ``gemm`` kernel
-(``codegen/kernels/gemm.py``: attn_in_proj_gemm, o_proj_gemm, latent_tail_gemm, the shared
-experts' and the dense MLP's; the generated ``product_gemm`` takes its tiling too): its tiling,
+(``codegen/kernels/gemm.py``: o_proj_gemm, latent_tail_gemm, the shared experts' and the dense
+MLP's; the generated ``product_gemm`` takes its tiling too): its tiling,
 its spec and how it is called."""
 from __future__ import annotations
 

@@ -47,8 +47,8 @@ MAX_THREADS = 1024
 PRODUCT_SLOTS = {"prologue_inputs": 4, "weights": 4, "epilogue_inputs": 4, "prologue_results": 2, "outputs": 4}
 MAX_WEIGHT_VECTORS = 24  # 128-bit weight vectors a lane holds (4 registers each)
 STAGED_BYTES = 160 * 1024  # shared memory for a chunk's activations where the prologue computes them
-# from here the GEMM main loop: every hand-written projection's GEMM wins from 2 tokens, or ties
-# (codegen/launchers/in_proj.py, o_proj.py, dense_mlp.py; BENCHMARKS.md)
+# from here the GEMM main loop: every projection's GEMM won from 2 tokens, or tied, against the
+# GEMVs (the input projection's, o_proj's, the dense MLP's; BENCHMARKS.md)
 GEMM_MIN_TOKENS = 2
 GEMM_PRODUCTS = (1, 2, 4)  # products sharing a GEMM tile's 128 rows
 MXFP4_TILE = 64  # rows of Humming's tile: a GEMM tile holds whole ones
