@@ -64,8 +64,8 @@ def test_gemm_specs_at_kimi_k3_shapes(shape, tokens):
     assert up.shape_dict == {"token_tile": tile, "k": H, "rows": 2 * inter}
     assert down.shape_dict == {"token_tile": tile, "k": inter, "rows": H}
     p, q = up.param_dict, down.param_dict
-    assert p["glu"] and tuple(p["segments"]) == (inter,) and (p["beta"], p["linear_beta"]) == (BETA, LINEAR_BETA)
-    assert tuple(q["segments"]) == (H,) and "glu" not in q
+    assert p["glu"] and p["rows_out"] == inter and (p["beta"], p["linear_beta"]) == (BETA, LINEAR_BETA)
+    assert q["rows_out"] == H and "glu" not in q
     # every SM streams weights: 33 / 66 tiles of 64 channels x a K split; the down GEMM fills the
     # GPU with 64-row CTAs where its K (I = 2112: 33 tiles) allows no split
     assert inter // (p["rows_per_cta"] // 2) * p["split_k"] == 132

@@ -105,9 +105,9 @@ def test_every_ring_fits_one_cta_beside_its_norm_prologue(tp, tokens):
 def test_a_ring_past_one_ctas_shared_memory_is_refused_at_build():
     from codegen.kernels.gemm import SkinnyGemm
 
-    SkinnyGemm(16, 11264, D, (D,), rows_per_cta=128, split_k=2, stages=12)  # 216 KB: fits
+    SkinnyGemm(16, 11264, D, D, rows_per_cta=128, split_k=2, stages=12)  # 216 KB: fits
     with pytest.raises(ValueError, match="12 stages of 18432 bytes and the norm prologue: 232512 bytes"):
-        SkinnyGemm(16, 11264, D, (D,), rows_per_cta=128, split_k=2, stages=12, norm_eps=1e-5)
+        SkinnyGemm(16, 11264, D, D, rows_per_cta=128, split_k=2, stages=12, norm_eps=1e-5)
 
 
 @pytest.mark.parametrize("tokens,groups", [(2, 1), (16, 1), (17, 2), (32, 2), (33, 1), (48, 1), (49, 2), (64, 2)])
@@ -124,18 +124,20 @@ def test_two_token_groups_from_a_32_token_tile(tokens, groups):
 def test_kernel_refuses_configurations_it_cannot_run():
     from codegen.kernels.gemm import SkinnyGemm
 
-    segs = (2304, 768, 128, 6)
-    SkinnyGemm(64, D, 3216, segs, split_k=8, stages=4)
+    rows = 3206  # the input projection's packed rows at TP 16
+    SkinnyGemm(64, D, 3216, rows, split_k=8, stages=4)
     with pytest.raises(ValueError, match="token tile 24"):
-        SkinnyGemm(24, D, 3216, segs)
+        SkinnyGemm(24, D, 3216, rows)
     with pytest.raises(ValueError, match="split_k 3"):
-        SkinnyGemm(16, D, 3216, segs, split_k=3)
+        SkinnyGemm(16, D, 3216, rows, split_k=3)
     with pytest.raises(ValueError, match="stages 15"):
-        SkinnyGemm(16, D, 3216, segs, split_k=8, stages=15)  # 14 K tiles per CTA
+        SkinnyGemm(16, D, 3216, rows, split_k=8, stages=15)  # 14 K tiles per CTA
     with pytest.raises(ValueError, match="rows per CTA 96"):
-        SkinnyGemm(16, D, 3216, segs, rows_per_cta=96)
-    with pytest.raises(ValueError, match="summing to at most 3200"):
-        SkinnyGemm(16, D, 3200, segs)
+        SkinnyGemm(16, D, 3216, rows, rows_per_cta=96)
+    with pytest.raises(ValueError, match="3206 output rows: 1..3200"):
+        SkinnyGemm(16, D, 3200, rows)
+    with pytest.raises(ValueError, match="rows / 2 channels, got 3206 of 3216"):
+        SkinnyGemm(16, D, 3216, rows, glu=(None, None))
 
 
 # ---------------------------------------------------------------- on the GPU

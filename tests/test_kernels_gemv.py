@@ -99,7 +99,7 @@ def test_latent_tail_spec(tokens):
     else:  # the tensor-core GEMM with the norm prologue and the residual epilogue
         assert spec.kernel == "latent_tail_gemm"
         assert spec.shape_dict == {"token_tile": -(-tokens // 16) * 16, "k": L, "rows": rows}
-        assert p["norm_eps"] == EPS and tuple(p["segments"]) == (rows,)
+        assert p["norm_eps"] == EPS and p["rows_out"] == rows
     # at TP > 1 the kernel reads views of the all-reduced [routed | shared]: row stride L + D
     assert p["residual"] and p["x_stride"] == p["r_stride"] == L + D
     assert spec == specs_of("k3f::latent_tail", tail_args(tokens, tp=16, rank=15))[1][0]  # one kernel for every rank
@@ -120,10 +120,10 @@ def test_o_proj_specs(tp, prefix):
     _, (gemv, res) = specs_of("k3f::o_proj_attn_res", o_proj_args(few, tp, prefix, num_blocks=3))
     assert gemv.kernel == "gemv" and gemv.shape_dict == {"tokens": few, "k": O_IN[tp], "rows": D}
     assert gemv.dtype_dict["out"] == "bf16" and gemv.param_dict["ksplit"] == 1
-    # from O_PROJ_GEMM_MIN_TOKENS on the tensor-core GEMM, one output segment of all D rows
+    # from O_PROJ_GEMM_MIN_TOKENS on the tensor-core GEMM, writing all D rows
     _, (gemm, res_many) = specs_of("k3f::o_proj_attn_res", o_proj_args(few + 1, tp, prefix, num_blocks=3))
     assert gemm.kernel == "o_proj_gemm" and gemm.shape_dict == {"token_tile": 16, "k": O_IN[tp], "rows": D}
-    assert tuple(gemm.param_dict["segments"]) == (D,) and res_many.param_dict == res.param_dict
+    assert gemm.param_dict["rows_out"] == D and res_many.param_dict == res.param_dict
     assert res.kernel == "attn_res_norm" and res.op == "k3f::o_proj_attn_res"
     # a given prefix gets attn as its delta; without one attn is the new block's prefix (no delta)
     assert res.param_dict == {"num_blocks": 3, "write_idx": -1, "has_delta": prefix, "eps": EPS,
@@ -193,20 +193,20 @@ def stand_in_attn_res(spec):
 
 
 def stand_in_gemm(spec):
-    """The skinny ``gemm`` kernel (one output segment) in torch, with its shape, stride and dtype
+    """The skinny ``gemm`` kernel in torch, with its shape, stride and dtype
     checks."""
     s, p = spec.shape_dict, spec.param_dict
 
-    def fn(x, w, y0, y1, y2, y3, norm_w, r):
+    def fn(x, w, y, norm_w, r):
         assert x.shape[1] == s["k"] and x.shape[0] <= s["token_tile"] and x.stride() == (p.get("x_stride", s["k"]), 1)
-        assert w.shape == (s["rows"], s["k"]) and y0.shape == (x.shape[0], s["rows"]) and y1 is y2 is y3 is None
+        assert w.shape == (s["rows"], s["k"]) and y.shape == (x.shape[0], p["rows_out"])
         assert (norm_w is not None) == ("norm_eps" in p) and (r is not None) == p.get("residual", False)
         xn = rms_norm(x, norm_w, p["norm_eps"]) if norm_w is not None else x
         acc = torch.nn.functional.linear(xn.float(), w.float())
         if r is not None:
             assert r.stride() == (p["r_stride"], 1)
             acc = acc.to(torch.bfloat16) + r
-        y0.copy_(acc)
+        y.copy_(acc)
     return fn
 
 

@@ -4,9 +4,8 @@
 built on its main loop.
 
 Computes ``y[T, n] = sum_k x[T, k] * W[n, k]`` (``torch.nn.functional.linear(x, W)``, fp32
-accumulation, bf16 result) and writes it split into up to 4 outputs: rows
-``[start_i, start_i + size_i)`` of the packed weight go to output ``i``; the padding rows after
-the last segment are neither read nor written. With ``glu`` (the gate/up projection of a
+accumulation, bf16 result) for the first ``rows_out`` rows of the weight; the padding rows
+after them are neither read nor written. With ``glu`` (the gate/up projection of a
 gated MLP, ``W = [gate; up]``, 2I rows) the output is ``act(gate_c, up_c)`` per channel c < I
 (SiTU or SiLU-and-mul, ``common.gated_act``): a CTA's 128 weight rows are 64 gate rows and
 the 64 up rows of the same channels, so the activation is applied where the cluster's
@@ -64,7 +63,6 @@ from codegen.kernels.common import BITS, VEC, gated_act
 from codegen.launchers.gemm_specs import GEMM_PARTIAL_PAD, GEMM_SMEM_ONE_CTA, norm_bytes
 
 MAX_TOKENS = 64
-MAX_SEGMENTS = 4
 ROW_WARPS = 4  # along M: each warp of a token group owns rows_per_cta / 4 rows (2 warps of 16 on 32-row tiles)
 TOKEN_GROUPS = (1, 2)  # warp groups along the tokens: 4 or 8 warps a CTA
 MMA_SHAPE = (16, 8, 16)  # mma.sync m16n8k16: bf16 A (weights, row) x bf16 B (tokens, col) -> fp32
@@ -75,36 +73,36 @@ ACC_VEC = 4  # fp32 partials summed per 128-bit shared::cluster load
 
 class SkinnyGemm:
     """Compile-time configuration: token tile (tokens padded to a multiple of 16), K, weight
-    rows, output segments, rows per CTA, the K split (= cluster size), pipeline stages, the
+    rows, output rows, rows per CTA, the K split (= cluster size), pipeline stages, the
     token groups (each the CTA's rows over its own half of the token tile where there are two:
     more warps to hide the MMA chain's latency, fewer accumulators each), and ``glu``:
-    ``(beta, linear_beta)`` of a gated activation over ``[gate; up]`` rows (one segment of
-    I = rows / 2 channels), or None for a plain projection."""
+    ``(beta, linear_beta)`` of a gated activation over ``[gate; up]`` rows (I = rows / 2 output
+    channels), or None for a plain projection."""
 
-    def __init__(self, token_tile: int, k: int, rows: int, segments: tuple[int, ...], *, rows_per_cta: int = 128,
+    def __init__(self, token_tile: int, k: int, rows: int, rows_out: int, *, rows_per_cta: int = 128,
                  split_k: int = 1, stages: int = 4, token_groups: int = 1,
                  glu: tuple[float | None, float | None] | None = None,
                  norm_eps: float | None = None, residual: bool = False, x_stride: int | None = None,
                  r_stride: int | None = None):
         if token_tile % 16 or not 16 <= token_tile <= MAX_TOKENS:
             raise ValueError(f"token tile {token_tile}: a multiple of 16 in 16..{MAX_TOKENS}")
-        if not 1 <= len(segments) <= MAX_SEGMENTS or min(segments) < 1 or sum(segments) > rows:
-            raise ValueError(f"segments {segments}: 1..{MAX_SEGMENTS} positive sizes summing to at most {rows}")
-        if glu is not None and (len(segments) != 1 or 2 * segments[0] != rows):
-            raise ValueError(f"a gated projection writes one segment of rows / 2 channels, got {segments} of {rows}")
+        if not 1 <= rows_out <= rows:
+            raise ValueError(f"{rows_out} output rows: 1..{rows}, the weight's rows")
+        if glu is not None and 2 * rows_out != rows:
+            raise ValueError(f"a gated projection writes rows / 2 channels, got {rows_out} of {rows}")
         if token_groups not in TOKEN_GROUPS or token_tile % (16 * token_groups):
             raise ValueError(f"token groups {token_groups}: 1, or 2 where each takes a multiple of 16 of the "
                              f"{token_tile}-token tile")
         if rows_per_cta != 32 and rows_per_cta % (ROW_WARPS * MMA_SHAPE[0]):
             raise ValueError(f"rows per CTA {rows_per_cta}: 32, or a multiple of {ROW_WARPS * MMA_SHAPE[0]}")
-        if (norm_eps is not None or residual) and (glu is not None or len(segments) != 1):
-            raise ValueError("the norm prologue and the residual epilogue go with one plain output segment")
+        if (norm_eps is not None or residual) and glu is not None:
+            raise ValueError("the norm prologue and the residual epilogue go with a plain projection")
         self.norm = norm_eps is not None
         self.eps = float(norm_eps) if self.norm else 0.0
         self.residual = residual
         self.x_stride = x_stride or k
-        self.r_stride = r_stride or sum(segments)
-        if self.x_stride % VEC or self.x_stride < k or self.r_stride < sum(segments):
+        self.r_stride = r_stride or rows_out
+        if self.x_stride % VEC or self.x_stride < k or self.r_stride < rows_out:
             raise ValueError(f"x row stride {self.x_stride} (K {k}, 16-byte rows) or r row stride {self.r_stride}")
         self.glu = glu is not None
         self.beta, self.linear_beta = glu if glu is not None else (None, None)
@@ -115,9 +113,7 @@ class SkinnyGemm:
         if k % (split_k * TILE_K):
             raise ValueError(f"K {k} is not a multiple of split_k x {TILE_K}")
         self.tile_n, self.k, self.rows = token_tile, k, rows
-        self.segments = tuple(segments)
-        self.starts = tuple(sum(segments[:i]) for i in range(len(segments)))
-        self.rows_out = sum(segments)
+        self.rows_out = rows_out
         if self.rows_out < self.tile_out:
             raise ValueError(f"{self.rows_out} output rows < {self.tile_out} per CTA tile")
         self.tile_m = rows_per_cta
@@ -149,10 +145,9 @@ class SkinnyGemm:
         return 2 if self.glu else 1
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
-                 mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
-                 stream: cuda.CUstream):
-        self.kernel(mX, mW, mY0, mY1, mY2, mY3, mNw, mR, *self.machinery()).launch(
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mNw: cute.Tensor | None,
+                 mR: cute.Tensor | None, stream: cuda.CUstream):
+        self.kernel(mX, mW, mY, mNw, mR, *self.machinery()).launch(
             grid=[self.grid, 1, 1], block=[self.threads, 1, 1], cluster=self.cluster(), stream=stream, use_pdl=True)
 
     def machinery(self) -> tuple:
@@ -178,9 +173,9 @@ class SkinnyGemm:
         return [self.split_k, 1, 1] if self.split_k > 1 else None
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY0: cute.Tensor, mY1: cute.Tensor | None,
-               mY2: cute.Tensor | None, mY3: cute.Tensor | None, mNw: cute.Tensor | None, mR: cute.Tensor | None,
-               sW_layout: cute.Layout, sX_layout: cute.Layout, tiled_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mNw: cute.Tensor | None,
+               mR: cute.Tensor | None, sW_layout: cute.Layout, sX_layout: cute.Layout, tiled_g2s: cute.TiledCopy,
+               tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         C = const_expr(self.split_k)
@@ -253,7 +248,7 @@ class SkinnyGemm:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self.reduce_store(sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens)
+        self.reduce_store(sP, sSq, mY, rRes, tidx, rank, row0, first, tokens)
         if const_expr(C > 1):
             # peers may still be reading this CTA's partials: an execution barrier only (relaxed:
             # a released arrive would first wait for this CTA's output stores to be acknowledged)
@@ -433,13 +428,12 @@ class SkinnyGemm:
                     rRes[e, j] = mR[t, row0 + mv * ACC_VEC + e]
 
     @cute.jit
-    def reduce_store(self, sP, sSq, mY0, mY1, mY2, mY3, rRes, tidx, rank, row0, first, tokens):
+    def reduce_store(self, sP, sSq, mY, rRes, tidx, rank, row0, first, tokens):
         """Sum output rows ``rank * slice_m + [0, slice_m)`` of the cluster's partial tiles (4
         rows per 128-bit load; gated: each with its up row ``tile_out`` further, then the
-        activation) and store them, rounded to bf16, into their output segments; rows below
+        activation) and store those below ``rows_out``, rounded to bf16, into ``mY``; rows below
         ``first`` (the last tile's overlap) are its neighbour's to store. ``rRes``: the
         residuals (``load_residual``)."""
-        outs = (mY0, mY1, mY2, mY3)
         up_groups = self.tile_out // ACC_VEC  # 4-row groups from a gate row to its up row
         gate = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
         up = cute.make_rmem_tensor((ACC_VEC, 1), Float32)
@@ -469,11 +463,8 @@ class SkinnyGemm:
                     rounded = val.to(BFloat16)
                     if const_expr(self.residual):
                         rounded = (rounded.to(Float32) + rRes[e, j].to(Float32)).to(BFloat16)
-                    for i in cutlass.range_constexpr(len(self.segments)):
-                        lo = const_expr(self.starts[i])
-                        hi = const_expr(lo + self.segments[i])
-                        if n >= lo and n < hi and n >= first:
-                            outs[i][t, n - lo] = rounded
+                    if n < self.rows_out and n >= first:
+                        mY[t, n] = rounded
 
     @cute.jit
     def cluster_sum(self, sP, group, t, total):
@@ -493,19 +484,17 @@ def build(spec) -> tuple[SkinnyGemm, tuple]:
     count is a runtime size up to the token tile)."""
     s, p = spec.shape_dict, spec.param_dict
     tile_n, k, n = s["token_tile"], s["k"], s["rows"]
-    segments = tuple(p["segments"])
     glu = (p["beta"], p["linear_beta"]) if p.get("glu") else None
-    kernel = SkinnyGemm(tile_n, k, n, segments, rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
+    kernel = SkinnyGemm(tile_n, k, n, p["rows_out"], rows_per_cta=p["rows_per_cta"], split_k=p["split_k"],
                         stages=p["stages"], token_groups=p.get("token_groups", 1), glu=glu,
                         norm_eps=p.get("norm_eps"), residual=p.get("residual", False),
                         x_stride=p.get("x_stride"), r_stride=p.get("r_stride"))
     tokens = cute.sym_int32()
-    # outputs: scalar stores, any alignment torch gives a fresh [T, size] tensor
-    ys = [make_fake_tensor(BFloat16, (tokens, size), (size, 1), assumed_align=2) for size in segments]
-    ys += [None] * (MAX_SEGMENTS - len(ys))
+    # the output: scalar stores, any alignment torch gives a fresh [T, rows_out] tensor
+    y = make_fake_tensor(BFloat16, (tokens, kernel.rows_out), (kernel.rows_out, 1), assumed_align=2)
     norm_w = make_fake_tensor(BFloat16, (k,), (1,), assumed_align=16) if kernel.norm else None
     r = (make_fake_tensor(BFloat16, (tokens, kernel.rows_out), (kernel.r_stride, 1), assumed_align=2)
          if kernel.residual else None)
     return kernel, (make_fake_tensor(BFloat16, (tokens, k), (kernel.x_stride, 1), assumed_align=16),
-                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), *ys, norm_w, r,
+                    make_fake_tensor(BFloat16, (n, k), (k, 1), assumed_align=16), y, norm_w, r,
                     make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -58,7 +58,7 @@ class ProductGemm(SkinnyGemm):
         if rows_per_cta % self.products:
             raise ValueError(f"{self.products} products do not share {rows_per_cta} rows a CTA")
         widths = [st.n for st in parts]
-        super().__init__(token_tile, parts[0].k, sum(widths), (sum(widths),), rows_per_cta=rows_per_cta,
+        super().__init__(token_tile, parts[0].k, sum(widths), sum(widths), rows_per_cta=rows_per_cta,
                          split_k=split_k, stages=stages, token_groups=token_groups, x_stride=x_stride)
         # fp8 weights land in a staging ring of their own (64-byte rows, 16 values a copy) and are
         # converted into the bf16 tile each thread copied, once resident (exact: E4M3 is in bf16)

@@ -231,9 +231,9 @@ def one_expert_gemm_specs(op: str, arch: str, args: Sequence[Any], tokens: tuple
     lo, hi = tokens
     if not lo <= t <= hi:
         return f"{t} tokens outside {lo}..{hi} (the GEMM template)"
-    up = gemm_spec("mlp_gate_up_gemm", op, arch, tokens=t, k=hidden, rows=2 * inter, segments=[inter], k_name="H",
+    up = gemm_spec("mlp_gate_up_gemm", op, arch, tokens=t, k=hidden, rows=2 * inter, rows_out=inter, k_name="H",
                    glu=True, **act)
-    down = gemm_spec("mlp_down_gemm", op, arch, tokens=t, k=inter, rows=hidden, segments=[hidden], k_name="I")
+    down = gemm_spec("mlp_down_gemm", op, arch, tokens=t, k=inter, rows=hidden, rows_out=hidden, k_name="I")
     for spec in (up, down):
         if isinstance(spec, str):
             return spec
@@ -245,8 +245,8 @@ def one_expert_gemm_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[An
     or (y, scratch)."""
     (up, down), (x, gate_up, down_w) = fns, args[:3]
     y, act = expert_outputs(x, x.shape[1], (x.shape[0], down_w.shape[1]), out)
-    gemm_call(up, x, gate_up, [act])
-    gemm_call(down, act, down_w, [y])
+    gemm_call(up, x, gate_up, act)
+    gemm_call(down, act, down_w, y)
     return y
 
 

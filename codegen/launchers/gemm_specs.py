@@ -4,7 +4,6 @@ MLP's; the generated ``product_gemm`` takes its tiling too): its tiling,
 its spec and how it is called."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from codegen.spec import KernelSpec
@@ -19,7 +18,6 @@ WHOLE_K_MAX_SHARE = 0.55  # grids of at most this share of the SMs hold their wh
 ONE_WAVE_MAX_SHARE = 0.9  # grids of at most this share (clusters of at most 2) run one CTA an SM: a deeper ring
 ONE_WAVE_STAGES = 12  # that ring's depth (the dense down stage's sweep, docs/CODEGEN.md)
 SM_COUNT = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
-MAX_SEGMENTS = 4
 GEMM_MAX_TOKENS = MAX_TOKENS  # codegen/kernels/gemm.py: the token tile's largest size covers every step
 
 
@@ -102,15 +100,14 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
             "token_tile": token_tile}
 
 
-def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int, segments: Sequence[int],
+def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int, rows_out: int,
               k_name: str = "K", glu: bool = False, **params: Any) -> KernelSpec | str:
-    """The skinny GEMM's spec for ``tokens`` x [``rows``, ``k``] writing ``segments`` (gated:
-    one segment of rows / 2 channels), its tiling chosen here; or why K or the rows do not fit
+    """The skinny GEMM's spec for ``tokens`` x [``rows``, ``k``] writing ``rows_out`` rows (gated:
+    rows / 2 channels), its tiling chosen here; or why K or the rows do not fit
     (``k_name``: what K is, for the reason). ``params``: the kernel's options (norm, residual,
     activation, strides)."""
     if k % GEMM_TILE_K or k < 2 * GEMM_TILE_K:
         return f"{k_name} {k} is not a multiple of {GEMM_TILE_K} of at least two tiles (the GEMM's K tile)"
-    rows_out = sum(segments)
     smallest = GEMM_ROWS_PER_CTA // 2 if glu else GEMM_ROWS_PER_CTA
     if rows_out < smallest:
         return f"{rows_out} output rows < {smallest} (one CTA tile)"
@@ -119,9 +116,9 @@ def gemm_spec(kernel: str, op: str, arch: str, *, tokens: int, k: int, rows: int
         params["glu"] = True
     return KernelSpec.make(kernel, op, arch, shapes={"token_tile": tiling.pop("token_tile"), "k": k, "rows": rows},
                            dtypes={"act": "bf16", "weight": "bf16"},
-                           params={"segments": list(segments), **params, **tiling}, module="gemm")
+                           params={"rows_out": rows_out, **params, **tiling}, module="gemm")
 
 
-def gemm_call(fn, x, weight, ys, norm_weight=None, residual=None) -> None:
-    """Launch a compiled skinny GEMM: up to 4 outputs, then its optional norm weight and residual."""
-    fn(x, weight, *ys, *[None] * (MAX_SEGMENTS - len(ys)), norm_weight, residual)
+def gemm_call(fn, x, weight, y, norm_weight=None, residual=None) -> None:
+    """Launch a compiled skinny GEMM: its output, then its optional norm weight and residual."""
+    fn(x, weight, y, norm_weight, residual)

@@ -46,7 +46,7 @@ def _latent_tail_spec(op: str, arch: str, args: Sequence[Any]) -> tuple[KernelSp
     rows = hidden // pieces
     stride = latent + hidden if host().collective_runs(tp) else None
     if LATENT_GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
-        spec = gemm_spec("latent_tail_gemm", op, arch, tokens=t, k=latent, rows=rows, segments=[rows],
+        spec = gemm_spec("latent_tail_gemm", op, arch, tokens=t, k=latent, rows=rows, rows_out=rows,
                          norm_eps=float(eps), residual=True, x_stride=stride or latent, r_stride=stride or hidden)
         if not isinstance(spec, str):
             return (spec,)
@@ -80,7 +80,7 @@ def _latent_tail_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any],
     rows, part = _piece(args, shared)
     y = out if out is not None else shared.new_empty((shared.shape[0], rows.shape[0]))
     if specs[0].kernel == "latent_tail_gemm":
-        gemm_call(fn, routed, rows, [y], norm_weight, part)
+        gemm_call(fn, routed, rows, y, norm_weight, part)
     else:
         fn(routed, rows, norm_weight, part, y)
     return host().gather_last_dim(y, group, pieces)

@@ -54,7 +54,7 @@ def _projection_spec(op: str, arch: str, t: int, k: int, hidden: int) -> KernelS
     """The GEMM from ``O_PROJ_GEMM_MIN_TOKENS`` tokens (where K allows its pipeline), else the GEMV;
     below that too where the GEMV cannot take K (TP 32: 384, not whole 256-wide warp steps)."""
     def gemm():
-        return gemm_spec("o_proj_gemm", op, arch, tokens=t, k=k, rows=hidden, segments=[hidden])
+        return gemm_spec("o_proj_gemm", op, arch, tokens=t, k=k, rows=hidden, rows_out=hidden)
 
     if O_PROJ_GEMM_MIN_TOKENS <= t <= GEMM_MAX_TOKENS:
         spec = gemm()
@@ -70,7 +70,7 @@ def _projection_spec(op: str, arch: str, t: int, k: int, hidden: int) -> KernelS
 def project(fn, spec: KernelSpec, o: torch.Tensor, weight: torch.Tensor, attn: torch.Tensor) -> None:
     """Launch the projection stage (GEMM or GEMV, as ``spec`` says) into ``attn`` [T, hidden]."""
     if spec.kernel == "o_proj_gemm":
-        gemm_call(fn, o, weight, [attn])
+        gemm_call(fn, o, weight, attn)
     else:
         fn(o, weight, None, None, attn)
 
