@@ -161,3 +161,31 @@ def test_kimi_k3s_own_ops_reach_their_kernels_slot_by_slot(kimi_k3, op, tp, toke
 
     (name, fake, _), = _fused_calls(kimi_k3, OWN_OPS[op], tp, tokens, "sm_90a", [op])
     _check(name, _materialized(fake, torch.Generator().manual_seed(tp + tokens), "cpu"))
+
+
+def test_a_stood_down_all_reduce_returns_the_kernels_partial_without_a_copy():
+    """One GPU timing a TP 4 rank: the dense MLP's all-reduce is the identity, so the launcher
+    returns the down stage's output as written (a copy would be one more kernel in every timed
+    call, which the hand-written launchers do not launch)."""
+    import patterns.dense_mlp  # noqa: F401  (defines k3f::dense_mlp)
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
+    gate_up = (torch.randn(128, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(256, 64, generator=gen) * 0.05).to(torch.bfloat16)
+    args = [x, gate_up, down, None, None, "tp", 4]
+    written = []
+
+    def recording(fn):
+        def call(*slots):
+            fn(*slots)
+            written.extend(s.data_ptr() for s in slots if torch.is_tensor(s))
+        return call
+
+    with collectives_excluded():
+        ref = torch.ops.k3f.dense_mlp(*args)
+        specs = PRODUCTS.make_specs("k3f::dense_mlp", "sm_90a", args)
+        assert not isinstance(specs, str), specs
+        got = PRODUCTS.launch(tuple(recording(f) for f in stand_ins(specs)), specs, args)
+    assert got.data_ptr() in written
+    assert torch.isfinite(got).all() and rel_err(got, ref) < 1e-2

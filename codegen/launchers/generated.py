@@ -509,7 +509,9 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
         else:
             fn(*pad(pins, 4), *pad(ws, 4), *pad(eins, 4), *pad(qs, 2), *pad(ys, 4))
     for r, collective, group, ranks in p0["collectives"]:  # what the reference does with a result last
-        if ranks > 1:  # even where collectives are stood down: a gather's result is still every rank's width
+        # stood down (one GPU timing a rank), an all-reduce is the partial as the kernel wrote it, as the
+        # hand-written launchers leave it; a gather still runs: its result is every rank's width
+        if ranks > 1 and (host().collective_runs(ranks) or collective != "all_reduce"):
             results[r] = getattr(host(), collective)(results[r], group, ranks)
     dims = _result_dims(specs)
     outs = [results[r].view(-1) if dims[r] == 1 else results[r] for r in range(p0["results"])]
