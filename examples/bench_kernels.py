@@ -5,12 +5,11 @@ with enough copies (>= 200 MB) that no copy is still in the 50-60 MB L2 when it 
 again, so every launch streams its weight from HBM. Prints the median per launch next to
 torch's own ``linear`` (cuBLAS) on the same data.
 
-    python examples/bench_kernels.py        # or --only dense o_proj latent_tail (also: in_proj,
+    python examples/bench_kernels.py        # or --only o_proj latent_tail (also: in_proj,
                                             # attn_res, kda_core, mla_attend)
-    python examples/bench_kernels.py --only dense_tiling   # the dense MLP's GEMM at other tilings than the chosen
     python examples/bench_kernels.py --only mla_attend --tp 16   # one TP shape of the per-TP parts
 
-The dense MLP, output projection and latent tail sections time the GEMV and the GEMM at the same batches
+The output projection and latent tail sections time the GEMV and the GEMM at the same batches
 (each forced outside its range for the sweep only), to place the batch where the templates
 hand over from the GEMVs to the GEMM.
 """
@@ -23,14 +22,12 @@ from contextlib import contextmanager
 import torch
 
 import patterns.attn_res
-import patterns.dense_mlp
 import patterns.input_projection
 import patterns.kda
 import patterns.mla
 import patterns.moe
 import patterns.output_projection  # noqa: F401  (defines the k3f ops used here)
 from codegen.bind import device_arch, load_kernels
-from codegen.compiler import CodegenError
 from rewriter.commands.bench import timed_replay_us
 
 D = 7168
@@ -95,100 +92,6 @@ def bench_attn_res() -> None:
                 print(f"| {t} | {n + 1} | " + " | ".join(cells) + " |")
     finally:
         attn_res_norm.CLUSTER_BY_TOKENS = served
-
-
-def bench_dense(tp: int) -> None:
-    """Layer 0's dense MLP at one rank's I: both templates on the same rotated weights."""
-    from codegen.launchers import dense_mlp
-    from rewriter.model.config import KimiK3Config
-
-    cfg = KimiK3Config.preset("kimi-k3")
-    inter = cfg.shard(tp).dense_intermediate
-    act = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    nbytes = 3 * inter * D * 2
-    copies = max(2, int(200e6 // nbytes) + 1)
-    ws = [((torch.randn(2 * inter, D, device="cuda") * 0.02).bfloat16(),
-           (torch.randn(D, inter, device="cuda") * 0.02).bfloat16()) for _ in range(copies)]
-    dense_mlp.DENSE_GEMM_TOKENS = (1, 64)  # the sweep only: the rules give the GEMM 2..64
-    print(f"dense_mlp TP {tp} (I = {inter}, {nbytes / 1e6:.1f} MB, floor {nbytes / 4.27e6:.1f} us)")
-    print("| tokens | GEMV kernels | GEMM kernels |\n|---|---|---|")
-    for t in (1, 2, 4, 8, 9, 16, 32, 64):
-        x = torch.randn(t, D, device="cuda").bfloat16()
-        row = []
-        for kernel_name in ("dense_mlp", "dense_mlp_gemm"):  # the GEMVs take 1..8 tokens
-            args = (x, *ws[0], *act, "tp", 1)
-            r = load_kernels("k3f::dense_mlp", device_arch(), args, kernel_name)
-            if isinstance(r, str):
-                row.append("-")
-                continue
-            tpl, specs, fns = r
-            y = torch.empty(t, D, device="cuda", dtype=torch.bfloat16)
-            us = graph_us(lambda: [tpl.launch(fns, specs, (x, g, d, *act, "tp", 1), out=y) for g, d in ws]) / len(ws)
-            row.append(f"{us:.1f} us ({nbytes / us / 1e3:.0f} GB/s)")
-        print(f"| {t} | {row[0]} | {row[1]} |")
-    dense_mlp.DENSE_GEMM_TOKENS = (2, 64)
-
-
-# (gate/up, down) tilings tried beside the chosen one, one stage at a time: ring depth, K split, rows a CTA
-DENSE_TILINGS = {16: ([{"stages": 12}, {"split_k": 8}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 8}],
-                      [{"stages": 9}, {"stages": 6}, {"rows_per_cta": 32}, {"rows_per_cta": 128}]),
-                 8: ([{"stages": 12}, {"split_k": 4}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 4}],
-                     [{"stages": 9}, {"stages": 6}, {"rows_per_cta": 64}, {"rows_per_cta": 64, "split_k": 1}])}
-
-
-@contextmanager
-def forced_tiling(gate_up: dict, down: dict) -> Iterator[None]:
-    """The skinny GEMM's tiling with some choices forced (the gated stage's by ``gate_up``, the
-    others' by ``down``), for the sweep only; a changed tile or split without ``stages`` gets
-    the ring that fits two CTAs an SM."""
-    from codegen.launchers import gemm_specs
-
-    chosen = gemm_specs.gemm_tiling
-
-    def tiling(tokens, k, rows_out, arch, glu=False, norm=False):
-        forced = gate_up if glu else down
-        out = {**chosen(tokens, k, rows_out, arch, glu=glu, norm=norm), **forced}
-        if forced and "stages" not in forced:
-            out["stages"] = gemm_specs.two_cta_stages(out["rows_per_cta"], out["token_tile"], k, out["split_k"])
-        return out
-
-    gemm_specs.gemm_tiling = tiling
-    try:
-        yield
-    finally:
-        gemm_specs.gemm_tiling = chosen
-
-
-def bench_dense_tiling(tp: int) -> None:
-    """Layer 0's dense MLP on the GEMM (``dense_mlp_gemm``) at 2, 8 and 16 tokens: the chosen
-    tiling, then each stage at another (the other stage as chosen); both stages per call."""
-    from rewriter.model.config import KimiK3Config
-
-    cfg = KimiK3Config.preset("kimi-k3")
-    inter = cfg.shard(tp).dense_intermediate
-    act = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    nbytes = 3 * inter * D * 2
-    ws = [((torch.randn(2 * inter, D, device="cuda") * 0.02).bfloat16(),
-           (torch.randn(D, inter, device="cuda") * 0.02).bfloat16()) for _ in range(max(2, int(200e6 // nbytes) + 1))]
-    ups, downs = DENSE_TILINGS[tp]
-    cases = [({}, {})] + [(u, {}) for u in ups] + [({}, d) for d in downs]
-    print(f"dense_mlp_gemm TP {tp} (I = {inter}, {nbytes / 1e6:.1f} MB): us per call, both stages\n"
-          "| tokens | gate/up tiling | down tiling | us |\n|---|---|---|---|")
-    for t in (2, 8, 16):
-        x = torch.randn(t, D, device="cuda").bfloat16()
-        y = torch.empty(t, D, device="cuda", dtype=torch.bfloat16)
-        for gate_up, down in cases:
-            try:
-                with forced_tiling(gate_up, down):
-                    tpl, specs, fns = kernel("k3f::dense_mlp", (x, *ws[0], *act, "tp", 1), "dense_mlp_gemm")
-            except CodegenError as e:  # a tiling the kernel refuses: said, and the sweep goes on
-                print(f"| {t} | {gate_up or 'chosen'} | {down or 'chosen'} | refused: {e} |")
-                continue
-            us = graph_us(lambda: [tpl.launch(fns, specs, (x, g, d, *act, "tp", 1), out=y) for g, d in ws]) / len(ws)
-            tiles = [f"{p['rows_per_cta']} rows x {p['split_k']}, {p['stages']} stages"
-                     for p in (specs[0].param_dict, specs[1].param_dict)]
-            star = " (chosen)" if not gate_up and not down else ""
-            print(f"| {t} | {tiles[0]} | {tiles[1]} | {us:.2f}{star} |")
 
 
 def sweep(title: str, module, knob: str, op: str, make_args, call, nbytes: int, copies_of) -> None:
@@ -371,9 +274,8 @@ def bench_mla_attend(tp: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parts = ("in_proj", "attn_res", "dense", "dense_tiling", "o_proj", "latent_tail", "kda_core",
-             "mla_attend")
-    parser.add_argument("--only", nargs="+", choices=parts, default=[p for p in parts if p != "dense_tiling"])
+    parts = ("in_proj", "attn_res", "o_proj", "latent_tail", "kda_core", "mla_attend")
+    parser.add_argument("--only", nargs="+", choices=parts, default=list(parts))
     parser.add_argument("--tp", type=int, nargs="+", choices=(16, 8), default=[16, 8],
                         help="TP shapes of the per-TP parts (default 16 8)")
     args = parser.parse_args()
@@ -387,12 +289,6 @@ def main() -> None:
                 bench_in_proj(name, split, t, ws)
     if "attn_res" in only:
         bench_attn_res()
-    if "dense" in only:
-        for tp in tps:
-            bench_dense(tp)
-    if "dense_tiling" in only:
-        for tp in tps:
-            bench_dense_tiling(tp)
     if "o_proj" in only:
         for tp in tps:
             bench_o_proj(tp)

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 import patterns.attn_res
-import patterns.dense_mlp
 import patterns.input_projection
 import patterns.kda
 import patterns.mla  # noqa: F401  (defines the k3f ops used here)
 from codegen import bind
 from codegen.launchers.gemm_specs import gemm_tiling
-from conftest import example_module, gpu_kernels, needs_cutedsl, on_gpu, rel_err
+from conftest import gpu_kernels, needs_cutedsl, on_gpu, rel_err
 
 D = 7168
 TOL = 1e-2
@@ -202,25 +201,3 @@ def test_the_input_projection_dispatches_to_its_generated_gemm_inside_a_cuda_gra
     assert bind.stats()[op]["kernel"] == before + 2
 
 
-def test_the_dense_tiling_sweep_forces_one_stage_and_restores_the_rule():
-    """``examples/bench_kernels.py --only dense_tiling``: inside ``forced_tiling`` the dense MLP's
-    specs take the forced choices (gate/up and down apart; a changed split without stages gets
-    the two-CTA ring), and the rule is back after it."""
-    from codegen.launchers import gemm_specs
-    from codegen.launchers.experts import one_expert_gemm_specs
-
-    bench = example_module("bench_kernels")
-    x, up, down = (torch.empty(*shape, dtype=torch.bfloat16) for shape in ((8, D), (2 * 2112, D), (D, 2112)))
-    args = (x, up, down, 4.0, 25.0, "tp", 1)
-
-    def params():
-        return [s.param_dict for s in one_expert_gemm_specs("k3f::dense_mlp", "sm_90a", args, (2, 64))]
-
-    chosen = params()
-    rule = gemm_specs.gemm_tiling
-    with bench.forced_tiling({"split_k": 8}, {"stages": 5}):
-        forced = params()
-    assert gemm_specs.gemm_tiling is rule and params() == chosen
-    assert forced[0]["split_k"] == 8 and forced[0]["stages"] == 6 and forced[1]["stages"] == 5
-    same = [k for k in chosen[1] if k != "stages"]
-    assert [forced[1][k] for k in same] == [chosen[1][k] for k in same]

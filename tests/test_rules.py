@@ -13,9 +13,9 @@ from rewriter.compiler.trace import trace
 from rewriter.model.shape import DecodeShape
 
 # tiny: layer 0 dense (KDA attention, writes an AttnRes block), 1 KDA+MoE, 2 MLA+MoE (writes a block), 3 KDA+MoE
-# (at batch 3 the dense MLP and the shared experts are the GEMM rules': the GEMV rules take one token)
+# (at batch 3 the shared experts are the GEMM rule's: the GEMV rule takes one token)
 RULES_BY_LAYER = {
-    0: {"attn_res_norm", "attn_in_proj", "kda_core", "o_proj_all_reduce_attn_res", "dense_mlp.large"},
+    0: {"attn_res_norm", "attn_in_proj", "kda_core", "o_proj_all_reduce_attn_res", "dense_mlp"},
     1: {"attn_res_norm", "attn_in_proj", "kda_core", "o_proj_all_reduce_attn_res", "router_gemm",
         "router_topk", "routed_experts", "shared_experts.large", "latent_tail"},
     2: {"attn_res_norm", "attn_in_proj", "mla_q_front", "mla_attend", "o_proj_all_reduce_attn_res",

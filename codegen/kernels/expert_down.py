@@ -22,12 +22,9 @@ lanes (``shfl.sync.bfly``) finishes each dot product.
   token, so the CTAs of all tokens for one block of rows run side by side and an expert
   picked by several tokens is re-read from L2, not HBM; every loaded weight feeds one
   token's FMAs. The token count is a runtime size.
-- shared: one CTA per block of rows, its warps split the rows (and, with ``k_warps`` > 1,
-  each row's I: warp w takes the w % k_warps-th contiguous part of a lane's vectors, the
-  parts' sums meeting in shared memory); a lane loads its share of the rows once and keeps
+- shared: one CTA per block of rows, its warps split the rows; a lane loads its share of the rows once and keeps
   it in registers while all T tokens are taken in chunks of up to 8 (``chunk``
-  accumulators per row). The token count is a compile-time constant. (The dense MLP's I of
-  2112 = 8 lanes x 3 warps x 11 vectors: 33 vectors a lane would not fit in registers.)
+  accumulators per row). The token count is a compile-time constant.
 
 Programmatic dependent launch (launched with ``use_pdl``): before ``griddepcontrol.wait``
 a CTA reads only weights, which no kernel writes, and writes nothing. The shared expert
@@ -59,16 +56,14 @@ class ExpertDown:
 
     def __init__(self, *, routed: bool, experts: int, top_k: int, rows: int, inter: int, tokens: int | None = None,
                  lanes_per_row: int = 8, rows_per_lane: int = 1, slot_warps: int = 4, row_warps: int = 1,
-                 slots_per_step: int = 4, chunk: int = 1, k_warps: int = 1):
+                 slots_per_step: int = 4, chunk: int = 1):
         self.routed = bool(routed)
         if self.routed == (tokens is not None):
             raise ValueError("the token count is a runtime size for routed experts, compile-time for shared ones")
         if not self.routed and (experts != 1 or top_k != 1 or slot_warps != 1):
             raise ValueError("shared experts: one expert, one slot, one warp per row")
-        if lanes_per_row not in (1, 2, 4, 8, 16, 32) or inter % (VEC * lanes_per_row * k_warps):
-            raise ValueError(f"I {inter} is not a multiple of {VEC} x {lanes_per_row} lanes x {k_warps} warps per row")
-        if k_warps != 1 and self.routed:
-            raise ValueError("k_warps > 1: shared experts only")
+        if lanes_per_row not in (1, 2, 4, 8, 16, 32) or inter % (VEC * lanes_per_row):
+            raise ValueError(f"I {inter} is not a multiple of {VEC} x {lanes_per_row} lanes per row")
         if top_k % slot_warps or (top_k // slot_warps) % slots_per_step:
             raise ValueError(f"{top_k} slots do not split into {slot_warps} warps x steps of {slots_per_step}")
         if not 1 <= chunk <= min(MAX_CHUNK, lanes_per_row) or (self.routed and chunk != 1):
@@ -78,15 +73,14 @@ class ExpertDown:
         self.slot_warps, self.row_warps = slot_warps, row_warps
         self.slots_per_step, self.chunk = slots_per_step, chunk
         self.groups = 32 // lanes_per_row  # rows a warp covers at once
-        self.k_warps = k_warps
-        self.vec_per_lane = inter // VEC // lanes_per_row // k_warps
+        self.vec_per_lane = inter // VEC // lanes_per_row
         self.rows_per_warp = self.groups * rows_per_lane
         self.rows_per_cta = self.rows_per_warp * row_warps
         if rows % self.rows_per_cta:
             raise ValueError(f"L {rows} is not a multiple of {self.rows_per_cta} rows per CTA")
         self.row_blocks = rows // self.rows_per_cta
         self.slots_per_warp = top_k // slot_warps
-        self.warps = slot_warps * row_warps * k_warps
+        self.warps = slot_warps * row_warps
         if self.warps > 32:
             raise ValueError(f"{slot_warps} x {row_warps} warps: at most 32 per CTA")
         if tokens is not None:
@@ -107,8 +101,7 @@ class ExpertDown:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         swarp = warp % self.slot_warps
-        kpart = warp // self.slot_warps % self.k_warps
-        rwarp = warp // self.slot_warps // self.k_warps
+        rwarp = warp // self.slot_warps
         group = lane // self.lanes_per_row
         first = rblock * self.rows_per_cta + rwarp * self.rows_per_warp + group  # + q * groups for q < rows_per_lane
         rW = cute.make_rmem_tensor((VEC, self.vec_per_lane, self.rows_per_lane, self.slots_per_step), BFloat16)
@@ -146,37 +139,33 @@ class ExpertDown:
                 mOut[token, rblock * self.rows_per_cta + tidx] = total.to(BFloat16)
         else:
             # the lane's whole share of the rows, before the wait: weights are written by no kernel
-            self.load_w(mW, rW, Int64(0), 0, first, lane, kpart)
+            self.load_w(mW, rW, Int64(0), 0, first, lane)
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-            smem = cutlass.memory.SmemAllocator()
-            sPart = smem.allocate_tensor(Float32, cute.make_layout((self.rows_per_cta, self.chunk, self.k_warps)),
-                                         byte_alignment=16) if const_expr(self.k_warps > 1) else None
             for c in cutlass.range(self.full_chunks, unroll=1):
-                self.chunk_of(mA, mOut, rW, sPart, c * self.chunk, first, lane, kpart, rwarp, self.chunk)
+                self.chunk_of(mA, mOut, rW, c * self.chunk, first, lane, self.chunk)
             if const_expr(self.tail > 0):
-                self.chunk_of(mA, mOut, rW, sPart, self.full_chunks * self.chunk, first, lane, kpart, rwarp,
-                              self.tail)
+                self.chunk_of(mA, mOut, rW, self.full_chunks * self.chunk, first, lane, self.tail)
 
     # trace-time helpers (plain Python, inlined into the kernel; no dynamic control flow inside)
-    def load_w(self, mW: cute.Tensor, rW: cute.Tensor, e, su: int, first, lane, kpart=0):
+    def load_w(self, mW: cute.Tensor, rW: cute.Tensor, e, su: int, first, lane):
         """Issue expert e's vectors of this lane's rows into buffer ``su`` (lane g of a group
-        reads vectors g, g + G, ... of the warp's part of I: each load instruction reads whole
+        reads vectors g, g + G, ... of I: each load instruction reads whole
         128-byte lines)."""
         ld_w = g2r_stream_atom(BFloat16)
         G = self.lanes_per_row
-        sub = lane % G + kpart * self.vec_per_lane * G
+        sub = lane % G
         for q in range(self.rows_per_lane):
             for v in range(self.vec_per_lane):
                 cute.copy(ld_w, cute.local_tile(mW[e, first + q * self.groups, None], (VEC,), (v * G + sub,)),
                           rW[None, v, q, su])
 
     def accumulate(self, mA: cute.Tensor, rW: cute.Tensor, rAcc: cute.Tensor, su: int, t0, slot, weight, lane,
-                   n: int, kpart=0):
+                   n: int):
         """rAcc[q, c] += weight * <buffer su's row q, a[t0 + c, slot]> over this lane's vectors (fp32)."""
         ld_a = g2r_atom(BFloat16)
         G = self.lanes_per_row
-        sub = lane % G + kpart * self.vec_per_lane * G
+        sub = lane % G
         rA = cute.make_rmem_tensor((VEC,), BFloat16)
         for c in range(n):
             rPart = cute.make_rmem_tensor((self.rows_per_lane,), Float32)
@@ -197,36 +186,19 @@ class ExpertDown:
                 rAcc[q, c] = cute.arch.warp_reduction(rAcc[q, c], operator.add, threads_in_group=self.lanes_per_row)
 
     @cute.jit
-    def chunk_of(self, mA: cute.Tensor, mOut: cute.Tensor, rW: cute.Tensor, sPart, t0: Int32, first: Int32,
-                 lane: Int32, kpart: Int32, rwarp: Int32, n: cutlass.Constexpr[int]):
+    def chunk_of(self, mA: cute.Tensor, mOut: cute.Tensor, rW: cute.Tensor, t0: Int32, first: Int32,
+                 lane: Int32, n: cutlass.Constexpr[int]):
         """Shared expert, tokens t0 .. t0 + n - 1 against the rows held in ``rW``; lane c of
-        each group stores token c's rows (bf16), after the k_warps parts meet in ``sPart``."""
+        each group stores token c's rows (bf16)."""
         rAcc = cute.make_rmem_tensor((self.rows_per_lane, n), Float32)
         rAcc.fill(0.0)
-        self.accumulate(mA, rW, rAcc, 0, t0, 0, None, lane, n, kpart)
+        self.accumulate(mA, rW, rAcc, 0, t0, 0, None, lane, n)
         self.reduce(rAcc, n)
         sub = lane % self.lanes_per_row
-        group = lane // self.lanes_per_row
         for c in cutlass.range_constexpr(n):
             if sub == c:
                 for q in cutlass.range_constexpr(self.rows_per_lane):
-                    if const_expr(self.k_warps == 1):
-                        mOut[t0 + c, first + q * self.groups] = rAcc[q, c].to(BFloat16)
-                    else:
-                        sPart[rwarp * self.rows_per_warp + q * self.groups + group, c, kpart] = rAcc[q, c]
-        if const_expr(self.k_warps > 1):
-            cute.arch.barrier()
-            tidx, _, _ = cute.arch.thread_idx()
-            row0 = first - rwarp * self.rows_per_warp - group  # the CTA's first row
-            for i in cutlass.range_constexpr(-(-self.rows_per_cta * n // (32 * self.warps))):
-                e = tidx + i * 32 * self.warps
-                if e < self.rows_per_cta * n:
-                    r, c = e % self.rows_per_cta, e // self.rows_per_cta
-                    total = sPart[r, c, 0]
-                    for k in cutlass.range_constexpr(1, self.k_warps):
-                        total = total + sPart[r, c, k]
-                    mOut[t0 + c, row0 + r] = total.to(BFloat16)
-            cute.arch.barrier()  # sPart is reused by the next chunk
+                    mOut[t0 + c, first + q * self.groups] = rAcc[q, c].to(BFloat16)
 
 
 def build(spec) -> tuple[ExpertDown, tuple]:
@@ -237,7 +209,7 @@ def build(spec) -> tuple[ExpertDown, tuple]:
     kernel = ExpertDown(routed=routed, experts=e, top_k=k, rows=rows, inter=inter,
                         tokens=None if routed else s["tokens"], lanes_per_row=p["lanes_per_row"],
                         rows_per_lane=p["rows_per_lane"], slot_warps=p["slot_warps"], row_warps=p["row_warps"],
-                        slots_per_step=p["slots_per_step"], chunk=p["chunk"], k_warps=p.get("k_warps", 1))
+                        slots_per_step=p["slots_per_step"], chunk=p["chunk"])
     # routed: the token count is a runtime size (one compile serves every batch)
     t = cute.sym_int32() if routed else s["tokens"]
     ids = make_fake_tensor(Int64, (t, k), (k, 1), assumed_align=8) if routed else None
