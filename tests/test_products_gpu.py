@@ -228,17 +228,36 @@ def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kca
     _, specs = spec_for_call(f"k3f::products_probe_{name}", arch, _args(name, tokens, "meta", None))
     for spec in specs:
         ptx = compile_kernel(spec, cache=kcache).ptx
+        mxfp4 = name.startswith("mxfp4")  # its A fragments come from registers, not ldmatrix
         for promised in PROMISES[spec.module]:
-            assert promised in ptx, (spec.module, promised)
+            assert promised in ptx or (mxfp4 and promised.startswith("ldmatrix")), (spec.module, promised)
         if name.startswith("fp8"):  # the GEMV: 8 weights a 64-bit load; both: converted in pairs
             assert "e4m3x2" in ptx
             assert spec.module == "product_gemm" or "ld.global.L1::no_allocate.L2::256B.v2.b32" in ptx
-        if name.startswith("mxfp4"):  # codes by 16-byte copies, their rows' scales by 8-byte ones, bf16 pairs
+        if mxfp4:  # codes by 16-byte copies, their rows' scales by 8-byte ones, bf16 pairs straight into the MMA
             assert re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 8, 8;", ptx)
             assert ptx.count("mul.rn.bf16x2") >= 4 and "0x7E807E80" in ptx
+            assert "ldmatrix" not in ptx  # no bf16 weight ring
         assert "griddepcontrol.wait" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
         assert not divergent_warp_collectives(ptx), spec.label()
+
+
+@needs_cutedsl
+def test_every_mxfp4_tiling_the_launcher_offers_is_one_the_kernel_takes():
+    """The MXFP4 main loop splits a tile's warps over token groups and K blocks: at every token
+    count (one and two token groups, 64- and 128-row tiles) the kernel accepts the launcher's
+    tiling; 17 tokens on 64-row tiles (8 warps for one tile) once asked for 8 K splits of 4."""
+    from codegen.kernels.product_gemm import build
+
+    seen = set()
+    for tokens in range(1, 65):
+        _, specs = spec_for_call("k3f::products_probe_mxfp4_mlp", "sm_90a", _args("mxfp4_mlp", tokens, "meta", None))
+        for spec in specs:
+            kernel, _ = build(spec)
+            assert kernel.k_ways * kernel.n_ways * kernel.products * kernel.humming_tiles == kernel.threads // 32
+            seen.add((spec.param_dict["rows_per_cta"], spec.param_dict["token_groups"]))
+    assert {(64, 2), (128, 2), (128, 1)} <= seen
 
 
 @needs_cutedsl

@@ -6,7 +6,7 @@ different widths (the projections of one activation: an input projection's q, k,
 are the kernel's *parts*: each CTA tile lies within one part, whose weights it reads and whose
 epilogue it runs.
 
-The main loop is ``SkinnyGemm.multiply``, unchanged: weight tiles through a ``cp.async`` ring
+The main loop is ``SkinnyGemm.multiply``, unchanged (but for MXFP4, below): weight tiles through a ``cp.async`` ring
 before ``griddepcontrol.wait``, x after it, ``mma.sync.m16n8k16`` with fp32 accumulators, the
 partial tile in shared memory, the K split's CTAs a cluster. What is generated:
 - the weight tile: a CTA's ``rows_per_cta`` rows are ``rows_per_cta / P`` output columns of each
@@ -20,10 +20,11 @@ partial tile in shared memory, the K split's CTAs a cluster. What is generated:
   (``codegen/kernels/emit.py``) to each output;
 - a part narrower than a tile (a gate of 6 columns) has one tile, whose rows past the part's
   end are neither loaded nor stored; a wider part's last tile reaches back to stay in bounds;
-- fp8 and MXFP4 weights land in a staging ring of their own and each thread converts what it
-  copied into the bf16 ring once resident (the main loop's per-tile hook): fp8 rows 16 values a
-  copy; MXFP4 (Humming's layout, from one token) 16 bytes of codes a copy with the 8 scale
-  bytes of its rows, dequantized exactly (``mxfp4.bf16_pairs``).
+- fp8 weights land in a staging ring of their own and each thread converts what it copied
+  into the bf16 ring once resident (the main loop's per-tile hook), 16 values a copy;
+- MXFP4 weights (Humming's layout, from one token) have a main loop of their own
+  (``multiply_mxfp4``): the same ring of codes and scales, read by each warp straight into its
+  MMA's A fragments (``mxfp4.bf16_pairs``, exact), with no bf16 weight ring.
 """
 from __future__ import annotations
 
@@ -36,9 +37,16 @@ from cutlass.memory import SmemAllocator
 from codegen.kernels.common import BITS, VEC
 from codegen.kernels.emit import CUTE_DTYPES, fake_input, input_value, part_of, run
 from codegen.kernels.gemm import ACC_VEC, TILE_K, SkinnyGemm
-from codegen.kernels.mxfp4 import bf16_pairs
+from codegen.kernels.mxfp4 import bf16_pairs, mma_bf16
 from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA
-from codegen.launchers.generated import MXFP4_STAGED_PER_ROW, MXFP4_TILE, PRODUCT_SLOTS, is_plain, part_slots
+from codegen.launchers.generated import (
+    MXFP4_STAGED_PER_ROW,
+    MXFP4_TILE,
+    MXFP4_WARP_N8,
+    PRODUCT_SLOTS,
+    is_plain,
+    part_slots,
+)
 from codegen.lowered import MXFP4, READ, Stage
 
 
@@ -80,6 +88,23 @@ class ProductGemm(SkinnyGemm):
             if len(mxfp4_strides) != self.products * len(parts):
                 raise ValueError(f"MXFP4 strides {mxfp4_strides}: (codes, scales) row strides for each product")
         self.mxfp4_strides = tuple(tuple(x) for x in mxfp4_strides)
+        if self.mxfp4:
+            # the codes go from their staging ring straight into the MMA's A fragments: no bf16
+            # weight ring. A warp takes one product's 64-row Humming tile (a job), ``n_ways`` split
+            # the token tile's n8 groups (at most MXFP4_WARP_N8 a warp: its accumulators) and
+            # ``k_ways`` the K tile's four 16-wide blocks among the warps of a job
+            self.w_stage_bytes = 0
+            self.smem_bytes = max(stages * self.x_stage_bytes, self.partial_bytes)
+            self.humming_tiles = self.tile_out // MXFP4_TILE
+            jobs, warps, n8 = self.products * self.humming_tiles, self.threads // 32, self.tile_n // 8
+            ways = warps // jobs  # warps a tile: first as many n8 splits as the accumulators ask, then
+            self.n_ways = max(-(-n8 // MXFP4_WARP_N8), ways // (TILE_K // 16))  # K blocks, more splits
+            if warps % jobs or ways % self.n_ways or n8 % self.n_ways:
+                raise ValueError(f"MXFP4: {warps} warps for {jobs} 64-row tiles of {n8} n8 token groups")
+            self.k_ways = warps // jobs // self.n_ways
+            if (TILE_K // 16) % self.k_ways:
+                raise ValueError(f"MXFP4: {self.k_ways} warps a tile do not split its {TILE_K // 16} K blocks")
+            self.warp_n8 = n8 // self.n_ways
         self.chunks = 2 * self.tile_out  # 16-byte copies of a product's codes a K tile: 4 K blocks x tile_out / 2
         self.chunk_rounds = -(-self.chunks // self.threads)
         self.staged_bytes = stages * rows_per_cta * (TILE_K if self.fp8 else MXFP4_STAGED_PER_ROW if self.mxfp4 else 0)
@@ -142,7 +167,7 @@ class ProductGemm(SkinnyGemm):
         sW, sX, sP = self.ring(smem, sW_layout, sX_layout)
         thr_g2s = tiled_g2s.get_slice(tidx)
         w_copy, thr_w, sLand, on_tile = tiled_g2s, thr_g2s, sW, None
-        loads = None
+        loads = sCodes = sScales = None
         if const_expr(self.mxfp4):
             sCodes = smem.allocate_tensor(Int32, cute.make_layout(
                 (4, self.products * self.chunks, self.stages), stride=(1, 4, 4 * self.products * self.chunks)),
@@ -151,9 +176,6 @@ class ProductGemm(SkinnyGemm):
                 (8, self.products * self.chunks, self.stages), stride=(1, 8, 8 * self.products * self.chunks)),
                 byte_alignment=16)
             loads = (weights, sCodes, sScales, part, row0, k0, tidx)
-
-            def on_tile(kt, stage):  # the thread's own copies of tile kt, dequantized into the bf16 ring
-                self.mxfp4_tile(sCodes, sScales, sW, stage, tidx)
         if const_expr(self.fp8):
             w_copy, cvt, sLand = self.fp8_staging(smem)
             thr_w = w_copy.get_slice(tidx)
@@ -181,7 +203,11 @@ class ProductGemm(SkinnyGemm):
 
         def after_wait():
             return self.load_epilogue_inputs(eins, part, tidx, rank, row0, tokens)
-        rEpi = self.multiply(tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sW, sX, sP, tiled_mma, after_wait, on_tile)
+        if const_expr(self.mxfp4):
+            rEpi = self.multiply_mxfp4(tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sX, sP, sCodes, sScales, after_wait)
+        else:
+            rEpi = self.multiply(tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sW, sX, sP, tiled_mma, after_wait,
+                                 on_tile)
         if const_expr(C > 1):
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -247,29 +273,86 @@ class ProductGemm(SkinnyGemm):
                                       sScales[None, p * self.chunks + tidx + i * self.threads, stage])
 
     @cute.jit
-    def mxfp4_tile(self, sCodes, sScales, sW, stage, tidx):
-        """This thread's copies of a K tile in ``stage`` (``load_mxfp4``) dequantized into the bf16
-        ring: word i3 of a copy (K block kb, column j) holds rows ``16 i3 + r (+ 8)`` of its 64-row
-        tile at K ``16 kb + 2q (+1) (+8)``, each pair (k, k + 1) one 32-bit store."""
-        pair_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=32)
-        for p in cutlass.range_constexpr(self.products):
-            for i in cutlass.range_constexpr(self.chunk_rounds):
-                live, kb, j = self.chunk(tidx, i)
-                if live:
-                    c = p * self.chunks + tidx + i * self.threads
-                    words = cute.make_rmem_tensor((4,), Int32)
-                    cute.autovec_copy(sCodes[None, c, stage], words)
-                    scales = cute.make_rmem_tensor((8,), Uint8)
-                    cute.autovec_copy(sScales[None, c, stage], scales)
-                    row = p * self.tile_out + j // 32 * MXFP4_TILE + j % 32 // 4
-                    col = kb * 16 + j % 4 * 2
+    def multiply_mxfp4(self, tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sX, sP, sCodes, sScales, after_wait):
+        """The MXFP4 main loop: the ring of ``multiply`` (weights before ``griddepcontrol.wait``,
+        x after it, ``stages - 1`` tiles in flight), but each warp reads its lane's 16 bytes of
+        codes and 8 scale bytes of a K block from the staging ring, dequantizes them in registers
+        into the A fragments of its 64-row tile's four m16 subtiles (``mxfp4.bf16_pairs``, exact
+        for every scale byte) and multiplies them by its n8 token groups' B fragments of x; the
+        warps of one tile (its K blocks split ``k_ways``) add into the fp32 partial tile in turn.
+        Returns ``after_wait()``'s result."""
+        S = const_expr(self.stages)
+        NK = const_expr(self.k_tiles)
+        KW = const_expr(self.k_ways)
+        NG = const_expr(self.warp_n8)
+        XR = const_expr(cute.size(tXgX, mode=[1]))
+        for s in cutlass.range_constexpr(S - 1):
+            self.load_w(loads, s, s)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        for j in cutlass.range_constexpr(XR):
+            if x_ok[j]:
+                for s in cutlass.range_constexpr(S - 1):
+                    cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
+        for _ in cutlass.range_constexpr(S - 1):
+            cute.arch.cp_async_commit_group()
+        ready = after_wait()
+
+        warp, lane = tidx // 32, tidx % 32
+        jobs = const_expr(self.products * self.humming_tiles)
+        job, way = warp % jobs, warp // jobs
+        kway, nway = way % KW, way // KW
+        first_chunk = job // self.humming_tiles * self.chunks + job % self.humming_tiles * 32 + lane
+        acc = cute.make_rmem_tensor((4, 4, NG), Float32)
+        acc.fill(0.0)
+        rCodes = cute.make_rmem_tensor((4,), Int32)
+        rScales = cute.make_rmem_tensor((8,), Uint8)
+        rPair = cute.make_rmem_tensor((2,), BFloat16)
+        for kt in cutlass.range(NK, unroll=1):
+            stage = kt % S
+            # tile kt resident for every thread, and every warp done with tile kt - 1, whose stage
+            # the next copies refill
+            cute.arch.cp_async_wait_group(S - 2)
+            cute.arch.sync_threads()
+            if kt + (S - 1) < NK:
+                self.load_tile(loads, tiled_g2s, tXgX, tXsX, x_ok, kt + (S - 1), (kt + (S - 1)) % S)
+            cute.arch.cp_async_commit_group()
+            for i in cutlass.range_constexpr(TILE_K // 16 // KW):
+                kb = kway + i * KW
+                c = first_chunk + kb * (self.tile_out // 2)
+                cute.autovec_copy(sCodes[None, c, stage], rCodes)
+                cute.autovec_copy(sScales[None, c, stage], rScales)
+                frags = [bf16_pairs(rCodes[i3], Int32(rScales[2 * i3]), Int32(rScales[2 * i3 + 1]))
+                         for i3 in range(4)]
+                for g in cutlass.range_constexpr(NG):
+                    token = (nway * NG + g) * 8 + lane // 4
+                    b = []
+                    for half in cutlass.range_constexpr(2):  # x[token, K 2q (+1)], x[token, K 2q + 8 (+1)] of block kb
+                        pair = kb * 8 + lane % 4 + 4 * half
+                        cute.autovec_copy(cute.local_tile(sX[token, None, stage], (2,), (pair,)), rPair)
+                        b.append(cute.recast_tensor(rPair, Int32)[0])
                     for i3 in cutlass.range_constexpr(4):
-                        pairs = bf16_pairs(words[i3], Int32(scales[2 * i3]), Int32(scales[2 * i3 + 1]))
-                        for h in cutlass.range_constexpr(4):
-                            rPair = cute.make_rmem_tensor((2,), BFloat16)
-                            cute.recast_tensor(rPair, Int32)[0] = pairs[h]
-                            cute.copy(pair_store, rPair, cute.local_tile(
-                                sW[row + 16 * i3 + h % 2 * 8, None, stage], (2,), (col // 2 + h // 2 * 4,)))
+                        out = mma_bf16(frags[i3], b[0], b[1], [acc[j, i3, g] for j in range(4)])
+                        for j in cutlass.range_constexpr(4):
+                            acc[j, i3, g] = out[j]
+
+        # this CTA's partial tile -> shared memory (over the ring's bytes), the K ways in turn
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        row0 = job // self.humming_tiles * self.tile_out + job % self.humming_tiles * MXFP4_TILE + lane // 4
+        for w in cutlass.range_constexpr(KW):
+            if kway == w:
+                for g in cutlass.range_constexpr(NG):
+                    for i3 in cutlass.range_constexpr(4):
+                        for j in cutlass.range_constexpr(4):
+                            row = row0 + 16 * i3 + j // 2 * 8
+                            col = (nway * NG + g) * 8 + lane % 4 * 2 + j % 2
+                            if const_expr(w == 0):
+                                sP[row, col] = acc[j, i3, g]
+                            else:
+                                sP[row, col] = sP[row, col] + acc[j, i3, g]
+            cute.arch.sync_threads()
+        return ready
 
     @cute.jit
     def load_w(self, loads, kt, stage):

@@ -55,6 +55,7 @@ MXFP4_TILE = 64  # rows of Humming's tile: a GEMM tile holds whole ones
 # shared memory an MXFP4 GEMM's staging ring takes per weight row and pipeline stage: the codes of
 # 64 K (32 bytes) and, for each 16-byte copy of codes, the 8 scale bytes of its 8 rows (16 bytes)
 MXFP4_STAGED_PER_ROW = 48
+MXFP4_WARP_N8 = 4  # n8 token groups a warp of the MXFP4 main loop multiplies (64 fp32 accumulators)
 
 
 def threads_for(width: int, vectors: int) -> int:
@@ -165,8 +166,8 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int
     if staged:  # the staging ring beside the bf16 one: fewer stages where one CTA's memory asks it
         rows, tile = tiling["rows_per_cta"], tiling["token_tile"]
 
-        def smem(stages: int) -> int:  # as ProductGemm counts it
-            ring = max(stages * stage_bytes(rows, tile), tile * (rows + GEMM_PARTIAL_PAD) * 4)
+        def smem(stages: int) -> int:  # as ProductGemm counts it (MXFP4 codes skip the bf16 weight ring)
+            ring = max(stages * stage_bytes(0 if mxfp4 else rows, tile), tile * (rows + GEMM_PARTIAL_PAD) * 4)
             return ring + stages * rows * staged
         while tiling["stages"] > 2 and smem(tiling["stages"]) > GEMM_SMEM_ONE_CTA:
             tiling["stages"] -= 1
