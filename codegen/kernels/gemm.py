@@ -282,6 +282,26 @@ class SkinnyGemm:
         return tXgX, tXsX, tXcX, x_ok
 
     @cute.jit
+    def prologue(self, loads, tiled_g2s, tXgX, tXsX, x_ok, after_wait):
+        """Tiles 0 .. S-2 in flight, their weights first, before the wait (PDL): no kernel writes
+        W, so their DRAM latency overlaps the previous kernel's tail; x is that kernel's output,
+        read only after the wait. All of it is commit group 0 (groups complete in order, so the
+        first fragments wait for every prologue weight tile anyway); groups 1 .. S-2 are empty
+        and keep group kt = tile kt for the main loop's waits. Returns ``after_wait()``'s result."""
+        S = const_expr(self.stages)
+        for s in cutlass.range_constexpr(S - 1):
+            self.load_w(loads, s, s)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        for j in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+            if x_ok[j]:
+                for s in cutlass.range_constexpr(S - 1):
+                    cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
+        for _ in cutlass.range_constexpr(S - 1):
+            cute.arch.cp_async_commit_group()
+        return after_wait()
+
+    @cute.jit
     def multiply(self, tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sW, sX, sP, tiled_mma, after_wait, on_tile):
         """The main loop: the prologue's tiles (weights before ``griddepcontrol.wait``, x after
         it), then every K tile through the ring into the MMAs, and this CTA's fp32 partial tile
@@ -293,23 +313,7 @@ class SkinnyGemm:
         NK = const_expr(self.k_tiles)
         KB = const_expr(TILE_K // MMA_SHAPE[2])  # 16-K MMA steps per tile
         BM = const_expr(self.tile_m)
-        XR = const_expr(cute.size(tXgX, mode=[1]))
-        # prologue: tiles 0 .. S-2 in flight, their weights first, before the wait (PDL): no kernel
-        # writes W, so their DRAM latency overlaps the previous kernel's tail; x is that kernel's
-        # output, read only after the wait. All of it is commit group 0 (groups complete in order,
-        # so the first fragments wait for every prologue weight tile anyway); groups 1 .. S-2 are
-        # empty and keep group kt = tile kt for the main loop's waits.
-        for s in cutlass.range_constexpr(S - 1):
-            self.load_w(loads, s, s)
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-        for j in cutlass.range_constexpr(XR):
-            if x_ok[j]:
-                for s in cutlass.range_constexpr(S - 1):
-                    cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
-        for _ in cutlass.range_constexpr(S - 1):
-            cute.arch.cp_async_commit_group()
-        ready = after_wait()
+        ready = self.prologue(loads, tiled_g2s, tXgX, tXsX, x_ok, after_wait)
 
         # the MMA's threads: one token group's warps, over the group's tokens of x and of the partials
         mtid = tidx

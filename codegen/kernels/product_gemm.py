@@ -274,8 +274,8 @@ class ProductGemm(SkinnyGemm):
 
     @cute.jit
     def multiply_mxfp4(self, tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sX, sP, sCodes, sScales, after_wait):
-        """The MXFP4 main loop: the ring of ``multiply`` (weights before ``griddepcontrol.wait``,
-        x after it, ``stages - 1`` tiles in flight), but each warp reads its lane's 16 bytes of
+        """The MXFP4 main loop: the ring of ``multiply`` (its ``prologue``: weights before
+        ``griddepcontrol.wait``, x after it, ``stages - 1`` tiles in flight), but each warp reads its lane's 16 bytes of
         codes and 8 scale bytes of a K block from the staging ring, dequantizes them in registers
         into the A fragments of its 64-row tile's four m16 subtiles (``mxfp4.bf16_pairs``, exact
         for every scale byte) and multiplies them by its n8 token groups' B fragments of x; the
@@ -285,18 +285,7 @@ class ProductGemm(SkinnyGemm):
         NK = const_expr(self.k_tiles)
         KW = const_expr(self.k_ways)
         NG = const_expr(self.warp_n8)
-        XR = const_expr(cute.size(tXgX, mode=[1]))
-        for s in cutlass.range_constexpr(S - 1):
-            self.load_w(loads, s, s)
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-        for j in cutlass.range_constexpr(XR):
-            if x_ok[j]:
-                for s in cutlass.range_constexpr(S - 1):
-                    cute.copy(tiled_g2s, tXgX[None, j, None, s], tXsX[None, j, None, s])
-        for _ in cutlass.range_constexpr(S - 1):
-            cute.arch.cp_async_commit_group()
-        ready = after_wait()
+        ready = self.prologue(loads, tiled_g2s, tXgX, tXsX, x_ok, after_wait)
 
         warp, lane = tidx // 32, tidx % 32
         jobs = const_expr(self.products * self.humming_tiles)
