@@ -275,12 +275,12 @@ class ProductGemm(SkinnyGemm):
     @cute.jit
     def multiply_mxfp4(self, tidx, loads, tiled_g2s, tXgX, tXsX, x_ok, sX, sP, sCodes, sScales, after_wait):
         """The MXFP4 main loop: the ring of ``multiply`` (its ``prologue``: weights before
-        ``griddepcontrol.wait``, x after it, ``stages - 1`` tiles in flight), but each warp reads its lane's 16 bytes of
-        codes and 8 scale bytes of a K block from the staging ring, dequantizes them in registers
-        into the A fragments of its 64-row tile's four m16 subtiles (``mxfp4.bf16_pairs``, exact
-        for every scale byte) and multiplies them by its n8 token groups' B fragments of x; the
-        warps of one tile (its K blocks split ``k_ways``) add into the fp32 partial tile in turn.
-        Returns ``after_wait()``'s result."""
+        ``griddepcontrol.wait``, x after it, ``stages - 1`` tiles in flight), but each warp reads
+        its lane's 16 bytes of codes and 8 scale bytes of a K block from the staging ring,
+        dequantizes them in registers into the A fragments of its 64-row tile's four m16
+        subtiles (``mxfp4.bf16_pairs``, exact for every scale byte) and multiplies them by its n8
+        token groups' B fragments of x; the warps of one tile (its K blocks split ``k_ways``) add
+        into the fp32 partial tile in turn. Returns ``after_wait()``'s result."""
         S = const_expr(self.stages)
         NK = const_expr(self.k_tiles)
         KW = const_expr(self.k_ways)
