@@ -22,9 +22,9 @@ lanes (``shfl.sync.bfly``) finishes each dot product.
   token, so the CTAs of all tokens for one block of rows run side by side and an expert
   picked by several tokens is re-read from L2, not HBM; every loaded weight feeds one
   token's FMAs. The token count is a runtime size.
-- shared: one CTA per block of rows, its warps split the rows; a lane loads its share of the rows once and keeps
-  it in registers while all T tokens are taken in chunks of up to 8 (``chunk``
-  accumulators per row). The token count is a compile-time constant.
+- shared: one CTA per block of rows, its warps split the rows; a lane loads its share of the
+  rows once and keeps it in registers while all T tokens are taken in chunks of up to 8
+  (``chunk`` accumulators per row). The token count is a compile-time constant.
 
 Programmatic dependent launch (launched with ``use_pdl``): before ``griddepcontrol.wait``
 a CTA reads only weights, which no kernel writes, and writes nothing. The shared expert

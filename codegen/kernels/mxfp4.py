@@ -144,20 +144,6 @@ def bf16_pairs(word: Int32, scale_r: Int32, scale_r8: Int32, *, loc=None, ip=Non
     return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-@dsl_user_op
-def mma_bf16(a: list, b0: Int32, b1: Int32, c: list, *, loc=None, ip=None) -> list:
-    """``c += a x b`` for one m16n8k16 whose A fragment is four bf16 pairs already in registers
-    (``bf16_pairs``' order is the fragment's: rows r, r + 8 at K 2q, then at K 2q + 8), ``b0``,
-    ``b1`` its B fragment, ``c`` its 4 fp32 accumulators. Returns the new 4."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [*(Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, b0, b1)), *(Float32(v).ir_value(loc=loc, ip=ip) for v in c)],
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-        "{$0, $1, $2, $3};", "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
 # ---- loads and the per-warp tile loop (trace-time helpers, inlined into the kernels) -----------
 def _atom(bits: int):
     """Global -> registers, ``bits`` wide, streamed (no L1 allocation: weights are read once)."""

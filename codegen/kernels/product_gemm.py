@@ -37,7 +37,8 @@ from cutlass.memory import SmemAllocator
 from codegen.kernels.common import BITS, VEC
 from codegen.kernels.emit import CUTE_DTYPES, fake_input, input_value, part_of, run
 from codegen.kernels.gemm import ACC_VEC, TILE_K, SkinnyGemm
-from codegen.kernels.mxfp4 import bf16_pairs, mma_bf16
+from codegen.kernels.mxfp4 import bf16_pairs
+from codegen.kernels.warp_mma import mma_bf16
 from codegen.launchers.gemm_specs import GEMM_SMEM_ONE_CTA
 from codegen.launchers.generated import (
     MXFP4_STAGED_PER_ROW,
