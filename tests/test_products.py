@@ -780,3 +780,24 @@ def test_results_gathered_last_are_the_hosts_collectives():
     logits, latent = interpret_products(products, [x, gate, down])
     assert logits.dtype == torch.float32 and rel_err(logits, F.linear(x.float(), gate[24:48].float())) < 1e-5
     assert rel_err(latent, F.linear(x, down[64:128])) < 1e-2
+
+
+def test_the_weights_benchmark_times_generated_kernels_at_its_shapes():
+    """``examples/bench_product_weights.py``: both of its ops lower to the products template at
+    its default shapes (MXFP4 on the GEMM at every count, bf16 on the GEMV at one token), so the
+    table it prints is of generated kernels."""
+    from codegen.launchers.generated import PRODUCTS
+    from conftest import example_module
+    from rewriter.compiler.plan import install_host
+
+    install_host()
+    example_module("bench_product_weights")
+    shapes = MXFP4.tensors(1, 4096, 7168)
+    for tokens in (1, 8, 64):
+        x = torch.empty(tokens, 7168, dtype=BF16, device="meta")
+        codes, scales = (torch.empty(shapes[k][0][1:], dtype=shapes[k][1], device="meta")
+                         for k in ("weight", "weight_scale"))
+        (mx,) = PRODUCTS.make_specs("k3f::bench_mxfp4_projection", "sm_90a", [x, codes, scales])
+        (bf,) = PRODUCTS.make_specs("k3f::bench_bf16_projection", "sm_90a",
+                                    [x, torch.empty(4096, 7168, dtype=BF16, device="meta")])
+        assert mx.module == "product_gemm" and bf.module == ("product_gemv" if tokens == 1 else "product_gemm")
