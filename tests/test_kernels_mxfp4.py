@@ -80,6 +80,23 @@ def test_every_layout_holds_the_checkpoints_values(fmt):
     assert torch.equal(fmt.dequant(weight[[2, 0]], scale[[2, 0]]).float(), expected[[2, 0]])  # gathered experts
 
 
+@pytest.mark.parametrize("fmt", [HUMMING, CHECKPOINT])
+def test_dequant_runs_a_few_matrices_at_a_time(fmt, monkeypatch):
+    """The reference's [tokens, k] gathers are dequantized a few matrices at a time (all at once,
+    the temporaries of a TP 3 layer at 32 tokens ran an H100 out of memory): chunks of 4 over
+    2 x 5 gathered matrices, the last chunk short, give each matrix's values."""
+    import rewriter.model.layers.experts as formats
+
+    weight, scale = fmt.from_checkpoint(*random_mxfp4(3, 128, 96, generator=torch.Generator().manual_seed(5)))
+    ids = torch.tensor([[2, 0, 1, 1, 0], [0, 2, 2, 1, 0]])
+    monkeypatch.setattr(formats, "DEQUANT_CHUNK", 4)
+    chunked = fmt.dequant(weight[ids], scale[ids])
+    assert chunked.shape == (2, 5, 128, 96)
+    one_each = torch.stack([fmt.dequant(weight[e], scale[e]) for e in ids.flatten().tolist()]).view(2, 5, 128, 96)
+    assert torch.equal(chunked, one_each)
+    assert torch.equal(fmt.dequant(weight[2], scale[2]), fmt.dequant(weight, scale)[2])  # one matrix, no leading dims
+
+
 def test_relayout_runs_a_few_experts_at_a_time(monkeypatch):
     """``from_checkpoint`` re-lays experts in chunks (the int64 codes of 896 experts at once were
     18 GiB, more than the GPU tests had under compute-sanitizer): chunks of 2 give the same words."""

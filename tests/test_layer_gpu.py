@@ -44,7 +44,8 @@ BF16_TOL, STATE_TOL = 1e-2, 2e-3
 def layer_test_bytes(tp: int, tokens: int, layer_idx: int, experts: str | None) -> int:
     """What a layer test holds on the GPU at once: the layer's routed experts (all of them, MXFP4
     at 17 bytes a 32-value group, or bf16) and the reference MoE's expert rows of each (token,
-    slot) pair (gate, up and down, fp32, gathered per pair: ``rewriter/model/layers/moe.py:expert_rows``).
+    slot) pair (gate, up and down, bf16, gathered per pair: ``rewriter/model/layers/moe.py:expert_rows``,
+    counted twice for the einsums' copies).
     Counting the pairs alone left the TP 1 layer (16 GB of MXFP4 experts) beside the large tests,
     and three of them ran out of memory (on an H100)."""
     if layer_idx == 0:

@@ -36,6 +36,7 @@ E2M1_RMS = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5  # of uni
 GROUP = 32  # values per E8M0 scale along K
 LAYOUTS = {"bf16": ("dense",), "mxfp4": ("checkpoint", "humming", "humming_native")}
 HUMMING_TILE_N, HUMMING_TILE_K = 64, 16
+DEQUANT_CHUNK = 8  # matrices dequantized at a time: each pass's temporaries stay near 1 GB
 RELAYOUT_CHUNK = 32  # experts re-laid at a time by ``from_checkpoint``: each int64 temporary stays under 1 GB
 MAX_KERNEL_SCALE = 128  # E8M0 bytes the kernels' in-register dequant takes: scales up to 2 (codegen/kernels/mxfp4.py)
 
@@ -104,9 +105,22 @@ class ExpertFormat:
 
     def dequant(self, weight: Tensor, scale: Tensor | None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
         """The weights' values [..., N, K], exact (E2M1 values have two significant bits, so even
-        bf16 holds each times its power of two), at 2 bytes a value for the reference's gathers."""
+        bf16 holds each times its power of two), at 2 bytes a value for the reference's gathers.
+        A few matrices at a time: the reference's [tokens, k] gathers of whole matrices made the
+        temporaries of one pass several times the output (50 GB at TP 3, 32 tokens)."""
         if not self.quantized:
             return weight
+        *lead, a, b = weight.shape
+        weight, scale = weight.reshape(-1, a, b), scale.reshape(-1, *scale.shape[-2:])
+        out = None
+        for lo in range(0, max(weight.shape[0], 1), DEQUANT_CHUNK):  # one pass at least: no rows, no values
+            part = self._values(weight[lo:lo + DEQUANT_CHUNK], scale[lo:lo + DEQUANT_CHUNK], dtype)
+            if out is None:
+                out = part.new_empty((weight.shape[0], *part.shape[1:]))
+            out[lo:lo + part.shape[0]] = part
+        return out.reshape(*lead, *out.shape[1:])
+
+    def _values(self, weight: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
         codes = self.codes(weight)
         mag, exp = (codes & 1).to(dtype), (codes >> 1 & 3).to(dtype)  # E2M1: m, then e1 e0
         # e = 0: m / 2 (subnormal); e > 0: (1 + m / 2) * 2^(e - 1)
