@@ -801,3 +801,7 @@ def test_the_weights_benchmark_times_generated_kernels_at_its_shapes():
         (bf,) = PRODUCTS.make_specs("k3f::bench_bf16_projection", "sm_90a",
                                     [x, torch.empty(4096, 7168, dtype=BF16, device="meta")])
         assert mx.module == "product_gemm" and bf.module == ("product_gemv" if tokens == 1 else "product_gemm")
+        tiling = {key: mx.param_dict[key] for key in ("rows_per_cta", "split_k", "token_groups")}
+        # to 16 tokens the MXFP4 loop takes 64-row tiles and 8 K splits: 512 CTAs, about 4 an SM
+        assert tiling == ({"rows_per_cta": 64, "split_k": 8, "token_groups": 1} if tokens <= 16 else
+                          {"rows_per_cta": 128, "split_k": 4, "token_groups": 2}), (tokens, tiling)

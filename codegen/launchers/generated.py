@@ -31,6 +31,7 @@ from codegen.launchers.gemm_specs import (
     GEMM_ROWS_PER_CTA,
     GEMM_SMEM_ONE_CTA,
     GEMM_TILE_K,
+    SM_COUNT,
     gemm_tiling,
     stage_bytes,
 )
@@ -56,6 +57,7 @@ MXFP4_TILE = 64  # rows of Humming's tile: a GEMM tile holds whole ones
 # 64 K (32 bytes) and, for each 16-byte copy of codes, the 8 scale bytes of its 8 rows (16 bytes)
 MXFP4_STAGED_PER_ROW = 48
 MXFP4_WARP_N8 = 4  # n8 token groups a warp of the MXFP4 main loop multiplies (64 fp32 accumulators)
+MXFP4_CTAS_PER_SM = 4  # the grid of ``mxfp4_small_tiling``: warps an SM to hide its dequantization's latency
 
 
 def threads_for(width: int, vectors: int) -> int:
@@ -154,6 +156,8 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int
         return (f"MXFP4: {products} products of parts {[st.n for st in parts]} wide, where a GEMM tile holds whole "
                 f"{MXFP4_TILE}-row tiles of each product")
     tiling = gemm_tiling(tokens, k, n, arch, products=products, tile_multiple=MXFP4_TILE if mxfp4 else 1)
+    if mxfp4:
+        tiling.update(mxfp4_small_tiling(tiling, k, [st.n for st in parts], products, arch))
     per_tile = tiling["rows_per_cta"] // products
     if mxfp4 and any(st.n < per_tile for st in parts):
         return f"MXFP4: a part narrower than a tile's {per_tile} rows (parts {[st.n for st in parts]} wide)"
@@ -175,6 +179,23 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int
             return (f"{parts[0].weight_dtype} staging: {smem(2)} bytes of shared memory at two stages, more than a "
                     "CTA may take")
     return tiling
+
+
+def mxfp4_small_tiling(tiling: dict[str, Any], k: int, widths: Sequence[int], products: int, arch: str
+                       ) -> dict[str, Any]:
+    """The MXFP4 loop at one token group (up to 16 tokens) on 64-row tiles with the largest K split
+    that keeps the grid within ``MXFP4_CTAS_PER_SM`` CTAs an SM (none where a tile of each product
+    needs 128 rows): its warps wait on their dequantization's chain, not on bytes, so more of them
+    an SM is what pays. A 4096 x 7168 projection at 8 tokens: 14.7 us on 512 CTAs of 64 rows and 8
+    splits, 18.0 on the bf16 GEMM's 128 CTAs of 128 rows and 4 (H100, b8ca961); more pipeline
+    stages did not help either (12: 17.9)."""
+    if tiling["token_groups"] != 1 or tiling["token_tile"] > 16 or products * MXFP4_TILE > GEMM_ROWS_PER_CTA // 2:
+        return {}
+    tiles, k_tiles = sum(-(-w // MXFP4_TILE) for w in widths), k // GEMM_TILE_K
+    limit = MXFP4_CTAS_PER_SM * SM_COUNT.get(arch, 132)
+    split = next(c for c in (8, 4, 2, 1) if k_tiles % c == 0 and k_tiles // c >= 2 and (tiles * c <= limit or c == 1))
+    return {"rows_per_cta": GEMM_ROWS_PER_CTA // 2, "split_k": split,
+            "stages": max(2, min(tiling["stages"], k_tiles // split))}
 
 
 def _parts(stages: Sequence[Stage]) -> list[list[int]]:
