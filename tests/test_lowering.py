@@ -120,6 +120,63 @@ def test_softmax_and_statistics_as_outputs():
     assert program.outputs[1][2] == 1  # a [T] statistic, as the reference returns it
 
 
+# norms, statistics and activations beyond the model's own ops, as a user's rule writes them: each
+# lowers through PyTorch's decompositions or a translation into the programs' ops
+BEYOND = {
+    "layer_norm": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+    "layer_norm_no_affine": lambda x, w, b: F.layer_norm(x, (x.shape[-1],)),
+    "std_and_var": lambda x, w, b: (x.float().std(-1, keepdim=True), x.float().var(-1, correction=0)),
+    "var_mean": lambda x, w, b: torch.var_mean(x.float(), -1, keepdim=True)[0] + x.float(),
+    "log_softmax": lambda x, w, b: torch.log_softmax(x.float(), -1),
+    "logsumexp": lambda x, w, b: torch.logsumexp(x.float(), -1, keepdim=True),
+    "leaky_relu": lambda x, w, b: F.leaky_relu(x, 0.2) * w,
+    "elu": lambda x, w, b: F.elu(x.float(), alpha=0.7),
+    "absmax_scale": lambda x, w, b: x.float() / x.float().abs().max(-1, keepdim=True).values,
+    "min_values": lambda x, w, b: x - x.min(-1).values.unsqueeze(-1),
+    "exp2_log2": lambda x, w, b: torch.exp2(x.float().clamp(-8, 8)) + torch.log2(x.float().abs() + 1),
+}
+
+
+def _beyond_args(tokens: int, width: int, device: str, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [_rand((tokens, width), torch.bfloat16, gen).to(device), _rand((width,), torch.bfloat16, gen).to(device),
+            _rand((width,), torch.bfloat16, gen).to(device)]
+
+
+@pytest.mark.parametrize("name", sorted(BEYOND))
+def test_norms_and_activations_beyond_the_models_lower_to_what_they_compute(name):
+    """LayerNorm, variance, log-softmax, logsumexp, leaky ReLU, ELU, max/min values, exp2/log2."""
+    args = _beyond_args(5, 1024, "cpu", len(name))
+    want = BEYOND[name](*args)
+    want = want if isinstance(want, tuple) else (want,)
+    got = interpret(lower(BEYOND[name], args), args)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and not torch.isnan(g).any()
+        assert rel_err(g, w) <= (8e-3 if w.dtype == torch.bfloat16 else 1e-5), (name, rel_err(g, w))
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("name", ["layer_norm", "std_and_var", "logsumexp", "elu"])
+def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, name):
+    """Their kernels hold every reduction's butterfly and no local memory."""
+    from codegen.compiler import compile_kernel
+    from codegen.launchers.generated import ROWWISE
+
+    op = f"lowering_probe_beyond_{name}"
+
+    @fused_op(op)
+    def beyond(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+        out = BEYOND[name](x, w, b)
+        return list(out) if isinstance(out, tuple) else [out]
+
+    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in _beyond_args(8, 7168, "cpu", 0)]
+    (spec,) = ROWWISE.make_specs(f"k3f::{op}", "sm_90a", metas)
+    ptx = compile_kernel(spec, cache=kcache).ptx
+    assert ptx.count("shfl.sync.bfly") >= 5 * Program.from_params(spec.param_dict["program"]).reductions
+    assert "ld.local" not in ptx and "st.local" not in ptx and not divergent_warp_collectives(ptx)
+
+
 @pytest.mark.parametrize("fn,named", [
     (lambda x: torch.cumsum(x, -1), "aten.cumsum.default (node cumsum) has no lowering"),
     (lambda x: torch.topk(x, 4, -1).values, "aten.topk.default (node topk) has no lowering"),
@@ -128,6 +185,8 @@ def test_softmax_and_statistics_as_outputs():
     (lambda x: x.pow(1.7), "raises to 1.7"),
     (lambda x: torch.ops.k3.all_reduce(x, "tp", 2), "all_reduce of a result without matrix products"),
     (lambda x: x.double(), "makes torch.float64"),
+    (lambda x: x.max(-1).indices.float(), "(aten.max.dim): the programs compute values, not indices"),
+    (lambda x: torch.where(x > 0, x, 0.5 * x), "aten.gt.Scalar (node gt) has no lowering"),
 ])
 def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):
     x = torch.randn(4, 64)
@@ -253,3 +312,23 @@ def test_random_chains_run_as_their_programs_on_the_gpu(seed):
     torch.cuda.synchronize()
     for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want, strict=True):
         assert not torch.isnan(g).any() and rel_err(g, w) < 1e-2, (seed, rel_err(g, w))
+
+
+@on_gpu
+@pytest.mark.parametrize("name", sorted(BEYOND))
+def test_norms_and_activations_beyond_the_models_run_on_the_gpu(name):
+    """Their generated kernels against the reference, fresh inputs, 3 tokens of 1000 values."""
+    op = f"lowering_gpu_beyond_{name}"
+
+    @fused_op(op)
+    def beyond(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+        out = BEYOND[name](x, w, b)
+        return list(out) if isinstance(out, tuple) else [out]
+
+    args = _beyond_args(3, 1000, "cuda", len(name))
+    tpl, specs, fns = gpu_kernels(f"k3f::{op}", args)
+    want = beyond(*[a.cpu() for a in args])
+    got = tpl.launch(fns, specs, args)
+    torch.cuda.synchronize()
+    for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want, strict=True):
+        assert not torch.isnan(g).any() and rel_err(g.cpu(), w) < 1e-2, (name, rel_err(g.cpu(), w))

@@ -110,6 +110,12 @@ def _o_proj_residual_norm(o: torch.Tensor, w: torch.Tensor, r: torch.Tensor, nw:
     return [rms_norm(h, nw, 1e-5), h]
 
 
+@fused_op("products_probe_layer_norm_proj_gelu")
+def _layer_norm_proj_gelu(x: torch.Tensor, nw: torch.Tensor, nb: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A LayerNorm (mean and variance: PyTorch's decomposition) as the prologue, GELU as the epilogue."""
+    return F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), nw, nb, 1e-5), w))
+
+
 @fused_op("products_probe_mxfp4_mlp")
 def _mxfp4_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                down_scale: torch.Tensor) -> torch.Tensor:
@@ -154,6 +160,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
         return (t(tokens, 2048), t(1024, 2048), t(tokens, 1024), t(1024, positive=True))
     if name == "router":
         return (t(tokens, 1024), t(56, 1024), t(224, 1024))
+    if name == "layer_norm_proj_gelu":
+        return (t(tokens, 2048), t(2048, positive=True), t(2048), t(1536, 2048))
     if name == "mxfp4_mlp":
         return (t(tokens, 1024), *mxfp4_weight(2 * 1024, 1024, device, gen), *mxfp4_weight(1024, 1024, device, gen))
     if name == "projections":
@@ -167,12 +175,12 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 PROBES = ["norm_proj_res", "mlp", "short_k_mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced",
           "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm",
-          "mxfp4_mlp"]
+          "mxfp4_mlp", "layer_norm_proj_gelu"]
 STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2, "mxfp4_mlp": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
 # before the GEMM
-COMPUTED_PROLOGUE = {"norm_proj_res", "add_norm_proj"}
+COMPUTED_PROLOGUE = {"norm_proj_res", "add_norm_proj", "layer_norm_proj_gelu"}
 GEMM_ONLY = {"mxfp4_mlp"}  # MXFP4 weights: the GEMM main loop at every token count
 
 
@@ -219,7 +227,7 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
                                          ("projections", 8), ("two_weights", 1), ("two_weights", 64),
                                          ("fp8_per_channel", 8), ("fp8_per_tensor", 1),
                                          ("o_proj_residual_norm", 8), ("short_k_mlp", 1), ("mxfp4_mlp", 1),
-                                         ("mxfp4_mlp", 64)])
+                                         ("mxfp4_mlp", 64), ("layer_norm_proj_gelu", 1), ("layer_norm_proj_gelu", 8)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill), no warp-wide instruction in a
     branch some of a warp's lanes skip."""

@@ -23,6 +23,7 @@ from torch import fx
 from codegen.lowered import DTYPES, ROUND, LoweringError, Program, Ref, fold
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # ATen op -> program op, for the ops whose arguments map one to one
@@ -32,19 +33,27 @@ UNARY = {aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "lo
          aten.erf.default: "erf"}
 BINARY = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub",
           aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
-          aten.maximum.default: "max", aten.minimum.default: "min"}
+          aten.maximum.default: "max", aten.minimum.default: "min", prims.div.default: "div"}
 REDUCE = {aten.sum.dim_IntList: "sum", aten.amax.default: "rmax", aten.amin.default: "rmin",
-          aten.mean.dim: "sum"}
+          aten.mean.dim: "sum", prims.sum.default: "sum"}
+# reductions that return (values, indices): their values are a row reduction, their indices refused
+VALUES_AND_INDICES = {aten.max.dim: "rmax", aten.min.dim: "rmin"}
 # ATen ops translate writes as several program ops
 OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.clamp.default, aten.clamp_min.default,
-         aten.clamp_max.default, aten.gelu.default, aten._softmax.default)
-CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+         aten.clamp_max.default, aten.gelu.default, aten._softmax.default, aten.leaky_relu.default, aten.elu.default,
+         aten.exp2.default, aten.log2.default, aten.logsumexp.default, prims.var.default)
+# what the trace decomposes beyond PyTorch's core decompositions, into the ops above (LayerNorm into
+# prims.var, prims.sum and pointwise ops; log_softmax into amax, exp, sum and log); logsumexp is
+# kept whole, as its decomposition guards infinite maxima with a select the programs do not have
+DECOMPOSED = (aten.native_layer_norm, aten.var, aten.var_mean, aten.std, aten.std_mean, aten._log_softmax)
+KEPT_WHOLE = (aten.logsumexp.default,)
+CASTS = (aten._to_copy.default, prims.convert_element_type.default)
 SHAPE_ONLY = (aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
-              aten.clone.default, aten.alias.default, aten.detach.default)
+              aten.clone.default, aten.alias.default, aten.detach.default, prims.broadcast_in_dim.default)
 # a window of a wider row: the columns of a split or a slice along the last dim
 WINDOWS = (aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor, operator.getitem)
-POINTWISE = (*UNARY, *BINARY, *REDUCE, *OTHER, *CASTS, *SHAPE_ONLY, *WINDOWS)
+POINTWISE = (*UNARY, *BINARY, *REDUCE, *VALUES_AND_INDICES, *OTHER, *CASTS, *SHAPE_ONLY, *WINDOWS)
 
 
 def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0) -> str | None:
@@ -163,6 +172,11 @@ class Builder:
         """A split's piece or a slice along the last dim: a window further into the operand."""
         if node.target is operator.getitem:
             split = node.args[0]
+            if isinstance(split, fx.Node) and split.target in VALUES_AND_INDICES:
+                if node.args[1] != 0:
+                    raise LoweringError(f"{node.name} takes the indices of {split.name} ({split.target}): the programs "
+                                        "compute values, not indices")
+                return self.value(VALUES_AND_INDICES[split.target], _reduced(self, split))
             if not (isinstance(split, fx.Node) and split.target in WINDOWS[:2]):
                 raise LoweringError(f"{node.name} takes an item of {split}: the programs take the pieces of a split")
             src, size = split.args[0], split.args[1]
@@ -244,6 +258,17 @@ def _softmax(b: Builder, x: Ref) -> Ref:
     return b.value("div", e, b.value("sum", e))
 
 
+def _variance(b: Builder, x: Ref, correction: float) -> Ref:
+    """sum((x - mean)^2) / (width - correction), the mean taken first (as PyTorch's two passes)."""
+    centered = b.value("sub", x, b.value("div", b.value("sum", x), ("c", float(b.width))))
+    return b.value("div", b.value("sum", b.value("mul", centered, centered)), ("c", float(b.width - correction)))
+
+
+def _logsumexp(b: Builder, x: Ref) -> Ref:
+    top = b.value("rmax", x)
+    return b.value("add", top, b.value("log", b.value("sum", b.value("exp", b.value("sub", x, top)))))
+
+
 def _reduced(b: Builder, node: fx.Node) -> Ref:
     """The row a reduction reduces: the whole of its operand, which must be as wide as the program."""
     reduced_dims(node)
@@ -289,5 +314,22 @@ def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
         return _gelu(b, b.arg(args[0], node, c0), node.kwargs.get("approximate", "none"))
     if t is aten._softmax.default:
         return _softmax(b, _reduced(b, node))
+    if t is prims.var.default:
+        return _variance(b, _reduced(b, node), float(args[2] if len(args) > 2 else node.kwargs.get("correction", 1)))
+    if t is aten.logsumexp.default:
+        return _logsumexp(b, _reduced(b, node))
+    if t is aten.leaky_relu.default:  # max(x, 0) + slope min(x, 0)
+        x, slope = b.arg(args[0], node, c0), b.arg(args[1] if len(args) > 1 else 0.01, node)
+        return b.value("add", b.value("max", x, ("c", 0.0)), b.value("mul", b.value("min", x, ("c", 0.0)), slope))
+    if t is aten.elu.default:  # scale (max(x, 0) + alpha (exp(input_scale min(x, 0)) - 1))
+        x = b.arg(args[0], node, c0)
+        alpha, scale, input_scale = (b.arg(args[i] if len(args) > i else 1.0, node) for i in (1, 2, 3))
+        negative = b.value("sub", b.value("exp", b.value("mul", b.value("min", x, ("c", 0.0)), input_scale)),
+                           ("c", 1.0))
+        return b.value("mul", b.value("add", b.value("max", x, ("c", 0.0)), b.value("mul", negative, alpha)), scale)
+    if t is aten.exp2.default:
+        return b.value("exp", b.value("mul", b.arg(args[0], node, c0), ("c", math.log(2))))
+    if t is aten.log2.default:
+        return b.value("mul", b.value("log", b.arg(args[0], node, c0)), ("c", 1 / math.log(2)))
     raise LoweringError(f"{t} (node {node.name}) has no lowering: the programs take pointwise arithmetic, "
                         "activations, casts and reductions over a token's row (docs/CODEGEN.md)")

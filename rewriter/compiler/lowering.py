@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from codegen.lowered import LoweringError, Products, Program, Tail
-from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, Builder, columns, kind_of
+from rewriter.compiler.aten_ops import DECOMPOSED, DTYPE_NAMES, KEPT_WHOLE, POINTWISE, Builder, columns, kind_of
 from rewriter.compiler.products import MXFP4_DEQUANT, PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
 
@@ -38,12 +38,15 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule,
             full[i] = t
         return fn(*full)
 
-    from torch._decomp import core_aten_decompositions
+    from torch._decomp import core_aten_decompositions, get_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    table = {**core_aten_decompositions(), **get_decompositions(list(DECOMPOSED))}
+    for op in KEPT_WHOLE:
+        table.pop(op, None)
     meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
     try:
-        gm = make_fx(traced, decomposition_table=core_aten_decompositions())(*meta)
+        gm = make_fx(traced, decomposition_table=table)(*meta)
     except Exception as e:  # noqa: BLE001 (what the trace met is the reason)
         raise LoweringError(f"the reference does not trace into ATen ops: {type(e).__name__}: {e}") from e
     return gm, tensors
