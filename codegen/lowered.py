@@ -24,7 +24,9 @@ from codegen.host import host
 KINDS = ("row", "stat", "col")  # [T, N], [T, 1], [N]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "relu", "reciprocal", "erf")
-BINARY = ("add", "sub", "mul", "div", "max", "min")
+# comparisons give 1.0 where they hold and 0.0 where not: a program's predicates are such values
+BINARY = ("add", "sub", "mul", "div", "max", "min", "gt", "ge", "lt", "le", "eq", "ne")
+SELECT = "select"  # (predicate, a, b): a where the predicate is not 0, else b (torch.where)
 REDUCE = ("sum", "rmax", "rmin")  # over the row: a row becomes a statistic
 ROUND = "round"  # (value, dtype): rounded to bf16 or fp16 and back to fp32, as the reference's tensor of that dtype
 
@@ -144,19 +146,19 @@ def _kind(op: str, args: tuple, kinds: list[str], i: int) -> str:
         if k is None:
             raise LoweringError(f"op {i} ({op}) of a constant: fold it")
         return k
-    if op in BINARY:
-        if len(args) != 2:
-            raise LoweringError(f"op {i} ({op}) takes 2 arguments, got {len(args)}")
+    if op in BINARY or op == SELECT:
+        if len(args) != (3 if op == SELECT else 2):
+            raise LoweringError(f"op {i} ({op}) takes {3 if op == SELECT else 2} arguments, got {len(args)}")
         ks = {kind_of(a) for a in args} - {None}
         if not ks:
-            raise LoweringError(f"op {i} ({op}) of two constants: fold it")
+            raise LoweringError(f"op {i} ({op}) of constants: fold it")
         return "row" if "row" in ks or ks == {"stat", "col"} else ks.pop()
     if op in REDUCE:
         if len(args) != 1 or kind_of(args[0]) != "row":
             raise LoweringError(f"op {i} ({op}) reduces one row")
         return "stat"
     raise LoweringError(f"op {i}: {op!r} is not an op of the lowered programs ({', '.join(UNARY + BINARY + REDUCE)}, "
-                        f"{ROUND})")
+                        f"{SELECT}, {ROUND})")
 
 
 # ---- the interpreter: what a program computes, in torch ----------------------------------------
@@ -164,7 +166,9 @@ _UNARY = {"neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sq
           "tanh": torch.tanh, "sigmoid": torch.sigmoid, "abs": torch.abs, "relu": torch.relu,
           "reciprocal": torch.reciprocal, "erf": torch.erf}
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum,
-           "min": torch.minimum}
+           "min": torch.minimum, **{name: lambda a, b, f=f: f(a, b).float() for name, f in (
+               ("gt", torch.gt), ("ge", torch.ge), ("lt", torch.lt), ("le", torch.le), ("eq", torch.eq),
+               ("ne", torch.ne))}}
 _REDUCE = {"sum": lambda x: x.sum(-1, keepdim=True), "rmax": lambda x: x.amax(-1, keepdim=True),
            "rmin": lambda x: x.amin(-1, keepdim=True)}
 IDENTITY = {"sum": 0.0, "rmax": -math.inf, "rmin": math.inf}  # what a column past the row's end adds
@@ -176,10 +180,14 @@ def fold(op: str, args: tuple) -> float:
     vals = [torch.tensor(a[1], dtype=torch.float32) for a in args if is_const(a)]
     if op == ROUND:
         return float(vals[0].to(DTYPES[args[1]]).float())
-    table = _UNARY if op in _UNARY else _BINARY if op in _BINARY else None
+    table = _UNARY if op in _UNARY else _BINARY if op in _BINARY else {SELECT: _select} if op == SELECT else None
     if table is None:
         raise LoweringError(f"{op} of constants does not fold")
     return float(table[op](*vals))
+
+
+def _select(predicate: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.where(predicate != 0, a, b)
 
 
 def interpret(program: Program, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -202,6 +210,8 @@ def interpret(program: Program, inputs: Sequence[torch.Tensor]) -> list[torch.Te
             vals.append(_UNARY[op](get(args[0])))
         elif op in _BINARY:
             vals.append(_BINARY[op](get(args[0]), get(args[1])))
+        elif op == SELECT:
+            vals.append(_select(*(get(a) for a in args)))
         elif op in _REDUCE:
             vals.append(_REDUCE[op](get(args[0])))
         else:  # ROUND

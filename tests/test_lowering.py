@@ -134,6 +134,11 @@ BEYOND = {
     "absmax_scale": lambda x, w, b: x.float() / x.float().abs().max(-1, keepdim=True).values,
     "min_values": lambda x, w, b: x - x.min(-1).values.unsqueeze(-1),
     "exp2_log2": lambda x, w, b: torch.exp2(x.float().clamp(-8, 8)) + torch.log2(x.float().abs() + 1),
+    "where_gate": lambda x, w, b: torch.where(x > 0, x, 0.5 * x) * w,
+    "masked_fill": lambda x, w, b: x.masked_fill(x.float() < -1.0, 0.0),
+    "where_row_stat_col": lambda x, w, b: torch.where(x.float() > x.float().mean(-1, keepdim=True), x.float(),
+                                                      w.float()),
+    "predicates": lambda x, w, b: (((x > 0) & (x < 1)) | ~(b > 0)).to(torch.bfloat16) * x,
 }
 
 
@@ -145,7 +150,8 @@ def _beyond_args(tokens: int, width: int, device: str, seed: int) -> list[torch.
 
 @pytest.mark.parametrize("name", sorted(BEYOND))
 def test_norms_and_activations_beyond_the_models_lower_to_what_they_compute(name):
-    """LayerNorm, variance, log-softmax, logsumexp, leaky ReLU, ELU, max/min values, exp2/log2."""
+    """LayerNorm, variance, log-softmax, logsumexp, leaky ReLU, ELU, max/min values, exp2/log2,
+    comparisons, ``where`` and ``masked_fill``, logical ops on predicates."""
     args = _beyond_args(5, 1024, "cpu", len(name))
     want = BEYOND[name](*args)
     want = want if isinstance(want, tuple) else (want,)
@@ -157,7 +163,7 @@ def test_norms_and_activations_beyond_the_models_lower_to_what_they_compute(name
 
 
 @needs_cutedsl
-@pytest.mark.parametrize("name", ["layer_norm", "std_and_var", "logsumexp", "elu"])
+@pytest.mark.parametrize("name", ["layer_norm", "std_and_var", "logsumexp", "elu", "where_row_stat_col", "predicates"])
 def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, name):
     """Their kernels hold every reduction's butterfly and no local memory."""
     from codegen.compiler import compile_kernel
@@ -177,6 +183,12 @@ def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, 
     assert "ld.local" not in ptx and "st.local" not in ptx and not divergent_warp_collectives(ptx)
 
 
+def test_a_bool_argument_is_refused_by_name():
+    """A mask handed to the op: the kernels read bf16, fp16 and fp32 tensors."""
+    with pytest.raises(LoweringError, match="arg1_1 is torch.bool: the programs read bf16, fp16 and fp32"):
+        lower(lambda x, m: x.masked_fill(m, 0.0), [torch.randn(4, 64), torch.rand(4, 64) > 0.5])
+
+
 @pytest.mark.parametrize("fn,named", [
     (lambda x: torch.cumsum(x, -1), "aten.cumsum.default (node cumsum) has no lowering"),
     (lambda x: torch.topk(x, 4, -1).values, "aten.topk.default (node topk) has no lowering"),
@@ -186,7 +198,8 @@ def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, 
     (lambda x: torch.ops.k3.all_reduce(x, "tp", 2), "all_reduce of a result without matrix products"),
     (lambda x: x.double(), "makes torch.float64"),
     (lambda x: x.max(-1).indices.float(), "(aten.max.dim): the programs compute values, not indices"),
-    (lambda x: torch.where(x > 0, x, 0.5 * x), "aten.gt.Scalar (node gt) has no lowering"),
+    (lambda x: torch.sign(x), "aten.sign.default (node sign) has no lowering"),
+    (lambda x: x > 0, "is a result of torch.bool: the programs write bf16, fp16 and fp32"),
 ])
 def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):
     x = torch.randn(4, 64)

@@ -26,7 +26,7 @@ import cutlass
 from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, const_expr, cute
 from cutlass.cute.runtime import make_fake_tensor
 
-from codegen.lowered import IDENTITY, ROUND, Program, is_const
+from codegen.lowered import IDENTITY, ROUND, SELECT, Program, is_const
 from codegen.targets import VEC
 
 CUTE_DTYPES = {"bf16": BFloat16, "fp16": Float16, "fp32": Float32, "fp8_e4m3": Float8E4M3FN}
@@ -69,8 +69,8 @@ def run(program: Program, vals: list, split: RowSplit | None = None, tidx=None, 
         elif len(args) == 1:
             vals.append(_map(_UNARY_OPS[op], vals[args[0]]))
         else:
-            a, b = (Float32(x[1]) if is_const(x) else vals[x] for x in args)
-            vals.append(_zip(_BINARY_OPS[op], a, b))
+            operands = [Float32(x[1]) if is_const(x) else vals[x] for x in args]
+            vals.append(_zip(_select if op == SELECT else _BINARY_OPS[op], *operands))
     return vals
 
 
@@ -125,23 +125,33 @@ _UNARY_OPS = {
     "reciprocal": lambda x: Float32(1.0) / x,
     "erf": cute.math.erf,
 }
+def _predicate(compare):
+    """A comparison as a program's predicate value: 1.0 where it holds, else 0.0."""
+    return lambda a, b: Float32(cutlass.select_(compare(a, b), Float32(1.0), Float32(0.0)))
+
+
+def _select(predicate, a, b):
+    return Float32(cutlass.select_(predicate != Float32(0.0), Float32(a), Float32(b)))
+
+
 _BINARY_OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
-               "max": _fmax, "min": _fmin}
+               "max": _fmax, "min": _fmin, "gt": _predicate(operator.gt), "ge": _predicate(operator.ge),
+               "lt": _predicate(operator.lt), "le": _predicate(operator.le), "eq": _predicate(operator.eq),
+               "ne": _predicate(operator.ne)}
 
 
 def _map(f, x):
     return [f(e) for e in x] if isinstance(x, list) else f(x)
 
 
-def _zip(f, a, b):
+def _zip(f, *args):
     """``f`` elementwise, a scalar (statistic, constant) broadcast over a row's or column's values."""
-    if isinstance(a, list) and isinstance(b, list):
-        return [f(x, y) for x, y in zip(a, b, strict=True)]
-    if isinstance(a, list):
-        return [f(x, b) for x in a]
-    if isinstance(b, list):
-        return [f(a, y) for y in b]
-    return f(a, b)
+    width = next((len(a) for a in args if isinstance(a, list)), None)
+    if width is None:
+        return f(*args)
+    if any(isinstance(a, list) and len(a) != width for a in args):
+        raise ValueError(f"operands of {[len(a) for a in args if isinstance(a, list)]} values: one width")
+    return [f(*(a[e] if isinstance(a, list) else a for a in args)) for e in range(width)]
 
 
 # ---- a program's inputs: their fake tensors at compile time, their values in a kernel -------------

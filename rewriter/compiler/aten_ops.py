@@ -7,8 +7,8 @@ node's ATen op from its operands' values, or asks its ``resolve`` hook, which de
 node the program does not compute itself is (an input: an argument, a product's accumulator,
 a statistic of the prologue, an intermediate). An op the table does not know is refused with
 its name and the node, never approximated. To teach the lowering one more op, add it to a
-table below (or to ``translate``) and to ``rowwise._UNARY_OPS`` / ``_BINARY_OPS`` where it is a
-new program op.
+table below (or to ``translate``), and where it is a new program op to ``codegen.lowered`` (its
+kind rule and interpreter) and ``codegen.kernels.emit`` (its CuTe DSL).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from codegen.lowered import DTYPES, ROUND, LoweringError, Program, Ref, fold
+from codegen.lowered import DTYPES, ROUND, SELECT, LoweringError, Program, Ref, fold
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -36,6 +36,9 @@ BINARY = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub"
           aten.maximum.default: "max", aten.minimum.default: "min", prims.div.default: "div"}
 REDUCE = {aten.sum.dim_IntList: "sum", aten.amax.default: "rmax", aten.amin.default: "rmin",
           aten.mean.dim: "sum", prims.sum.default: "sum"}
+# comparisons: a predicate, 1.0 where they hold, else 0.0 (``codegen.lowered.BINARY``)
+COMPARE = {getattr(getattr(aten, name), overload): name
+           for name in ("gt", "ge", "lt", "le", "eq", "ne") for overload in ("Scalar", "Tensor")}
 # reductions that return (values, indices): their values are a row reduction, their indices refused
 VALUES_AND_INDICES = {aten.max.dim: "rmax", aten.min.dim: "rmin"}
 # ATen ops translate writes as several program ops
@@ -53,7 +56,13 @@ SHAPE_ONLY = (aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view
               aten.clone.default, aten.alias.default, aten.detach.default, prims.broadcast_in_dim.default)
 # a window of a wider row: the columns of a split or a slice along the last dim
 WINDOWS = (aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor, operator.getitem)
-POINTWISE = (*UNARY, *BINARY, *REDUCE, *VALUES_AND_INDICES, *OTHER, *CASTS, *SHAPE_ONLY, *WINDOWS)
+# predicates and what reads them: where, the logical ops on predicates, a number as a tensor
+PREDICATES = (aten.where.self, aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
+              aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.scalar_tensor.default)
+LOGICAL = {aten.bitwise_not.default: aten.logical_not.default, aten.bitwise_and.Tensor: aten.logical_and.default,
+           aten.bitwise_or.Tensor: aten.logical_or.default}  # ~, & and | of bool tensors: logical ops
+POINTWISE = (*UNARY, *BINARY, *COMPARE, *PREDICATES, *REDUCE, *VALUES_AND_INDICES, *OTHER, *CASTS, *SHAPE_ONLY,
+             *WINDOWS)
 
 
 def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0) -> str | None:
@@ -144,7 +153,10 @@ class Builder:
         elif node.target in WINDOWS:
             ref = self._window(node, c0)
         elif node.target in CASTS:
-            ref = self.rounded(self.arg(node.args[0], node, c0), node)
+            ref = self.arg(node.args[0], node, c0)
+            if val.dtype == torch.bool and node.args[0].meta["val"].dtype != torch.bool:
+                ref = self.value("ne", ref, ("c", 0.0))  # a number as a predicate: not zero
+            ref = self.rounded(ref, node)
         else:
             ref = self.rounded(translate(self, node, c0), node)
         if val.dim() == 0 and not isinstance(ref, tuple):
@@ -161,7 +173,10 @@ class Builder:
         return ("c", float(a))
 
     def rounded(self, ref: Ref, node: fx.Node) -> Ref:
-        """``ref``, rounded where the reference's result is bf16 or fp16."""
+        """``ref``, rounded where the reference's result is bf16 or fp16 (a bool is a predicate,
+        1.0 or 0.0, exact in any dtype)."""
+        if node.meta["val"].dtype == torch.bool:
+            return ref
         name = DTYPE_NAMES.get(node.meta["val"].dtype)
         if name is None:
             raise LoweringError(f"{node.name} ({node.target}) makes {node.meta['val'].dtype}: the programs compute "
@@ -209,6 +224,8 @@ class Builder:
         if not isinstance(ref, int):
             raise LoweringError(f"{node.name} is a constant, not a computed value")
         val = node.meta["val"]
+        if val.dtype not in DTYPE_NAMES:
+            raise LoweringError(f"{node.name} is a result of {val.dtype}: the programs write bf16, fp16 and fp32")
         self.outputs.append((ref, DTYPE_NAMES[val.dtype], val.dim()))
         return len(self.outputs) - 1
 
@@ -293,6 +310,22 @@ def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
         if alpha != 1:
             rhs = b.value("mul", rhs, ("c", float(alpha))) if isinstance(rhs, int) else ("c", rhs[1] * alpha)
         return b.value(BINARY[t], b.arg(args[0], node, c0), rhs)
+    if t in COMPARE:
+        return b.value(COMPARE[t], b.arg(args[0], node, c0), b.arg(args[1], node, c0))
+    if t is aten.where.self:
+        return b.value(SELECT, *(b.arg(a, node, c0) for a in args[:3]))
+    if t in LOGICAL:
+        if node.meta["val"].dtype != torch.bool:
+            raise LoweringError(f"{t} (node {node.name}) of {node.meta['val'].dtype}: the programs take bit operations "
+                                "on bool predicates only")
+        t = LOGICAL[t]
+    if t is aten.logical_not.default:
+        return b.value("eq", b.arg(args[0], node, c0), ("c", 0.0))
+    if t is aten.logical_and.default or t is aten.logical_or.default:  # of predicates: 1.0 or 0.0 each
+        x, y = (b.value("ne", b.arg(a, node, c0), ("c", 0.0)) for a in args[:2])
+        return b.value("mul" if t is aten.logical_and.default else "max", x, y)
+    if t is aten.scalar_tensor.default:
+        return b.arg(args[0], node)
     if t is aten.rsub.Scalar or t is aten.rsub.Tensor:
         return b.value("sub", b.arg(args[1], node, c0), b.arg(args[0], node, c0))
     if t in REDUCE:
