@@ -138,6 +138,10 @@ BEYOND = {
     "masked_fill": lambda x, w, b: x.masked_fill(x.float() < -1.0, 0.0),
     "where_row_stat_col": lambda x, w, b: torch.where(x.float() > x.float().mean(-1, keepdim=True), x.float(),
                                                       w.float()),
+    "softplus_mish": lambda x, w, b: (F.softplus(x.float()), F.mish(x.float())),
+    "log1p_expm1_small": lambda x, w, b: torch.log1p(x.float() * 1e-6) + torch.expm1(x.float() * 1e-6),
+    "log1p_expm1": lambda x, w, b: torch.log1p(x.float().abs()) * torch.expm1(x.float().clamp(-20, 5)),
+    "sign": lambda x, w, b: torch.sign(x) * w,
     "predicates": lambda x, w, b: (((x > 0) & (x < 1)) | ~(b > 0)).to(torch.bfloat16) * x,
 }
 
@@ -151,7 +155,8 @@ def _beyond_args(tokens: int, width: int, device: str, seed: int) -> list[torch.
 @pytest.mark.parametrize("name", sorted(BEYOND))
 def test_norms_and_activations_beyond_the_models_lower_to_what_they_compute(name):
     """LayerNorm, variance, log-softmax, logsumexp, leaky ReLU, ELU, max/min values, exp2/log2,
-    comparisons, ``where`` and ``masked_fill``, logical ops on predicates."""
+    comparisons, ``where`` and ``masked_fill``, logical ops on predicates, log1p and expm1 (small
+    values kept: their relative error is checked at 1e-6), softplus and Mish, sign."""
     args = _beyond_args(5, 1024, "cpu", len(name))
     want = BEYOND[name](*args)
     want = want if isinstance(want, tuple) else (want,)
@@ -198,7 +203,7 @@ def test_a_bool_argument_is_refused_by_name():
     (lambda x: torch.ops.k3.all_reduce(x, "tp", 2), "all_reduce of a result without matrix products"),
     (lambda x: x.double(), "makes torch.float64"),
     (lambda x: x.max(-1).indices.float(), "(aten.max.dim): the programs compute values, not indices"),
-    (lambda x: torch.sign(x), "aten.sign.default (node sign) has no lowering"),
+    (lambda x: torch.sin(x), "aten.sin.default (node sin) has no lowering"),
     (lambda x: x > 0, "is a result of torch.bool: the programs write bf16, fp16 and fp32"),
 ])
 def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):

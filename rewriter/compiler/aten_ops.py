@@ -44,7 +44,8 @@ VALUES_AND_INDICES = {aten.max.dim: "rmax", aten.min.dim: "rmin"}
 # ATen ops translate writes as several program ops
 OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.clamp.default, aten.clamp_min.default,
          aten.clamp_max.default, aten.gelu.default, aten._softmax.default, aten.leaky_relu.default, aten.elu.default,
-         aten.exp2.default, aten.log2.default, aten.logsumexp.default, prims.var.default)
+         aten.exp2.default, aten.log2.default, aten.logsumexp.default, prims.var.default, aten.log1p.default,
+         aten.expm1.default, aten.sign.default)
 # what the trace decomposes beyond PyTorch's core decompositions, into the ops above (LayerNorm into
 # prims.var, prims.sum and pointwise ops; log_softmax into amax, exp, sum and log); logsumexp is
 # kept whole, as its decomposition guards infinite maxima with a select the programs do not have
@@ -286,6 +287,25 @@ def _logsumexp(b: Builder, x: Ref) -> Ref:
     return b.value("add", top, b.value("log", b.value("sum", b.value("exp", b.value("sub", x, top)))))
 
 
+def _log1p(b: Builder, x: Ref) -> Ref:
+    """log(1 + x) without losing a small x: log(u) x / (u - 1) for u = 1 + x (the rounding of u
+    cancels), x itself where u rounds to 1 (Goldberg, "What every computer scientist should know
+    about floating-point arithmetic", theorem 4)."""
+    u = b.value("add", x, ("c", 1.0))
+    d = b.value("sub", u, ("c", 1.0))
+    return b.value(SELECT, b.value("eq", d, ("c", 0.0)), x, b.value("div", b.value("mul", b.value("log", u), x), d))
+
+
+def _expm1(b: Builder, x: Ref) -> Ref:
+    """exp(x) - 1 without losing a small x: (u - 1) x / log(u) for u = exp(x), x where u rounds
+    to 1, -1 where u - 1 does (Kahan's form)."""
+    u = b.value("exp", x)
+    d = b.value("sub", u, ("c", 1.0))
+    scaled = b.value("div", b.value("mul", d, x), b.value("log", u))
+    return b.value(SELECT, b.value("eq", d, ("c", 0.0)), x,
+                   b.value(SELECT, b.value("eq", d, ("c", -1.0)), ("c", -1.0), scaled))
+
+
 def _reduced(b: Builder, node: fx.Node) -> Ref:
     """The row a reduction reduces: the whole of its operand, which must be as wide as the program."""
     reduced_dims(node)
@@ -360,6 +380,13 @@ def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
         negative = b.value("sub", b.value("exp", b.value("mul", b.value("min", x, ("c", 0.0)), input_scale)),
                            ("c", 1.0))
         return b.value("mul", b.value("add", b.value("max", x, ("c", 0.0)), b.value("mul", negative, alpha)), scale)
+    if t is aten.log1p.default:
+        return _log1p(b, b.arg(args[0], node, c0))
+    if t is aten.expm1.default:
+        return _expm1(b, b.arg(args[0], node, c0))
+    if t is aten.sign.default:
+        x = b.arg(args[0], node, c0)
+        return b.value("sub", b.value("gt", x, ("c", 0.0)), b.value("lt", x, ("c", 0.0)))
     if t is aten.exp2.default:
         return b.value("exp", b.value("mul", b.arg(args[0], node, c0), ("c", math.log(2))))
     if t is aten.log2.default:
