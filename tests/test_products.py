@@ -438,11 +438,10 @@ def _refusal_args(gen):
 
 @pytest.mark.parametrize("fn,named", [
     (lambda v: F.linear(v["x"].float(), v["w"].float()).to(BF16), None),  # exact casts to fp32: accepted
-    (lambda v: torch.softmax(F.linear(v["x"], v["w"]).float(), -1), "the epilogue reduces a product's row"),
-    (lambda v: (lambda y: y - y.amax(-1, keepdim=True))(F.linear(v["x"], v["w"]).float()),
-     "the epilogue reduces a product's row"),
-    # a statistic of a product's row as a result: refused (its message names the reduction, not the epilogue)
-    (lambda v: F.linear(v["x"], v["w"]).float().sum(-1), "a statistic of a product's row"),
+    # a product's row reduced after it: cut, the reduction on a tail program (accepted)
+    (lambda v: torch.softmax(F.linear(v["x"], v["w"]).float(), -1), None),
+    (lambda v: (lambda y: y - y.amax(-1, keepdim=True))(F.linear(v["x"], v["w"]).float()), None),
+    (lambda v: F.linear(v["x"], v["w"]).float().sum(-1), None),
     (lambda v: F.linear(v["x"], v["w"]) + F.linear(v["y"], v["w2"]),
      "read arg0_1 and arg1_1: the products of one stage read one activation"),
     (lambda v: v["x"] @ (v["w"] * 2).t(), "product operand permute is computed (mul: aten.mul.Tensor): the generated "
@@ -720,6 +719,31 @@ def _o_proj_residual_norm(o, w, r, nw):
     """o_proj's partial sums all-reduced, then the residual add and the norm (TP 4)."""
     h = torch.ops.k3.all_reduce(F.linear(o, w), "tp", 4) + r
     return rms_norm(h, nw, EPS), h
+
+
+def _proj_residual_norm(o, w, r, nw):
+    """A projection, its residual add and the norm of the sum, on one rank (no all-reduce)."""
+    h = F.linear(o, w) + r
+    return rms_norm(h, nw, EPS), h
+
+
+def test_a_products_row_reduced_after_it_is_cut_and_a_tail_program_reduces_it():
+    """A product's row is spread over the kernel's CTAs: the stage writes the residual sum (bf16,
+    the narrowest row every reduction follows) to an intermediate, and a tail program computes
+    the norm and writes both results from it; no collective between them."""
+    from codegen.launchers.generated import product_specs
+
+    gen = torch.Generator().manual_seed(18)
+    args = [_rand((5, 512), BF16, gen), _weight(256, 512, gen), _rand((5, 256), BF16, gen),
+            _rand((256,), BF16, gen, positive=True)]
+    products = lower(_proj_residual_norm, args)
+    (stage,) = products.stages
+    assert stage.epilogue_to == (("temp", 0),) and products.temps == ((256, "bf16"),)
+    assert products.between == () and len(products.tails) == 1
+    assert products.tails[0].dests == (("result", 0), ("result", 1))
+    _check(products, _proj_residual_norm, args)
+    specs = product_specs("k3f::probe", "sm_90a", products, args)
+    assert [s.module for s in specs] == ["product_gemm", "rowwise"] and specs[1].param_dict["before"] == ()
 
 
 def test_an_all_reduce_inside_the_op_is_the_hosts_and_a_tail_program_follows_it():

@@ -116,6 +116,14 @@ def _layer_norm_proj_gelu(x: torch.Tensor, nw: torch.Tensor, nb: torch.Tensor, w
     return F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), nw, nb, 1e-5), w))
 
 
+@fused_op("products_probe_proj_residual_norm")
+def _proj_residual_norm(o: torch.Tensor, w: torch.Tensor, r: torch.Tensor, nw: torch.Tensor) -> list[torch.Tensor]:
+    """A projection, its residual add and the norm of the sum on one rank: the norm reduces the
+    product's row, so a tail program computes it from the sum the stage writes."""
+    h = F.linear(o, w) + r
+    return [rms_norm(h, nw, 1e-5), h]
+
+
 @fused_op("products_probe_mxfp4_mlp")
 def _mxfp4_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                down_scale: torch.Tensor) -> torch.Tensor:
@@ -156,7 +164,7 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
         if name == "fp8_per_channel":
             return (t(tokens, 2048), w, t(1536, 1, dtype=torch.float32, positive=True) * 0.02)
         return (t(tokens, 2048), w, t(1, dtype=torch.float32, positive=True) * 0.02, t(tokens, 1536))
-    if name == "o_proj_residual_norm":
+    if name in ("o_proj_residual_norm", "proj_residual_norm"):
         return (t(tokens, 2048), t(1024, 2048), t(tokens, 1024), t(1024, positive=True))
     if name == "router":
         return (t(tokens, 1024), t(56, 1024), t(224, 1024))
@@ -175,7 +183,7 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 PROBES = ["norm_proj_res", "mlp", "short_k_mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced",
           "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm",
-          "mxfp4_mlp", "layer_norm_proj_gelu"]
+          "mxfp4_mlp", "layer_norm_proj_gelu", "proj_residual_norm"]
 STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2, "mxfp4_mlp": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
@@ -193,7 +201,8 @@ def test_every_probe_takes_the_generated_product_template(name, tokens):
     assert tpl is not None and tpl.kernel == "products", specs
     module = "product_gemv" if tokens == 1 and name not in GEMM_ONLY else "product_gemm"
     hoisted = ["rowwise"] if tokens > 1 and name in COMPUTED_PROLOGUE else []
-    tail = ["rowwise"] if name == "o_proj_residual_norm" else []  # the residual add and norm after the all-reduce
+    # the residual add and norm after the all-reduce; the norm of a product's row
+    tail = ["rowwise"] if name in ("o_proj_residual_norm", "proj_residual_norm") else []
     assert [s.module for s in specs] == (hoisted + [module]) * STAGES.get(name, 1) + tail
     assert len(stages_of(specs[-1 - len(tail)])) == PARTS.get(name, 1)
 

@@ -57,6 +57,8 @@ SHAPE_ONLY = (aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view
               aten.clone.default, aten.alias.default, aten.detach.default, prims.broadcast_in_dim.default)
 # a window of a wider row: the columns of a split or a slice along the last dim
 WINDOWS = (aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor, operator.getitem)
+# what reduces a token's row: a product's row so reduced is cut off the kernel (``lowering``)
+ROW_REDUCTIONS = (*REDUCE, *VALUES_AND_INDICES, aten._softmax.default, aten.logsumexp.default, prims.var.default)
 # predicates and what reads them: where, the logical ops on predicates, a number as a tensor
 PREDICATES = (aten.where.self, aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
               aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.scalar_tensor.default)

@@ -19,7 +19,16 @@ import torch
 from torch import fx
 
 from codegen.lowered import LoweringError, Products, Program, Tail
-from rewriter.compiler.aten_ops import DECOMPOSED, DTYPE_NAMES, KEPT_WHOLE, POINTWISE, Builder, columns, kind_of
+from rewriter.compiler.aten_ops import (
+    DECOMPOSED,
+    DTYPE_NAMES,
+    KEPT_WHOLE,
+    POINTWISE,
+    ROW_REDUCTIONS,
+    Builder,
+    columns,
+    kind_of,
+)
 from rewriter.compiler.products import MXFP4_DEQUANT, PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
 
@@ -96,6 +105,9 @@ def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
     if inner:
         return _with_tail(gm, tensors, args_of, results, inner[0], tuple(collectives))
     if any(n.op == "call_function" and n.target is torch.ops.aten.mm.default for n in gm.graph.nodes):
+        cut = _reduction_cut(gm, results)
+        if cut is not None:
+            return _with_tail(gm, tensors, args_of, results, cut, tuple(collectives))
         products = lower_products(gm, args_of, results)
         return dataclasses.replace(products, collectives=tuple(collectives))
     if collectives:
@@ -114,24 +126,57 @@ def _downstream(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+def _computed(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that depend on a matrix product."""
+    return set().union(*(_downstream(n) for n in gm.graph.nodes
+                         if n.op == "call_function" and n.target is torch.ops.aten.mm.default))
+
+
+def _reduction_cut(gm: fx.GraphModule, results: list[fx.Node]) -> fx.Node | None:
+    """Where to cut an op whose products' rows are reduced after them (a projection, its residual
+    add, then a norm of the sum): a product's row is spread over the kernel's CTAs, so the stages
+    write the cut's value to an intermediate and a tail program reduces it. The cut is a row that
+    every such reduction follows, after which no product comes and nothing computed before it is
+    read; of those the narrowest dtype, then the latest (the most work in the epilogue). None
+    where no product's row is reduced, or no node can be cut (``lower_products`` then says why)."""
+    computed = _computed(gm)
+    reductions = [n for n in computed if n.op == "call_function" and n.target in ROW_REDUCTIONS]
+    if not reductions:
+        return None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    valid = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node not in computed or not isinstance(val, torch.Tensor) or val.dim() != 2:
+            continue
+        after = _downstream(node) - {node}
+        if not all(r in after for r in reductions) or any(n.target in PRODUCT_OPS for n in after):
+            continue
+        if any(a in computed and a not in after and a is not node for n in after for a in n.all_input_nodes):
+            continue
+        valid.append(node)
+    return min(valid, key=lambda n: (n.meta["val"].element_size(), -order[n]), default=None)
+
+
 def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx.Node, int], results: list[fx.Node],
-               collective: fx.Node, on_results: tuple) -> Products:
-    """An op with an all-reduce inside (o_proj's partial sums, then its residual add and norm):
-    the stages compute the all-reduce's input into an intermediate, the host all-reduces it, and
-    a tail program (the rowwise kernel) computes what follows, which holds no product."""
-    after = _downstream(collective)
-    computed = set().union(*(_downstream(n) for n in gm.graph.nodes
-                             if n.op == "call_function" and n.target is torch.ops.aten.mm.default))
-    partial = collective.args[0]
+               cut: fx.Node, on_results: tuple) -> Products:
+    """An op cut in two: the stages compute the value at ``cut`` into an intermediate and a tail
+    program (the rowwise kernel) computes what follows, which holds no product. The cut is an
+    all-reduce inside the op (o_proj's partial sums, then its residual add and norm: the stages
+    write its input, the host all-reduces it) or a row the tail reduces (``_reduction_cut``)."""
+    after = _downstream(cut)
+    computed = _computed(gm)
+    reduced = cut.target is ALL_REDUCE
+    partial, what = (cut.args[0], "the all-reduce") if reduced else (cut, "the cut")
     if partial not in computed:
-        raise LoweringError(f"the all-reduce {collective.name} comes before any product: the generated kernels "
+        raise LoweringError(f"the all-reduce {cut.name} comes before any product: the generated kernels "
                             "all-reduce what their products computed")
-    if any(n.target in PRODUCT_OPS for n in after if n.op == "call_function"):
-        raise LoweringError(f"a product after the all-reduce {collective.name}: the generated kernels take pointwise "
+    if any(n.target in PRODUCT_OPS for n in after - {cut} if n.op == "call_function"):
+        raise LoweringError(f"a product after the all-reduce {cut.name}: the generated kernels take pointwise "
                             "work after a collective inside an op (a residual add, a norm)")
     head = [(i, r) for i, r in enumerate(results) if r not in after]
     products = lower_products(gm, args_of, [r for _, r in head] + [partial])
-    width, dtype = columns(collective), DTYPE_NAMES.get(collective.meta["val"].dtype)
+    width, dtype = columns(cut), DTYPE_NAMES.get(cut.meta["val"].dtype)
     temp = len(products.temps)
 
     def placed(dest: tuple) -> tuple:  # the head's results to the op's numbering, the partial to the intermediate
@@ -140,21 +185,21 @@ def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx
         return ("temp", temp) if dest[1] == len(head) else ("result", head[dest[1]][0])
     stages = tuple(dataclasses.replace(st, prologue_to=tuple(map(placed, st.prologue_to)),
                                        epilogue_to=tuple(map(placed, st.epilogue_to))) for st in products.stages)
-    tokens = collective.meta["val"].shape[0]
+    tokens = cut.meta["val"].shape[0]
 
     def resolve(b: Builder, node: fx.Node, c0: int):
-        if node is collective:
+        if node is cut:
             return b.input("row", dtype, ("temp", temp))
         if node in args_of:
             t = tensors[args_of[node]]
             kind = kind_of(tuple(t.shape), tokens, width, c0)
             if kind is None or DTYPE_NAMES.get(t.dtype) is None:
-                raise LoweringError(f"argument {node.name} of shape {tuple(t.shape)} after the all-reduce: rows, "
+                raise LoweringError(f"argument {node.name} of shape {tuple(t.shape)} after {what}: rows, "
                                     f"statistics and columns of {width}")
             return b.input(kind, DTYPE_NAMES[t.dtype], ("arg", args_of[node], c0 if kind != "stat" else 0))
         if node in computed and node not in after:
-            raise LoweringError(f"{node.name}, computed before the all-reduce, is read after it: only the "
-                                "all-reduced value crosses it")
+            raise LoweringError(f"{node.name}, computed before {what}, is read after it: only the "
+                                f"{'all-reduced value' if reduced else 'value at the cut'} crosses it")
         return None
 
     b = Builder(tokens, width, resolve)
@@ -164,8 +209,8 @@ def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx
             b.output(r)
             dests.append(("result", i))
     tail = Tail(b.program(), tuple(b.sources), tuple(dests))
-    return Products(stages, (*products.temps, (width, dtype)), len(results), on_results,
-                    ((temp, "all_reduce", collective.args[1], int(collective.args[2])),), (tail,))
+    between = ((temp, "all_reduce", cut.args[1], int(cut.args[2])),) if reduced else ()
+    return Products(stages, (*products.temps, (width, dtype)), len(results), on_results, between, (tail,))
 
 
 def _lower_rows(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx.Node, int],
