@@ -447,7 +447,9 @@ def _refusal_args(gen):
     (lambda v: v["x"] @ (v["w"] * 2).t(), "product operand permute is computed (mul: aten.mul.Tensor): the generated "
                                           "products read weights as the op's arguments"),
     (lambda v: torch.cumsum(F.linear(v["x"], v["w"]), -1), "aten.cumsum.default (node cumsum) has no lowering"),
-    (lambda v: F.linear(v["x"], v["w"], v["b"]), "aten.addmm.default (node addmm) has no lowering"),
+    (lambda v: F.linear(v["x"], v["w"], v["b"]), None),  # a bias: added to the fp32 sums, rounded once
+    (lambda v: F.linear(v["x"], v["w"], v["b"]).float() - F.linear(v["x"].float(), v["w"].float(), v["b"].float()),
+     None),  # rounded where the reference rounds: its bf16 projection against its fp32 one
     (lambda v: F.linear(v["x"].float() * 2, v["w"].float()), "multiplies mul, torch.float32: the generated products "
                                                              "multiply bf16 activations"),
     (lambda v: (F.linear(v["x"], v["w"]), v["w"]), "the reference returns its argument"),

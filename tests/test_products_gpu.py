@@ -124,6 +124,12 @@ def _proj_residual_norm(o: torch.Tensor, w: torch.Tensor, r: torch.Tensor, nw: t
     return [rms_norm(h, nw, 1e-5), h]
 
 
+@fused_op("products_probe_proj_bias_gelu")
+def _proj_bias_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` with a bias (aten.addmm: the bias added to the fp32 sums), then GELU."""
+    return F.gelu(F.linear(x, w, b))
+
+
 @fused_op("products_probe_mxfp4_mlp")
 def _mxfp4_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                down_scale: torch.Tensor) -> torch.Tensor:
@@ -168,6 +174,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
         return (t(tokens, 2048), t(1024, 2048), t(tokens, 1024), t(1024, positive=True))
     if name == "router":
         return (t(tokens, 1024), t(56, 1024), t(224, 1024))
+    if name == "proj_bias_gelu":
+        return (t(tokens, 2048), t(1536, 2048), t(1536))
     if name == "layer_norm_proj_gelu":
         return (t(tokens, 2048), t(2048, positive=True), t(2048), t(1536, 2048))
     if name == "mxfp4_mlp":
@@ -183,7 +191,7 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 PROBES = ["norm_proj_res", "mlp", "short_k_mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced",
           "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm",
-          "mxfp4_mlp", "layer_norm_proj_gelu", "proj_residual_norm"]
+          "mxfp4_mlp", "layer_norm_proj_gelu", "proj_residual_norm", "proj_bias_gelu"]
 STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2, "mxfp4_mlp": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
@@ -236,7 +244,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
                                          ("projections", 8), ("two_weights", 1), ("two_weights", 64),
                                          ("fp8_per_channel", 8), ("fp8_per_tensor", 1),
                                          ("o_proj_residual_norm", 8), ("short_k_mlp", 1), ("mxfp4_mlp", 1),
-                                         ("mxfp4_mlp", 64), ("layer_norm_proj_gelu", 1), ("layer_norm_proj_gelu", 8)])
+                                         ("mxfp4_mlp", 64), ("layer_norm_proj_gelu", 1), ("layer_norm_proj_gelu", 8),
+                                         ("proj_bias_gelu", 1), ("proj_bias_gelu", 8), ("proj_residual_norm", 8)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill), no warp-wide instruction in a
     branch some of a warp's lanes skip."""

@@ -51,6 +51,15 @@ OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.clamp.
 # kept whole, as its decomposition guards infinite maxima with a select the programs do not have
 DECOMPOSED = (aten.native_layer_norm, aten.var, aten.var_mean, aten.std, aten.std_mean, aten._log_softmax)
 KEPT_WHOLE = (aten.logsumexp.default,)
+
+
+def addmm_as_products(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """``F.linear`` with a bias, as the products take it: the fp32 sums plus the bias, rounded once
+    (where PyTorch's own decomposition rounds the product before the add)."""
+    return (torch.mm(x.float(), w.float()) * alpha + bias.float() * beta).to(x.dtype)
+
+
+OWN_DECOMPOSITIONS = {aten.addmm.default: addmm_as_products}
 CASTS = (aten._to_copy.default, prims.convert_element_type.default)
 SHAPE_ONLY = (aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,

@@ -23,6 +23,7 @@ from rewriter.compiler.aten_ops import (
     DECOMPOSED,
     DTYPE_NAMES,
     KEPT_WHOLE,
+    OWN_DECOMPOSITIONS,
     POINTWISE,
     ROW_REDUCTIONS,
     Builder,
@@ -50,7 +51,7 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule,
     from torch._decomp import core_aten_decompositions, get_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    table = {**core_aten_decompositions(), **get_decompositions(list(DECOMPOSED))}
+    table = {**core_aten_decompositions(), **get_decompositions(list(DECOMPOSED)), **OWN_DECOMPOSITIONS}
     for op in KEPT_WHOLE:
         table.pop(op, None)
     meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
