@@ -729,15 +729,20 @@ def _proj_residual_norm(o, w, r, nw):
     return rms_norm(h, nw, EPS), h
 
 
+def _residual_norm_args(seed: int) -> list[torch.Tensor]:
+    """(o [5, 512], w [256, 512], r [5, 256], nw [256]) for the two residual-norm references."""
+    gen = torch.Generator().manual_seed(seed)
+    return [_rand((5, 512), BF16, gen), _weight(256, 512, gen), _rand((5, 256), BF16, gen),
+            _rand((256,), BF16, gen, positive=True)]
+
+
 def test_a_products_row_reduced_after_it_is_cut_and_a_tail_program_reduces_it():
     """A product's row is spread over the kernel's CTAs: the stage writes the residual sum (bf16,
     the narrowest row every reduction follows) to an intermediate, and a tail program computes
     the norm and writes both results from it; no collective between them."""
     from codegen.launchers.generated import product_specs
 
-    gen = torch.Generator().manual_seed(18)
-    args = [_rand((5, 512), BF16, gen), _weight(256, 512, gen), _rand((5, 256), BF16, gen),
-            _rand((256,), BF16, gen, positive=True)]
+    args = _residual_norm_args(18)
     products = lower(_proj_residual_norm, args)
     (stage,) = products.stages
     assert stage.epilogue_to == (("temp", 0),) and products.temps == ((256, "bf16"),)
@@ -754,9 +759,7 @@ def test_an_all_reduce_inside_the_op_is_the_hosts_and_a_tail_program_follows_it(
     from codegen.launchers.generated import product_specs
     from rewriter.model.ops import collectives_excluded
 
-    gen = torch.Generator().manual_seed(16)
-    args = [_rand((5, 512), BF16, gen), _weight(256, 512, gen), _rand((5, 256), BF16, gen),
-            _rand((256,), BF16, gen, positive=True)]
+    args = _residual_norm_args(16)
     products = lower(_o_proj_residual_norm, args)
     (stage,) = products.stages
     assert stage.epilogue_to == (("temp", 0),) and products.temps == ((256, "bf16"),)
