@@ -447,6 +447,9 @@ def _refusal_args(gen):
     (lambda v: v["x"] @ (v["w"] * 2).t(), "product operand permute is computed (mul: aten.mul.Tensor): the generated "
                                           "products read weights as the op's arguments"),
     (lambda v: torch.cumsum(F.linear(v["x"], v["w"]), -1), "aten.cumsum.default (node cumsum) has no lowering"),
+    (lambda v: torch.einsum("tk,nk->tn", v["x"], v["w"]), None),  # einsum of two matrices: the product it is
+    (lambda v: torch.einsum("tk,kn->tn", v["x"], v["w"].t()), None),
+    (lambda v: torch.einsum("tk,nk->nt", v["x"], v["w"]), "aten.bmm.default (node bmm) has no lowering"),
     (lambda v: F.linear(v["x"], v["w"], v["b"]), None),  # a bias: added to the fp32 sums, rounded once
     (lambda v: F.linear(v["x"], v["w"], v["b"]).float() - F.linear(v["x"].float(), v["w"].float(), v["b"].float()),
      None),  # rounded where the reference rounds: its bf16 projection against its fp32 one
@@ -727,6 +730,15 @@ def _proj_residual_norm(o, w, r, nw):
     """A projection, its residual add and the norm of the sum, on one rank (no all-reduce)."""
     h = F.linear(o, w) + r
     return rms_norm(h, nw, EPS), h
+
+
+def test_an_einsum_of_two_matrices_lowers_as_the_linear_it_is():
+    """PyTorch traces ``einsum`` as a batched ``bmm`` over views; the lowering traces the
+    two-matrix forms as ``mm``, so the rule's op gets the very stages of ``F.linear``."""
+    gen = torch.Generator().manual_seed(19)
+    x, w = _rand((4, 256), BF16, gen), _weight(128, 256, gen)
+    as_einsum = lower(lambda x, w: F.silu(torch.einsum("tk,nk->tn", [x, w])), [x, w])
+    assert as_einsum == lower(lambda x, w: F.silu(F.linear(x, w)), [x, w])
 
 
 def _residual_norm_args(seed: int) -> list[torch.Tensor]:

@@ -27,6 +27,7 @@ from rewriter.compiler.aten_ops import (
     POINTWISE,
     ROW_REDUCTIONS,
     Builder,
+    EinsumAsMatmul,
     columns,
     kind_of,
 )
@@ -56,7 +57,8 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule,
         table.pop(op, None)
     meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
     try:
-        gm = make_fx(traced, decomposition_table=table)(*meta)
+        with EinsumAsMatmul():
+            gm = make_fx(traced, decomposition_table=table)(*meta)
     except Exception as e:  # noqa: BLE001 (what the trace met is the reason)
         raise LoweringError(f"the reference does not trace into ATen ops: {type(e).__name__}: {e}") from e
     return gm, tensors
