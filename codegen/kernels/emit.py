@@ -125,6 +125,8 @@ _UNARY_OPS = {
     "reciprocal": lambda x: Float32(1.0) / x,
     "erf": cute.math.erf,
 }
+
+
 def _predicate(compare):
     """A comparison as a program's predicate value: 1.0 where it holds, else 0.0."""
     return lambda a, b: Float32(cutlass.select_(compare(a, b), Float32(1.0), Float32(0.0)))

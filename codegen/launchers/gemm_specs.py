@@ -38,6 +38,13 @@ def two_cta_stages(rows_per_cta: int, token_tile: int, k: int, split: int) -> in
     return max(2, min(6, GEMM_SMEM_BUDGET // stage_bytes(rows_per_cta, token_tile), k // GEMM_TILE_K // split))
 
 
+def k_split(k_tiles: int, tiles: int, per_tile: int, limit: int) -> int:
+    """The largest K split (a cluster of 8, 4 or 2 CTAs) of at least two K tiles a CTA, whose
+    partial sums a tile's rows share out evenly, that keeps ``tiles`` x split CTAs within ``limit``."""
+    return next(c for c in (8, 4, 2, 1) if k_tiles % c == 0 and k_tiles // c >= 2 and per_tile % (4 * c) == 0
+                and (tiles * c <= limit or c == 1))
+
+
 def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = False, products: int = 1,
                 norm: bool = False, tile_multiple: int = 1) -> dict[str, Any]:
     """The skinny GEMM's tiling (``codegen/kernels/gemm.py``): tokens padded to a multiple of 16;
@@ -80,9 +87,7 @@ def gemm_tiling(tokens: int, k: int, rows_out: int, arch: str, *, glu: bool = Fa
                                                        or best[0] >= sms // 2):
             continue
         tiles = -(-rows_out // per_tile)
-        split = next(c for c in (8, 4, 2, 1)
-                     if k_tiles % c == 0 and k_tiles // c >= 2 and per_tile % (4 * c) == 0
-                     and (tiles * c <= limit or c == 1))
+        split = k_split(k_tiles, tiles, per_tile, limit)
         if best is None or (best[0] < sms and tiles * split > best[0]):
             best = (tiles * split, rows_per_cta, split)
     ctas, rows_per_cta, split = best

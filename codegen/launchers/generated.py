@@ -33,6 +33,7 @@ from codegen.launchers.gemm_specs import (
     GEMM_TILE_K,
     SM_COUNT,
     gemm_tiling,
+    k_split,
     stage_bytes,
 )
 from codegen.launchers.gemv_specs import skinny_gemv_tiling, token_chunk
@@ -192,10 +193,8 @@ def mxfp4_small_tiling(tiling: dict[str, Any], k: int, widths: Sequence[int], pr
     if tiling["token_groups"] != 1 or tiling["token_tile"] > 16 or products * MXFP4_TILE > GEMM_ROWS_PER_CTA // 2:
         return {}
     tiles, k_tiles = sum(-(-w // MXFP4_TILE) for w in widths), k // GEMM_TILE_K
-    limit = MXFP4_CTAS_PER_SM * SM_COUNT.get(arch, 132)
-    split = next(c for c in (8, 4, 2, 1) if k_tiles % c == 0 and k_tiles // c >= 2 and (tiles * c <= limit or c == 1))
-    return {"rows_per_cta": GEMM_ROWS_PER_CTA // 2, "split_k": split,
-            "stages": max(2, min(tiling["stages"], k_tiles // split))}
+    split = k_split(k_tiles, tiles, MXFP4_TILE, MXFP4_CTAS_PER_SM * SM_COUNT.get(arch, 132))
+    return {"rows_per_cta": MXFP4_TILE, "split_k": split, "stages": max(2, min(tiling["stages"], k_tiles // split))}
 
 
 def _parts(stages: Sequence[Stage]) -> list[list[int]]:

@@ -46,49 +46,6 @@ OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.clamp.
          aten.clamp_max.default, aten.gelu.default, aten._softmax.default, aten.leaky_relu.default, aten.elu.default,
          aten.exp2.default, aten.log2.default, aten.logsumexp.default, prims.var.default, aten.log1p.default,
          aten.expm1.default, aten.sign.default)
-# what the trace decomposes beyond PyTorch's core decompositions, into the ops above (LayerNorm into
-# prims.var, prims.sum and pointwise ops; log_softmax into amax, exp, sum and log); logsumexp is
-# kept whole, as its decomposition guards infinite maxima with a select the programs do not have
-DECOMPOSED = (aten.native_layer_norm, aten.var, aten.var_mean, aten.std, aten.std_mean, aten._log_softmax)
-KEPT_WHOLE = (aten.logsumexp.default,)
-
-
-def addmm_as_products(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    """``F.linear`` with a bias, as the products take it: the fp32 sums plus the bias, rounded once
-    (where PyTorch's own decomposition rounds the product before the add)."""
-    return (torch.mm(x.float(), w.float()) * alpha + bias.float() * beta).to(x.dtype)
-
-
-OWN_DECOMPOSITIONS = {aten.addmm.default: addmm_as_products}
-
-
-class EinsumAsMatmul(torch.overrides.TorchFunctionMode):
-    """While a reference is traced: ``torch.einsum`` of two matrices over one shared index
-    ("tk,nk->tn", "tk,kn->tn") as the ``mm`` it is, which the products take; PyTorch would trace
-    it as a batched ``bmm`` over views. Other equations trace as PyTorch writes them."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.einsum and not kwargs:
-            operands = args[1:] if len(args) > 2 else tuple(args[1]) if len(args) == 2 else ()
-            if len(operands) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in operands):
-                product = einsum_matmul(args[0], *operands)
-                if product is not None:
-                    return product
-        return func(*args, **kwargs)
-
-
-def einsum_matmul(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """``a`` [T, K] times ``b`` ([N, K] or [K, N]) as ``mm`` for an equation "ij,..->..": one
-    index shared and summed, the output (a's free index, b's); None for any other equation."""
-    lhs, _, out = equation.replace(" ", "").partition("->")
-    ins = lhs.split(",")
-    if len(ins) != 2 or not all(len(x) == 2 for x in ins) or len(out) != 2 or len(set(ins[0] + ins[1])) != 3:
-        return None
-    shared = set(ins[0]) & set(ins[1])
-    if len(shared) != 1 or ins[0][0] in shared or out != ins[0][0] + (set(ins[1]) - shared).pop():
-        return None
-    return torch.mm(a, b.t() if ins[1][1] in shared else b)
 CASTS = (aten._to_copy.default, prims.convert_element_type.default)
 SHAPE_ONLY = (aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,

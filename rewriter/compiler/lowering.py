@@ -12,6 +12,7 @@ signature: the server asks once per shape, not per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,24 +20,66 @@ import torch
 from torch import fx
 
 from codegen.lowered import LoweringError, Products, Program, Tail
-from rewriter.compiler.aten_ops import (
-    DECOMPOSED,
-    DTYPE_NAMES,
-    KEPT_WHOLE,
-    OWN_DECOMPOSITIONS,
-    POINTWISE,
-    ROW_REDUCTIONS,
-    Builder,
-    EinsumAsMatmul,
-    columns,
-    kind_of,
-)
+from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, ROW_REDUCTIONS, Builder, columns, kind_of
 from rewriter.compiler.products import MXFP4_DEQUANT, PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
 
 # collectives a result may end with: the host runs them after the stages (codegen.lowered.Products)
 ALL_REDUCE = torch.ops.k3.all_reduce.default
 COLLECTIVES = {ALL_REDUCE: "all_reduce", torch.ops.k3.gather_last_dim.default: "gather_last_dim"}
+
+
+# what the trace decomposes beyond PyTorch's core decompositions, into ops the translation takes
+# (LayerNorm into prims.var, prims.sum and pointwise ops; log_softmax into amax, exp, sum and log);
+# logsumexp is kept whole, as its decomposition guards infinite maxima with a select of its own
+aten = torch.ops.aten
+DECOMPOSED = (aten.native_layer_norm, aten.var, aten.var_mean, aten.std, aten.std_mean, aten._log_softmax)
+KEPT_WHOLE = (aten.logsumexp.default,)
+
+
+def _addmm_as_products(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """``F.linear`` with a bias, as the products take it: the fp32 sums plus the bias, rounded once
+    (where PyTorch's own decomposition rounds the product before the add)."""
+    return (torch.mm(x.float(), w.float()) * alpha + bias.float() * beta).to(x.dtype)
+
+
+@functools.cache
+def _decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = {**core_aten_decompositions(), **get_decompositions(list(DECOMPOSED)),
+             aten.addmm.default: _addmm_as_products}
+    for op in KEPT_WHOLE:
+        table.pop(op, None)
+    return table
+
+
+class EinsumAsMatmul(torch.overrides.TorchFunctionMode):
+    """While a reference is traced: ``torch.einsum`` of two matrices over one shared index
+    ("tk,nk->tn", "tk,kn->tn") as the ``mm`` it is, which the products take; PyTorch would trace
+    it as a batched ``bmm`` over views. Other equations trace as PyTorch writes them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.einsum and not kwargs and len(args) > 1:
+            operands = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+            if len(operands) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in operands):
+                product = einsum_matmul(args[0], *operands)
+                if product is not None:
+                    return product
+        return func(*args, **(kwargs or {}))
+
+
+def einsum_matmul(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a`` [T, K] times ``b`` ([N, K] or [K, N]) as ``mm`` for an equation "ij,..->..": one
+    index shared and summed, the output (a's free index, b's); None for any other equation."""
+    lhs, _, out = equation.replace(" ", "").partition("->")
+    ins = lhs.split(",")
+    if len(ins) != 2 or not all(len(x) == 2 for x in ins) or len(out) != 2 or len(set(ins[0] + ins[1])) != 3:
+        return None
+    shared = set(ins[0]) & set(ins[1])
+    if len(shared) != 1 or ins[0][0] in shared or out != ins[0][0] + (set(ins[1]) - shared).pop():
+        return None
+    return torch.mm(a, b.t() if ins[1][1] in shared else b)
 
 
 def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule, list[torch.Tensor]]:
@@ -49,16 +92,12 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule,
             full[i] = t
         return fn(*full)
 
-    from torch._decomp import core_aten_decompositions, get_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    table = {**core_aten_decompositions(), **get_decompositions(list(DECOMPOSED)), **OWN_DECOMPOSITIONS}
-    for op in KEPT_WHOLE:
-        table.pop(op, None)
     meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
     try:
         with EinsumAsMatmul():
-            gm = make_fx(traced, decomposition_table=table)(*meta)
+            gm = make_fx(traced, decomposition_table=_decompositions())(*meta)
     except Exception as e:  # noqa: BLE001 (what the trace met is the reason)
         raise LoweringError(f"the reference does not trace into ATen ops: {type(e).__name__}: {e}") from e
     return gm, tensors
