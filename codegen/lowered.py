@@ -43,26 +43,33 @@ class Program:
     width: int  # N: the columns of a row
     inputs: tuple[tuple[str, str], ...]  # (kind, dtype) of each input, in the op's argument order
     ops: tuple[tuple[str, tuple], ...]  # (op, args): value len(inputs) + i is op i's result
-    # (value, dtype, dims) of each output, in the op's result order; dims: 2, or 1 for a statistic
-    # the reference returns as [T] rather than [T, 1]
-    outputs: tuple[tuple[int, str, int], ...]
+    # (value, dtype, shape) of each output, in the op's result order; shape: the result's dims past
+    # the token's, as the reference returns it: (N,) a row, (1,) or () a statistic; (G, N) or
+    # (G * N,) the G rows of a token's groups
+    outputs: tuple[tuple[int, str, tuple[int, ...]], ...]
+    # rows a token: 1, or the G groups of a token's row (a norm per head: the reference reduces the
+    # last dim of a [T, G, N] view), each a row of ``width`` values; the kernels see T * G rows
+    group: int = 1
 
     def __post_init__(self) -> None:
-        if self.width < 1:
-            raise LoweringError(f"a row of {self.width} columns")
+        if self.width < 1 or self.group < 1:
+            raise LoweringError(f"rows of {self.width} columns, {self.group} a token")
         for kind, dtype in self.inputs:
             if kind not in KINDS or dtype not in DTYPES:
                 raise LoweringError(f"input ({kind}, {dtype}): kinds {KINDS}, dtypes {tuple(DTYPES)}")
         kinds = [kind for kind, _ in self.inputs]
         for i, (op, args) in enumerate(self.ops):
             kinds.append(_kind(op, args, kinds, i))
-        for value, dtype, dims in self.outputs:
+        for value, dtype, shape in self.outputs:
             if not 0 <= value < len(kinds) or dtype not in DTYPES:
                 raise LoweringError(f"output ({value}, {dtype}) names no value of the program or no dtype")
             if kinds[value] == "col":
                 raise LoweringError("an output the same for every token (a column) is not a per-token result")
-            if dims not in (1, 2) or (dims == 1 and kinds[value] != "stat"):
-                raise LoweringError(f"output {value}: a row is [T, N], a statistic [T, 1] or [T]; got {dims} dims")
+            per_row = self.width if kinds[value] == "row" else 1
+            if not (isinstance(shape, tuple) and all(isinstance(s, int) and s > 0 for s in shape)) or \
+                    math.prod(shape) % per_row or (self.group * per_row) % math.prod(shape):
+                raise LoweringError(f"output {value}, a {kinds[value]} of {self.group} x {per_row} values a token, "
+                                    f"as shape {shape!r} past the token's dim")
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -77,7 +84,7 @@ class Program:
 
     def to_params(self) -> tuple:
         """The program as a spec parameter (plain tuples)."""
-        return (self.width, self.inputs, self.ops, self.outputs)
+        return (self.width, self.inputs, self.ops, self.outputs, self.group)
 
     def depends_on(self) -> list[frozenset[int]]:
         """For each value, the inputs it is computed from."""
@@ -107,13 +114,18 @@ class Program:
                 ops.append((op, (new[args[0]], args[1]) if op == ROUND else
                             tuple(a if is_const(a) else new[a] for a in args)))
         return (Program(self.width, tuple(self.inputs[i] for i in kept), tuple(ops),
-                        tuple((new[self.outputs[o][0]], *self.outputs[o][1:]) for o in outputs)), kept)
+                        tuple((new[self.outputs[o][0]], *self.outputs[o][1:]) for o in outputs), self.group), kept)
 
     @classmethod
     def from_params(cls, p: Sequence) -> Program:
-        width, inputs, ops, outputs = p
+        width, inputs, ops, outputs, group = p
         return cls(int(width), tuple(tuple(i) for i in inputs), tuple((op, tuple(args)) for op, args in ops),
-                   tuple(tuple(o) for o in outputs))
+                   tuple((v, dtype, tuple(shape)) for v, dtype, shape in outputs), int(group))
+
+    def as_rows(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        """Input or output ``t`` as the kernels read it: a row [T * group, width] (a token's groups
+        are consecutive rows), a statistic [T * group, 1], a column [width]."""
+        return t.reshape(-1, self.width) if kind == "row" else t.reshape(-1, 1) if kind == "stat" else t.reshape(-1)
 
 
 def is_const(ref: Ref) -> bool:
@@ -191,16 +203,20 @@ def _select(predicate: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.
 
 
 def interpret(program: Program, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The program's outputs for ``inputs`` (rows [T, N], statistics [T, 1], columns [N]), computed
-    in fp32 on their device and rounded where the program rounds; each output in its dtype."""
+    """The program's outputs for ``inputs`` (rows [T, N], statistics [T, 1], columns [N]; with
+    groups, [T, G * N] or any contiguous view of [T, G, N], and [T, G, 1]), computed in fp32 on
+    their device and rounded where the program rounds; each output in its dtype and shape."""
     if len(inputs) != len(program.inputs):
         raise LoweringError(f"the program takes {len(program.inputs)} inputs, got {len(inputs)}")
     vals: list[torch.Tensor] = []
     for t, (kind, _) in zip(inputs, program.inputs, strict=True):
-        want = {"row": (-1, program.width), "stat": (-1, 1), "col": (program.width,)}[kind]
-        if t.dim() != len(want) or any(w != -1 and s != w for s, w in zip(t.shape, want, strict=True)):
-            raise LoweringError(f"a {kind} input must be {want} (-1: any), got {tuple(t.shape)}")
-        vals.append(t.float())
+        width, group = program.width, program.group
+        fits = {"row": t.dim() >= 2 and t.shape[-1] % width == 0 and (t.shape[-1] == width or group > 1),
+                "stat": t.dim() >= 2 and t.shape[-1] in (1, group), "col": tuple(t.shape) == (width,)}[kind]
+        if not fits:
+            raise LoweringError(f"a {kind} input of rows of {program.width} values, {program.group} a token: got "
+                                f"{tuple(t.shape)}")
+        vals.append(program.as_rows(kind, t).float())
 
     def get(ref: Ref) -> torch.Tensor:
         return torch.tensor(ref[1], dtype=torch.float32, device=vals[0].device) if is_const(ref) else vals[ref]
@@ -216,8 +232,7 @@ def interpret(program: Program, inputs: Sequence[torch.Tensor]) -> list[torch.Te
             vals.append(_REDUCE[op](get(args[0])))
         else:  # ROUND
             vals.append(get(args[0]).to(DTYPES[args[1]]).float())
-    return [vals[v].to(DTYPES[dtype]).reshape(-1) if dims == 1 else vals[v].to(DTYPES[dtype])
-            for v, dtype, dims in program.outputs]
+    return [vals[v].to(DTYPES[dtype]).reshape(-1, *shape) for v, dtype, shape in program.outputs]
 
 
 # ---- programs around matrix products ------------------------------------------------------------
@@ -385,6 +400,8 @@ def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list
     def source(src, program: Program, kind: str, acc=(), pro=()):
         if src[0] == "arg":
             t = args[src[1]]
+            if program.group > 1:  # read whole, a token's groups as rows
+                return program.as_rows(kind, t)
             return t[:, src[2]:src[2] + program.width] if kind == "row" else \
                 t.reshape(-1)[src[2]:src[2] + program.width] if kind == "col" else t.reshape(-1, 1)
         if src[0] == "temp":

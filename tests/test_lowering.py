@@ -117,7 +117,7 @@ def test_softmax_and_statistics_as_outputs():
     program = lower(fn, [x])
     soft, top = interpret(program, [x])
     assert rel_err(soft, torch.softmax(x, -1)) < 1e-6 and top.shape == (3,) and torch.equal(top, x.amax(-1))
-    assert program.outputs[1][2] == 1  # a [T] statistic, as the reference returns it
+    assert program.outputs[1][2] == ()  # a [T] statistic, as the reference returns it
 
 
 # norms, statistics and activations beyond the model's own ops, as a user's rule writes them: each
@@ -174,17 +174,100 @@ def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, 
     from codegen.compiler import compile_kernel
     from codegen.launchers.generated import ROWWISE
 
-    op = f"lowering_probe_beyond_{name}"
-
-    @fused_op(op)
-    def beyond(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
-        out = BEYOND[name](x, w, b)
-        return list(out) if isinstance(out, tuple) else [out]
-
     metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in _beyond_args(8, 7168, "cpu", 0)]
-    (spec,) = ROWWISE.make_specs(f"k3f::{op}", "sm_90a", metas)
+    (spec,) = ROWWISE.make_specs(_as_fused_op(f"lowering_probe_beyond_{name}", BEYOND[name]), "sm_90a", metas)
     ptx = compile_kernel(spec, cache=kcache).ptx
     assert ptx.count("shfl.sync.bfly") >= 5 * Program.from_params(spec.param_dict["program"]).reductions
+    assert "ld.local" not in ptx and "st.local" not in ptx and not divergent_warp_collectives(ptx)
+
+
+def _as_fused_op(op: str, fn) -> str:
+    """``fn`` of three tensors (a result or a tuple of them) as fused op ``k3f::op``."""
+    @fused_op(op)
+    def wrapped(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> list[torch.Tensor]:
+        out = fn(a, b, c)
+        return list(out) if isinstance(out, tuple) else [out]
+    return f"k3f::{op}"
+
+
+# norms per head as a user's rule writes them: the reference reduces the last dim of a [T, H, D]
+# view of a token's row (Qwen3's q/k norm, KDA's gated output norm), so the program's rows are the
+# token's heads; its arguments are the row [T, H * D], a gate of the same shape, a weight [D]
+HEADS, HEAD_DIM = 8, 128
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    return x.view(x.shape[0], -1, HEAD_DIM)
+
+
+PER_HEAD = {
+    "qk_rms_norm": lambda x, g, w: rms_norm(_heads(x), w, 1e-6).view(x.shape),
+    "gated_head_norm": lambda x, g, w: (rms_norm(_heads(x), w, 1e-5).float()
+                                        * torch.sigmoid(_heads(g).float())).to(torch.bfloat16),
+    "head_layer_norm": lambda x, g, w: F.layer_norm(_heads(x), (HEAD_DIM,), w, None, 1e-5).flatten(1),
+    "head_l2_norm_and_norms": lambda x, g, w: (_heads(x).float() * torch.rsqrt(
+        _heads(x).float().pow(2).sum(-1, keepdim=True) + 1e-6), _heads(x).float().pow(2).sum(-1)),
+    "head_softmax": lambda x, g, w: torch.softmax(_heads(x).float(), -1),
+    "head_max_stat": lambda x, g, w: _heads(x).amax(-1, keepdim=True),
+    "flattened_heads": lambda x, g, w: rms_norm(x.view(-1, HEAD_DIM), w, 1e-6),
+}
+
+
+def _per_head_args(tokens: int, device: str, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [_rand((tokens, HEADS * HEAD_DIM), torch.bfloat16, gen).to(device),
+            _rand((tokens, HEADS * HEAD_DIM), torch.bfloat16, gen).to(device),
+            _rand((HEAD_DIM,), torch.bfloat16, gen, positive=True).to(device)]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("name", sorted(PER_HEAD))
+def test_norms_per_head_lower_to_programs_over_the_heads(name, tokens):
+    """A program whose rows are a token's heads (``group`` of them): the reference's results in
+    their shapes ([T, H * D], [T, H, D], a per-head statistic [T, H] or [T, H, 1])."""
+    args = _per_head_args(tokens, "cpu", len(name) + tokens)
+    want = PER_HEAD[name](*args)
+    want = want if isinstance(want, tuple) else (want,)
+    program = lower(PER_HEAD[name], args)
+    assert (program.group, program.width) == (HEADS, HEAD_DIM)
+    got = interpret(program, args)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and not torch.isnan(g).any()
+        assert rel_err(g, w) <= (8e-3 if w.dtype == torch.bfloat16 else 1e-5), (name, rel_err(g, w))
+
+
+@pytest.mark.parametrize("fn,width,named", [
+    # PyTorch broadcasts a [T] statistic along a row of T values: the programs' statistic would not
+    (lambda x, g, w: (x.float() * x.float().sum(-1)).to(torch.bfloat16), 8,
+     "broadcasts sum_1, a statistic of shape (8,), along the last dim of (8, 8)"),
+    (lambda x, g, w: rms_norm(_heads(x), w, 1e-6) * x.float().mean(-1, keepdim=True).unsqueeze(-1), 1024,
+     "reductions over rows of different widths and counts ([(8, 1024), (64, 128)]"),
+    (lambda x, g, w: rms_norm(_heads(x), w, 1e-6) * g[:, :1].unsqueeze(-1), 1024,
+     "makes a tensor of shape (8, 1, 1): a program over rows of 128 values, 8 a token"),
+    (lambda x, g, w: rms_norm(_heads(x)[..., :64], w[:64], 1e-6), 1024,
+     "argument arg0_1 of shape (8, 1024): the program takes rows [8, 8, 64] or a view of it"),
+])
+def test_what_a_program_over_heads_cannot_read_is_refused_by_name(fn, width, named):
+    """A token's statistic read by each of its heads, two row geometries in one op, a window of a
+    head; and a statistic PyTorch broadcasts along a row (the same in any program)."""
+    x = torch.randn(8, width).bfloat16()
+    with pytest.raises(LoweringError, match=re.escape(named)):
+        lower(fn, [x, x, torch.rand(min(width, HEAD_DIM)).bfloat16()])
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("name", ["qk_rms_norm", "gated_head_norm", "head_l2_norm_and_norms"])
+def test_norms_per_head_compile_without_spills(kcache, name):
+    """One CTA a head: its butterflies, no local memory; the spec holds the heads a token."""
+    from codegen.compiler import compile_kernel
+    from codegen.launchers.generated import ROWWISE
+
+    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in _per_head_args(8, "cpu", 0)]
+    (spec,) = ROWWISE.make_specs(_as_fused_op(f"lowering_probe_heads_{name}", PER_HEAD[name]), "sm_90a", metas)
+    program = Program.from_params(spec.param_dict["program"])
+    assert (program.group, program.width) == (HEADS, HEAD_DIM)
+    ptx = compile_kernel(spec, cache=kcache).ptx
+    assert ptx.count("shfl.sync.bfly") >= 4 * program.reductions
     assert "ld.local" not in ptx and "st.local" not in ptx and not divergent_warp_collectives(ptx)
 
 
@@ -214,11 +297,11 @@ def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):
 
 def test_programs_refuse_malformed_data():
     with pytest.raises(LoweringError, match="'cumsum' is not an op of the lowered programs"):
-        Program(8, (("row", "bf16"),), (("cumsum", (0,)),), ((1, "bf16", 2),))
+        Program(8, (("row", "bf16"),), (("cumsum", (0,)),), ((1, "bf16", (8,)),))
     with pytest.raises(LoweringError, match="reads 5, which is not an earlier value"):
-        Program(8, (("row", "bf16"),), (("exp", (5,)),), ((1, "bf16", 2),))
+        Program(8, (("row", "bf16"),), (("exp", (5,)),), ((1, "bf16", (8,)),))
     with pytest.raises(LoweringError, match="reduces one row"):
-        Program(8, (("col", "bf16"),), (("sum", (0,)),), ((1, "fp32", 2),))
+        Program(8, (("col", "bf16"),), (("sum", (0,)),), ((1, "fp32", (8,)),))
 
 
 @fused_op("lowering_probe_add_norm")
@@ -336,17 +419,36 @@ def test_random_chains_run_as_their_programs_on_the_gpu(seed):
 @pytest.mark.parametrize("name", sorted(BEYOND))
 def test_norms_and_activations_beyond_the_models_run_on_the_gpu(name):
     """Their generated kernels against the reference, fresh inputs, 3 tokens of 1000 values."""
-    op = f"lowering_gpu_beyond_{name}"
-
-    @fused_op(op)
-    def beyond(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
-        out = BEYOND[name](x, w, b)
-        return list(out) if isinstance(out, tuple) else [out]
-
     args = _beyond_args(3, 1000, "cuda", len(name))
-    tpl, specs, fns = gpu_kernels(f"k3f::{op}", args)
-    want = beyond(*[a.cpu() for a in args])
+    tpl, specs, fns = gpu_kernels(_as_fused_op(f"lowering_gpu_beyond_{name}", BEYOND[name]), args)
+    want = BEYOND[name](*[a.cpu() for a in args])
+    want = want if isinstance(want, tuple) else (want,)
     got = tpl.launch(fns, specs, args)
     torch.cuda.synchronize()
     for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want, strict=True):
         assert not torch.isnan(g).any() and rel_err(g.cpu(), w) < 1e-2, (name, rel_err(g.cpu(), w))
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("name", sorted(PER_HEAD))
+def test_norms_per_head_run_on_the_gpu(name, tokens):
+    """Their generated kernels (one CTA a head) against the reference, fresh inputs, poisoned
+    outputs, alone and inside a CUDA graph."""
+    args = _per_head_args(tokens, "cuda", len(name) + tokens)
+    tpl, specs, fns = gpu_kernels(_as_fused_op(f"lowering_gpu_heads_{name}_{tokens}", PER_HEAD[name]), args)
+    want = PER_HEAD[name](*[a.cpu() for a in args])
+    want = want if isinstance(want, tuple) else (want,)
+    got = tpl.launch(fns, specs, args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tpl.launch(fns, specs, args)
+    for c in captured:
+        c.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, c, w in zip(got, captured, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape)
+        for out in (g, c):
+            assert not torch.isnan(out).any() and rel_err(out.cpu(), w) < 1e-2, (name, rel_err(out.cpu(), w))

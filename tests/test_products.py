@@ -401,12 +401,12 @@ def test_a_program_keeps_only_what_its_chosen_outputs_need():
     """``Program.only``: the values an output needs, renumbered; its inputs named by index."""
     p = Program(8, (("row", "bf16"), ("row", "fp32"), ("col", "bf16")),
                 (("mul", (0, ("c", 2.0))), ("add", (1, 2)), ("round", (3, "bf16")), ("sigmoid", (4,))),
-                ((3, "bf16", 2), (5, "fp32", 2), (6, "bf16", 2)))
+                ((3, "bf16", (8,)), (5, "fp32", (8,)), (6, "bf16", (8,))))
     sub, kept = p.only([2])
     assert kept == (1, 2)
     assert sub.inputs == (("row", "fp32"), ("col", "bf16"))
     assert sub.ops == (("add", (0, 1)), ("sigmoid", (2,)))
-    assert sub.outputs == ((3, "bf16", 2),)
+    assert sub.outputs == ((3, "bf16", (8,)),)
     x = [torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)]
     from codegen.lowered import interpret
     assert torch.equal(interpret(sub, [x[i] for i in kept])[0], interpret(p, x)[2])
@@ -592,18 +592,18 @@ def test_a_norm_between_two_products_is_refused():
 
 
 def test_stages_refuse_malformed_data():
-    pro = Program(8, (("row", "bf16"),), (), ((0, "bf16", 2),))
-    epi = Program(4, (("row", "fp32"),), (("round", (0, "bf16")),), ((1, "bf16", 2),))
+    pro = Program(8, (("row", "bf16"),), (), ((0, "bf16", (8,)),))
+    epi = Program(4, (("row", "fp32"),), (("round", (0, "bf16")),), ((1, "bf16", (4,)),))
     good = Stage(pro, (("arg", 0, 0),), (("product",),), ((1, 0),), epi, (("acc", 0),), (("result", 0),))
     assert good.k == 8 and good.n == 4
     with pytest.raises(LoweringError, match="the stage has 1 products"):
         Stage(pro, (("arg", 0, 0),), (("product",),), ((1, 0),), epi, (("acc", 1),), (("result", 0),))
     with pytest.raises(LoweringError, match="a stage without a product"):
         Stage(pro, (("arg", 0, 0),), (("product",),), (), epi, (("acc", 0),), (("result", 0),))
-    summed = Program(4, (("row", "fp32"),), (("sum", (0,)), ("mul", (0, 1))), ((2, "fp32", 2),))
+    summed = Program(4, (("row", "fp32"),), (("sum", (0,)), ("mul", (0, 1))), ((2, "fp32", (4,)),))
     with pytest.raises(LoweringError, match="the epilogue reduces"):
         Stage(pro, (("arg", 0, 0),), (("product",),), ((1, 0),), summed, (("acc", 0),), (("result", 0),))
-    fp32_out = Program(8, (("row", "fp32"),), (), ((0, "fp32", 2),))
+    fp32_out = Program(8, (("row", "fp32"),), (), ((0, "fp32", (8,)),))
     with pytest.raises(LoweringError, match="the products' activation, a bf16 row"):
         Stage(fp32_out, (("arg", 0, 0),), (("product",),), ((1, 0),), epi, (("acc", 0),), (("result", 0),))
 

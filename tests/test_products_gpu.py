@@ -124,6 +124,14 @@ def _proj_residual_norm(o: torch.Tensor, w: torch.Tensor, r: torch.Tensor, nw: t
     return [rms_norm(h, nw, 1e-5), h]
 
 
+@fused_op("products_probe_proj_head_norm")
+def _proj_head_norm(x: torch.Tensor, w: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """A projection, then an RMSNorm of each of its heads (a [T, H, D] view: Qwen3's q norm): the
+    norm reduces the product's row, so a tail program over the heads computes it."""
+    q = F.linear(x, w)
+    return rms_norm(q.view(q.shape[0], -1, nw.shape[0]), nw, 1e-6).view(q.shape)
+
+
 @fused_op("products_probe_proj_bias_gelu")
 def _proj_bias_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``F.linear`` with a bias (aten.addmm: the bias added to the fp32 sums), then GELU."""
@@ -174,6 +182,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
         return (t(tokens, 2048), t(1024, 2048), t(tokens, 1024), t(1024, positive=True))
     if name == "router":
         return (t(tokens, 1024), t(56, 1024), t(224, 1024))
+    if name == "proj_head_norm":
+        return (t(tokens, 1024), t(2048, 1024), t(128, positive=True))
     if name == "proj_bias_gelu":
         return (t(tokens, 2048), t(1536, 2048), t(1536))
     if name == "layer_norm_proj_gelu":
@@ -191,7 +201,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 PROBES = ["norm_proj_res", "mlp", "short_k_mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced",
           "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm",
-          "mxfp4_mlp", "layer_norm_proj_gelu", "proj_residual_norm", "proj_bias_gelu"]
+          "mxfp4_mlp", "layer_norm_proj_gelu", "proj_residual_norm", "proj_bias_gelu", "proj_head_norm"]
+TAILED = {"o_proj_residual_norm", "proj_residual_norm", "proj_head_norm"}  # a row reduced after its product
 STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2, "mxfp4_mlp": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
@@ -210,7 +221,7 @@ def test_every_probe_takes_the_generated_product_template(name, tokens):
     module = "product_gemv" if tokens == 1 and name not in GEMM_ONLY else "product_gemm"
     hoisted = ["rowwise"] if tokens > 1 and name in COMPUTED_PROLOGUE else []
     # the residual add and norm after the all-reduce; the norm of a product's row
-    tail = ["rowwise"] if name in ("o_proj_residual_norm", "proj_residual_norm") else []
+    tail = ["rowwise"] if name in TAILED else []
     assert [s.module for s in specs] == (hoisted + [module]) * STAGES.get(name, 1) + tail
     assert len(stages_of(specs[-1 - len(tail)])) == PARTS.get(name, 1)
 
@@ -245,7 +256,8 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
                                          ("fp8_per_channel", 8), ("fp8_per_tensor", 1),
                                          ("o_proj_residual_norm", 8), ("short_k_mlp", 1), ("mxfp4_mlp", 1),
                                          ("mxfp4_mlp", 64), ("layer_norm_proj_gelu", 1), ("layer_norm_proj_gelu", 8),
-                                         ("proj_bias_gelu", 1), ("proj_bias_gelu", 8), ("proj_residual_norm", 8)])
+                                         ("proj_bias_gelu", 1), ("proj_bias_gelu", 8), ("proj_residual_norm", 8),
+                                         ("proj_head_norm", 1), ("proj_head_norm", 8)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill), no warp-wide instruction in a
     branch some of a warp's lanes skip."""

@@ -115,13 +115,13 @@ def _runtime(args: Sequence[Any]) -> str | None:
 def _launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out=None):
     (fn,) = fns
     program = program_of(specs[0])
-    ins = _tensors(args)
-    tokens = next(t.shape[0] for t, (kind, _) in zip(ins, program.inputs, strict=True) if kind == "row")
+    ins = [program.as_rows(kind, t) for t, (kind, _) in zip(_tensors(args), program.inputs, strict=True)]
+    rows = next(t.shape[0] for t, (kind, _) in zip(ins, program.inputs, strict=True) if kind == "row")
     kinds = program.kinds
-    outs = [torch.empty((tokens, program.width if kinds[v] == "row" else 1), dtype=DTYPES[dtype],
+    outs = [torch.empty((rows, program.width if kinds[v] == "row" else 1), dtype=DTYPES[dtype],
                         device=ins[0].device) for v, dtype, _ in program.outputs]
     fn(*ins, *[None] * (MAX_INPUTS - len(ins)), *outs, *[None] * (MAX_OUTPUTS - len(outs)))
-    results = [o.view(-1) if dims == 1 else o for o, (_, _, dims) in zip(outs, program.outputs, strict=True)]
+    results = [o.view(-1, *shape) for o, (_, _, shape) in zip(outs, program.outputs, strict=True)]
     return results[0] if _single_tensor(specs[0].op) else tuple(results)
 
 
@@ -134,7 +134,7 @@ ROWWISE = Template("generated", (), _specs, _runtime, _launch, generated=True,
 def is_plain(stage: Stage) -> bool:
     """The prologue only reads a bf16 activation (read from memory in the K loop, not staged)."""
     p = stage.prologue
-    return not p.ops and p.inputs == (("row", "bf16"),) and p.outputs == ((0, "bf16", 2),)
+    return not p.ops and p.inputs == (("row", "bf16"),) and p.outputs == ((0, "bf16", (p.width,)),)
 
 
 def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int = GEMM_MIN_TOKENS
@@ -293,13 +293,18 @@ def _lane_groups(k_vectors: int, products: int, chunk: int) -> dict[str, int]:
     return {}
 
 
-def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] | None, kind: str, width: int):
-    """The tensor a program input reads (a view from its column), or its shape's stand-in."""
+def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] | None, kind: str, width: int,
+            group: int = 1):
+    """The tensor a program input reads (a view from its column; a token's ``group`` rows as rows
+    of their own), or its shape's stand-in."""
     if src[0] == "temp":
-        return temps[src[1]] if temps is not None else None
+        t = temps[src[1]] if temps is not None else None
+        return t.reshape(-1, width) if t is not None and group > 1 else t
     t = tensors[src[1]]
     if src[0] == "scalar":
         return t.reshape(1)
+    if group > 1:
+        return t.reshape(-1, width) if kind == "row" else t.reshape(-1, 1) if kind == "stat" else t.reshape(-1)
     if kind == "row":
         return t[:, src[2]:src[2] + width]
     if kind == "col":
@@ -307,9 +312,12 @@ def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] |
     return t.reshape(-1, 1)
 
 
-def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kind: str) -> int:
+def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kind: str,
+                program: Program | None = None) -> int:
     if kind != "row" or src[0] == "scalar":
         return 0
+    if program is not None and program.group > 1:  # a token's groups are consecutive rows of a whole tensor
+        return program.width
     return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(0)
 
 
@@ -336,7 +344,7 @@ def _hoisted(parts: Sequence[Stage], temps: list[tuple[int, str]]) -> tuple[Prog
             dests.append(("temp", kept[j]))
         else:
             dests.append(dest)
-    plain = Program(head.k, (("row", "bf16"),), (), ((0, "bf16", 2),))  # reads the activation as it is
+    plain = Program(head.k, (("row", "bf16"),), (), ((0, "bf16", (head.k,)),))  # reads the activation as it is
     return pro, tuple(dests), [
         Stage(plain, (("temp", kept[0]),), (("product",),), st.weights, st.epilogue,
               tuple(("temp", kept[src[1]]) if src[0] == "pro" else src for src in st.epilogue_from), st.epilogue_to,
@@ -451,7 +459,7 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             return (f"the program after the all-reduce: {program.width} columns, {len(program.inputs)} inputs, "
                     f"{len(program.outputs)} outputs (the rowwise kernel: whole 128-bit vectors, at most "
                     f"{MAX_INPUTS} and {MAX_OUTPUTS})")
-        strides = tuple(_row_stride(s, tensors, products, kind)
+        strides = tuple(_row_stride(s, tensors, products, kind, program)
                         for s, (kind, _) in zip(tail.sources, program.inputs, strict=True))
         if any(s % VEC for s in strides):
             return "a row after the all-reduce is read at a stride that is not whole 128-bit vectors"
@@ -489,8 +497,8 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
     temps = [torch.empty((tokens, width), dtype=DTYPES[dtype], device=device) for width, dtype in p0["temps"]]
     results: dict[int, torch.Tensor] = {}
 
-    def made(dest, kind, width, dtype):
-        t = torch.empty((tokens, width if kind == "row" else 1), dtype=DTYPES[dtype], device=device)
+    def made(dest, kind, width, dtype, group=1):
+        t = torch.empty((tokens * group, width if kind == "row" else 1), dtype=DTYPES[dtype], device=device)
         if dest[0] == "result":
             results[dest[1]] = t
         return temps[dest[1]] if dest[0] == "temp" else t
@@ -505,9 +513,9 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
                     temps[k] = getattr(host(), collective)(temps[k], group, ranks)
             (program, sources, dests), = _programs_of(spec)
             kinds = program.kinds
-            ins = [_source(s, tensors, temps, kind, program.width) for s, (kind, _) in
+            ins = [_source(s, tensors, temps, kind, program.width, program.group) for s, (kind, _) in
                    zip(sources, program.inputs, strict=True)]
-            outs = [made(d, kinds[v], program.width, dtype) for d, (v, dtype, _) in
+            outs = [made(d, kinds[v], program.width, dtype, program.group) for d, (v, dtype, _) in
                     zip(dests, program.outputs, strict=True)]
             fn(*pad(ins, MAX_INPUTS), *pad(outs, MAX_OUTPUTS))
             continue
@@ -529,25 +537,27 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
             fn(pins[0], *pad(ws, 4), *pad(eins, 4), *pad(ys, 4))
         else:
             fn(*pad(pins, 4), *pad(ws, 4), *pad(eins, 4), *pad(qs, 2), *pad(ys, 4))
+    shapes = _result_shapes(specs)
+    results = {r: t.view(-1, *shapes[r]) for r, t in results.items()}
     for r, collective, group, ranks in p0["collectives"]:  # what the reference does with a result last
         # stood down (one GPU timing a rank), an all-reduce is the partial as the kernel wrote it, as the
         # hand-written launchers leave it; a gather still runs: its result is every rank's width
         if ranks > 1 and (host().collective_runs(ranks) or collective != "all_reduce"):
             results[r] = getattr(host(), collective)(results[r], group, ranks)
-    dims = _result_dims(specs)
-    outs = [results[r].view(-1) if dims[r] == 1 else results[r] for r in range(p0["results"])]
+    outs = [results[r] for r in range(p0["results"])]
     return outs[0] if _single_tensor(specs[0].op) else tuple(outs)
 
 
 @functools.cache
-def _result_dims(specs: tuple[KernelSpec, ...]) -> dict[int, int]:
-    """How many dims each result has (a statistic the reference returns as [T] has 1)."""
-    dims = {}
+def _result_shapes(specs: tuple[KernelSpec, ...]) -> dict[int, tuple[int, ...]]:
+    """Each result's shape past the token's dim, as the reference returns it (a statistic as [T]
+    or [T, 1]; a row of a token's groups as [T, G, N] or [T, G * N])."""
+    shapes = {}
     for program, _, dests in (program for spec in specs for program in _programs_of(spec)):
-        for (_, _, d), dest in zip(program.outputs, dests, strict=True):
+        for (_, _, shape), dest in zip(program.outputs, dests, strict=True):
             if dest[0] == "result":
-                dims[dest[1]] = d
-    return dims
+                shapes[dest[1]] = shape
+    return shapes
 
 
 PRODUCTS = Template("products", (), _product_specs, _product_runtime, _product_launch, generated=True,

@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from codegen.lowered import DTYPES, ROUND, SELECT, LoweringError, Program, Ref, fold
+from codegen.lowered import REDUCE as REDUCED_TO_STAT
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -59,15 +60,20 @@ PREDICATES = (aten.where.self, aten.logical_not.default, aten.logical_and.defaul
               aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.scalar_tensor.default)
 LOGICAL = {aten.bitwise_not.default: aten.logical_not.default, aten.bitwise_and.Tensor: aten.logical_and.default,
            aten.bitwise_or.Tensor: aten.logical_or.default}  # ~, & and | of bool tensors: logical ops
+BROADCASTING = (*BINARY, *COMPARE, aten.where.self, aten.logical_and.default, aten.logical_or.default,
+                *LOGICAL)  # the ops whose tensor operands broadcast against each other
 POINTWISE = (*UNARY, *BINARY, *COMPARE, *PREDICATES, *REDUCE, *VALUES_AND_INDICES, *OTHER, *CASTS, *SHAPE_ONLY,
              *WINDOWS)
 
 
-def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0) -> str | None:
+def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0, group: int = 1) -> str | None:
     """What a tensor of ``shape`` is in a program over [tokens, width] rows, read from column
     ``c0``: a row [T, >= c0 + width], a statistic [T, 1] or [T], a column [>= c0 + width],
-    [1, ...] or [..., 1] (a 1-D tensor is a column, also where T = N), or None."""
+    [1, ...] or [..., 1] (a 1-D tensor is a column, also where T = N), or None. With ``group``
+    rows a token, see ``_grouped_kind``."""
     shape = tuple(shape)
+    if group > 1:
+        return _grouped_kind(shape, tokens, width, c0, group)
     if len(shape) == 2 and shape[0] == tokens and shape[1] == 1 and width > 1:
         return "stat"
     if len(shape) == 2 and shape[0] == tokens and shape[1] >= c0 + width:
@@ -83,6 +89,23 @@ def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0) -> str
     return None
 
 
+def _grouped_kind(shape: tuple[int, ...], tokens: int, width: int, c0: int, group: int) -> str | None:
+    """What a tensor of ``shape`` is where a token's row is ``group`` rows of ``width`` (the
+    heads of a [T, G, N] view): a row [T, G, N] or a view of it ([T, G * N], [T * G, N]), a
+    statistic [T, G, 1] ([T, G], [T * G, 1]), a column [N] ([1, 1, N]), or None; no windows (a
+    group's columns are read whole), and no tensor of the token (a [T, 1] read by every group)."""
+    if c0 or not shape:
+        return None
+    rows, n = tokens * group, math.prod(shape)
+    token_major = shape[0] in (tokens, rows)
+    if n == rows * width and shape[-1] % width == 0 and token_major:
+        return "row"
+    col = n == width and all(s == 1 for s in shape[:-1])
+    if n == rows and token_major and (shape[-1] == 1 or not col):
+        return "stat"
+    return "col" if col else None
+
+
 def columns(node: fx.Node) -> int:
     """How many columns ``node``'s value has (1 for a statistic or a number): which operands
     share a window with it."""
@@ -94,13 +117,25 @@ class Builder:
     """One program as it is written, demand by demand. ``resolve(builder, node, c0)`` returns the
     value of a node the builder does not translate (or None to translate it)."""
 
-    def __init__(self, tokens: int, width: int, resolve: Callable[[Builder, fx.Node, int], Ref | None]):
-        self.tokens, self.width, self.resolve = tokens, width, resolve
+    def __init__(self, tokens: int, width: int, resolve: Callable[[Builder, fx.Node, int], Ref | None],
+                 group: int = 1):
+        self.tokens, self.width, self.resolve, self.group = tokens, width, resolve, group
         self.inputs: list[tuple[str, str]] = []
         self.sources: list[tuple] = []
         self.ops: list[tuple[str, tuple]] = []
-        self.outputs: list[tuple[int, str, int]] = []
+        self.op_kinds: list[str] = []
+        self.outputs: list[tuple[int, str, tuple[int, ...]]] = []
         self.refs: dict[tuple[fx.Node, int], Ref] = {}
+
+    def kind_of(self, shape: tuple[int, ...], c0: int = 0) -> str | None:
+        """What a tensor of ``shape`` is in this program (``kind_of``)."""
+        return kind_of(shape, self.tokens, self.width, c0, self.group)
+
+    def kind(self, ref: Ref) -> str | None:
+        """The kind of value ``ref`` (None: a constant)."""
+        if isinstance(ref, tuple):
+            return None
+        return self.inputs[-1 - ref][0] if ref < 0 else self.op_kinds[ref]
 
     def input(self, kind: str, dtype: str, source: tuple) -> int:
         """The input read from ``source`` (one input per source and kind)."""
@@ -115,6 +150,9 @@ class Builder:
         """A new value of the program: op's result, or a constant where its operands all are."""
         if all(isinstance(a, tuple) or isinstance(a, str) for a in args):
             return ("c", fold(op, tuple(args)))
+        kinds = {self.kind(a) for a in args if not isinstance(a, str)} - {None}
+        self.op_kinds.append("stat" if op in REDUCED_TO_STAT else
+                             "row" if "row" in kinds or kinds == {"stat", "col"} else kinds.pop())
         self.ops.append((op, tuple(args)))
         return len(self.ops) - 1
 
@@ -130,9 +168,11 @@ class Builder:
     def _make(self, node: fx.Node, c0: int) -> Ref:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() > 1 and \
-                kind_of(tuple(val.shape), self.tokens, self.width, c0) is None:
+                self.kind_of(tuple(val.shape), c0) is None:
+            rows = f"[{self.tokens}, {self.width}]" if self.group == 1 else \
+                f"[{self.tokens}, {self.group}, {self.width}] (its views and no windows)"
             raise LoweringError(f"{node.name} ({node.target}) makes a tensor of shape {tuple(val.shape)}: a program "
-                                f"over rows of {self.width} values holds rows [{self.tokens}, {self.width}], "
+                                f"over rows of {self.width} values, {self.group} a token, holds rows {rows}, "
                                 "statistics and columns")
         found = self.resolve(self, node, c0)
         if found is not None:
@@ -156,11 +196,33 @@ class Builder:
                 ref = self.value("ne", ref, ("c", 0.0))  # a number as a predicate: not zero
             ref = self.rounded(ref, node)
         else:
-            ref = self.rounded(translate(self, node, c0), node)
+            ref = translate(self, node, c0)
+            if node.target in BROADCASTING:
+                self._broadcast_check(node, c0, ref)
+            ref = self.rounded(ref, node)
         if val.dim() == 0 and not isinstance(ref, tuple):
             raise LoweringError(f"{node.name} ({node.target}) makes one number of the whole step: the programs "
                                 "compute per token")
         return ref
+
+    def _broadcast_check(self, node: fx.Node, c0: int, ref: Ref) -> None:
+        """Refuses a pointwise op whose operands broadcast otherwise than the program's kinds do:
+        a statistic must be constant along the last dim it meets ([T, 1] against [T, N]; a [T]
+        against [T, N] where T = N is broadcast along the row by PyTorch), a column vary along it
+        alone."""
+        out = tuple(node.meta["val"].shape)
+        for a in node.all_input_nodes:
+            shape = tuple(a.meta["val"].shape)
+            if not shape or math.prod(shape) == 1:
+                continue
+            aligned = (1,) * (len(out) - len(shape)) + shape
+            k = self.kind(self.refs.get((a, c0 if columns(a) == columns(node) != 1 else 0), ("c", 0.0)))
+            if k == "stat" and aligned[-1] != 1 and out[-1] != 1 and self.kind(ref) == "row":
+                raise LoweringError(f"{node.name} ({node.target}) broadcasts {a.name}, a statistic of shape {shape}, "
+                                    f"along the last dim of {out}: its values would meet the row's columns")
+            if k == "col" and any(s != 1 for s in aligned[:-1]):
+                raise LoweringError(f"{node.name} ({node.target}) reads {a.name} of shape {shape} as the same "
+                                    "columns for every token: it varies along another dim")
 
     def arg(self, a: Any, node: fx.Node, c0: int = 0) -> Ref:
         """Operand ``a`` of ``node`` (read at ``node``'s window ``c0`` where it has node's columns)."""
@@ -214,7 +276,8 @@ class Builder:
         def number(ref):
             return ref if isinstance(ref, tuple) or isinstance(ref, str) else (-1 - ref if ref < 0 else n + ref)
         ops = tuple((op, tuple(number(a) for a in args)) for op, args in self.ops)
-        return Program(self.width, tuple(self.inputs), ops, tuple((number(v), d, k) for v, d, k in self.outputs))
+        return Program(self.width, tuple(self.inputs), ops, tuple((number(v), d, k) for v, d, k in self.outputs),
+                       self.group)
 
     def output(self, node: fx.Node, c0: int = 0) -> int:
         """``node`` (from column c0) as the program's next output; returns its index."""
@@ -224,7 +287,10 @@ class Builder:
         val = node.meta["val"]
         if val.dtype not in DTYPE_NAMES:
             raise LoweringError(f"{node.name} is a result of {val.dtype}: the programs write bf16, fp16 and fp32")
-        self.outputs.append((ref, DTYPE_NAMES[val.dtype], val.dim()))
+        shape = tuple(val.shape[1:])  # as the reference returns it, or the window a program writes of a wider row
+        if self.kind(ref) == "row" and math.prod(shape) > self.group * self.width:
+            shape = (self.width,)
+        self.outputs.append((ref, DTYPE_NAMES[val.dtype], shape))
         return len(self.outputs) - 1
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch import fx
 
 from codegen.lowered import LoweringError, Products, Program, Tail
-from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, ROW_REDUCTIONS, Builder, columns, kind_of
+from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, ROW_REDUCTIONS, Builder
 from rewriter.compiler.products import MXFP4_DEQUANT, PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
 
@@ -218,7 +219,7 @@ def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx
                             "work after a collective inside an op (a residual add, a norm)")
     head = [(i, r) for i, r in enumerate(results) if r not in after]
     products = lower_products(gm, args_of, [r for _, r in head] + [partial])
-    width, dtype = columns(cut), DTYPE_NAMES.get(cut.meta["val"].dtype)
+    dtype = DTYPE_NAMES.get(cut.meta["val"].dtype)
     temp = len(products.temps)
 
     def placed(dest: tuple) -> tuple:  # the head's results to the op's numbering, the partial to the intermediate
@@ -227,24 +228,25 @@ def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx
         return ("temp", temp) if dest[1] == len(head) else ("result", head[dest[1]][0])
     stages = tuple(dataclasses.replace(st, prologue_to=tuple(map(placed, st.prologue_to)),
                                        epilogue_to=tuple(map(placed, st.epilogue_to))) for st in products.stages)
-    tokens = cut.meta["val"].shape[0]
+    tokens, full = cut.meta["val"].shape
+    group, width = _row_geometry(after, tokens, full)
 
     def resolve(b: Builder, node: fx.Node, c0: int):
         if node is cut:
             return b.input("row", dtype, ("temp", temp))
         if node in args_of:
             t = tensors[args_of[node]]
-            kind = kind_of(tuple(t.shape), tokens, width, c0)
+            kind = b.kind_of(tuple(t.shape), c0)
             if kind is None or DTYPE_NAMES.get(t.dtype) is None:
                 raise LoweringError(f"argument {node.name} of shape {tuple(t.shape)} after {what}: rows, "
-                                    f"statistics and columns of {width}")
+                                    f"statistics and columns of {width}, {group} a token")
             return b.input(kind, DTYPE_NAMES[t.dtype], ("arg", args_of[node], c0 if kind != "stat" else 0))
         if node in computed and node not in after:
             raise LoweringError(f"{node.name}, computed before {what}, is read after it: only the "
                                 f"{'all-reduced value' if reduced else 'value at the cut'} crosses it")
         return None
 
-    b = Builder(tokens, width, resolve)
+    b = Builder(tokens, width, resolve, group)
     dests = []
     for i, r in enumerate(results):
         if r in after:
@@ -252,17 +254,18 @@ def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx
             dests.append(("result", i))
     tail = Tail(b.program(), tuple(b.sources), tuple(dests))
     between = ((temp, "all_reduce", cut.args[1], int(cut.args[2])),) if reduced else ()
-    return Products(stages, (*products.temps, (width, dtype)), len(results), on_results, between, (tail,))
+    return Products(stages, (*products.temps, (full, dtype)), len(results), on_results, between, (tail,))
 
 
 def _lower_rows(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx.Node, int],
                 results: list[fx.Node]) -> Program:
     """A reference without products: one program over each token's row, its inputs the op's
     tensor arguments in order."""
-    rows = [t for t in tensors if t.dim() == 2 and t.shape[-1] > 1]
+    rows = [t for t in tensors if t.dim() >= 2 and t.shape[-1] > 1]
     if not rows:
         raise LoweringError("no [tokens, columns] tensor among the arguments: nothing is computed per token")
-    tokens, width = rows[0].shape
+    tokens = rows[0].shape[0]
+    group, width = _row_geometry(gm.graph.nodes, tokens, rows[0].shape[-1])
 
     def argument(b: Builder, node: fx.Node, c0: int):
         if node in args_of:
@@ -270,19 +273,37 @@ def _lower_rows(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[f
                                 "whole rows")
         return None
 
-    b = Builder(tokens, width, argument)
+    b = Builder(tokens, width, argument, group)
     for n, i in args_of.items():  # every argument an input, in the op's order
         t = tensors[i]
-        kind = kind_of(tuple(t.shape), tokens, width)
-        if kind is None or (kind != "stat" and t.shape[-1] != width):
-            raise LoweringError(f"argument {n.name} of shape {tuple(t.shape)}: the programs take rows "
-                                f"[{tokens}, {width}], per-token statistics [{tokens}, 1] and columns [{width}]")
+        kind = b.kind_of(tuple(t.shape))
+        if kind is None or (group == 1 and kind != "stat" and t.shape[-1] != width):
+            each = f"[{tokens}, {width}]" if group == 1 else f"[{tokens}, {group}, {width}] or a view of it"
+            raise LoweringError(f"argument {n.name} of shape {tuple(t.shape)}: the program takes rows {each}, "
+                                f"their statistics and columns [{width}]")
         if DTYPE_NAMES.get(t.dtype) is None:
             raise LoweringError(f"argument {n.name} is {t.dtype}: the programs read bf16, fp16 and fp32")
         b.refs[(n, 0)] = b.input(kind, DTYPE_NAMES[t.dtype], ("arg", i, 0))
     for r in results:
         b.output(r)
     return b.program()
+
+
+def _row_geometry(nodes, tokens: int, width: int) -> tuple[int, int]:
+    """(rows a token, their width) of a program over a token's row of ``width`` values: the whole
+    row, or where the reference reduces the last dim of a [T, G, N] view (a norm per head) each of
+    its G groups of N; the reductions must agree on N."""
+    reduced = {(math.prod(n.args[0].meta["val"].shape[:-1]), n.args[0].meta["val"].shape[-1]) for n in nodes
+               if n.op == "call_function" and n.target in ROW_REDUCTIONS}
+    if all(lead == tokens for lead, _ in reduced):
+        return 1, width
+    if len(reduced) > 1:
+        raise LoweringError(f"reductions over rows of different widths and counts ({sorted(reduced)}, [rows, "
+                            "columns]): a program reduces one kind of row, a token's or each of its groups")
+    (lead, n), = reduced
+    if lead % tokens:
+        raise LoweringError(f"a reduction over {lead} rows of {n} values, which are not groups of {tokens} tokens")
+    return lead // tokens, n
 
 
 def _signature(args: Sequence[Any]) -> tuple:
