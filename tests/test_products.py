@@ -834,7 +834,7 @@ def test_the_weights_benchmark_times_generated_kernels_at_its_shapes():
     install_host()
     example_module("bench_product_weights")
     shapes = MXFP4.tensors(1, 4096, 7168)
-    for tokens in (1, 8, 64):
+    for tokens in (1, 8, 32, 48, 64):
         x = torch.empty(tokens, 7168, dtype=BF16, device="meta")
         codes, scales = (torch.empty(shapes[k][0][1:], dtype=shapes[k][1], device="meta")
                          for k in ("weight", "weight_scale"))
@@ -843,6 +843,8 @@ def test_the_weights_benchmark_times_generated_kernels_at_its_shapes():
                                     [x, torch.empty(4096, 7168, dtype=BF16, device="meta")])
         assert mx.module == "product_gemm" and bf.module == ("product_gemv" if tokens == 1 else "product_gemm")
         tiling = {key: mx.param_dict[key] for key in ("rows_per_cta", "split_k", "token_groups")}
-        # to 16 tokens the MXFP4 loop takes 64-row tiles and 8 K splits: 512 CTAs, about 4 an SM
+        # the MXFP4 loop on 64-row tiles: to 16 tokens 8 K splits (512 CTAs, about 4 an SM); at two
+        # token groups 2 (128 CTAs, one an SM); 48 tokens (one group of a 48-token tile) as the GEMM
         assert tiling == ({"rows_per_cta": 64, "split_k": 8, "token_groups": 1} if tokens <= 16 else
-                          {"rows_per_cta": 128, "split_k": 4, "token_groups": 2}), (tokens, tiling)
+                          {"rows_per_cta": 128, "split_k": 4, "token_groups": 1} if tokens == 48 else
+                          {"rows_per_cta": 64, "split_k": 2, "token_groups": 2}), (tokens, tiling)

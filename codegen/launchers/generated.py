@@ -58,7 +58,10 @@ MXFP4_TILE = 64  # rows of Humming's tile: a GEMM tile holds whole ones
 # 64 K (32 bytes) and, for each 16-byte copy of codes, the 8 scale bytes of its 8 rows (16 bytes)
 MXFP4_STAGED_PER_ROW = 48
 MXFP4_WARP_N8 = 4  # n8 token groups a warp of the MXFP4 main loop multiplies (64 fp32 accumulators)
-MXFP4_CTAS_PER_SM = 4  # the grid of ``mxfp4_small_tiling``: warps an SM to hide its dequantization's latency
+# the grid of ``mxfp4_small_tiling``, CTAs an SM by token groups: warps to hide the dequantization's
+# latency (a CTA of two groups has twice the warps, and a 32- or 64-token activation ring)
+MXFP4_CTAS_PER_SM = {1: 4, 2: 1}
+MXFP4_TWO_GROUP_STAGES = 6  # that tiling's ring at two token groups (the 32- and 64-token sweep's)
 
 
 def threads_for(width: int, vectors: int) -> int:
@@ -184,17 +187,26 @@ def _gemm_tiling(parts: Sequence[Stage], tokens: int, arch: str, min_tokens: int
 
 def mxfp4_small_tiling(tiling: dict[str, Any], k: int, widths: Sequence[int], products: int, arch: str
                        ) -> dict[str, Any]:
-    """The MXFP4 loop at one token group (up to 16 tokens) on 64-row tiles with the largest K split
-    that keeps the grid within ``MXFP4_CTAS_PER_SM`` CTAs an SM (none where a tile of each product
-    needs 128 rows): its warps wait on their dequantization's chain, not on bytes, so more of them
-    an SM is what pays. A 4096 x 7168 projection at 8 tokens: 14.7 us on 512 CTAs of 64 rows and 8
-    splits, 18.0 on the bf16 GEMM's 128 CTAs of 128 rows and 4 (H100, b8ca961); more pipeline
-    stages did not help either (12: 17.9)."""
-    if tiling["token_groups"] != 1 or tiling["token_tile"] > 16 or products * MXFP4_TILE > GEMM_ROWS_PER_CTA // 2:
+    """The MXFP4 loop on 64-row tiles with the largest K split that keeps the grid within
+    ``MXFP4_CTAS_PER_SM`` CTAs an SM: 4 at one token group (up to 16 tokens), 1 at two (17 to 32
+    and 49 to 64 tokens); none where a tile of each product needs 128 rows, or where the tiles
+    alone pass that grid. Its warps wait on their dequantization's chain, not on bytes, so more
+    of them an SM is what pays. A 4096 x 7168 projection: at 8 tokens 14.7 us on 512 CTAs of 64
+    rows and 8 splits against 18.0 on the bf16 GEMM's 128 CTAs of 128 rows and 4 (b8ca961); at 64
+    tokens 27.8 us on 128 CTAs of 64 rows and 2 splits against 42.7 on 128 rows and 4, 37.2 on 8
+    splits, 38.7 on 64 rows and 4 (9ed0ecf; H100 both). More pipeline stages did not help (12 at
+    8 tokens: 17.9)."""
+    groups = tiling["token_groups"]
+    if (groups == 1 and tiling["token_tile"] > 16) or groups not in MXFP4_CTAS_PER_SM or \
+            products * MXFP4_TILE > GEMM_ROWS_PER_CTA // 2:
         return {}
     tiles, k_tiles = sum(-(-w // MXFP4_TILE) for w in widths), k // GEMM_TILE_K
-    split = k_split(k_tiles, tiles, MXFP4_TILE, MXFP4_CTAS_PER_SM * SM_COUNT.get(arch, 132))
-    return {"rows_per_cta": MXFP4_TILE, "split_k": split, "stages": max(2, min(tiling["stages"], k_tiles // split))}
+    limit = MXFP4_CTAS_PER_SM[groups] * SM_COUNT.get(arch, 132)
+    if tiles > limit:
+        return {}
+    split = k_split(k_tiles, tiles, MXFP4_TILE, limit)
+    stages = tiling["stages"] if groups == 1 else MXFP4_TWO_GROUP_STAGES
+    return {"rows_per_cta": MXFP4_TILE, "split_k": split, "stages": max(2, min(stages, k_tiles // split))}
 
 
 def _parts(stages: Sequence[Stage]) -> list[list[int]]:
