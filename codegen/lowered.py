@@ -65,11 +65,10 @@ class Program:
                 raise LoweringError(f"output ({value}, {dtype}) names no value of the program or no dtype")
             if kinds[value] == "col":
                 raise LoweringError("an output the same for every token (a column) is not a per-token result")
-            per_row = self.width if kinds[value] == "row" else 1
             if not (isinstance(shape, tuple) and all(isinstance(s, int) and s > 0 for s in shape)) or \
-                    math.prod(shape) % per_row or (self.group * per_row) % math.prod(shape):
-                raise LoweringError(f"output {value}, a {kinds[value]} of {self.group} x {per_row} values a token, "
-                                    f"as shape {shape!r} past the token's dim")
+                    (kinds[value] == "row" and (not shape or shape[-1] % self.width)):
+                raise LoweringError(f"output {value}, a {kinds[value]} of rows of {self.width}, as shape {shape!r} "
+                                    "past the first dim")
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -402,7 +401,7 @@ def interpret_products(products: Products, args: Sequence[torch.Tensor]) -> list
             t = args[src[1]]
             if program.group > 1:  # read whole, a token's groups as rows
                 return program.as_rows(kind, t)
-            return t[:, src[2]:src[2] + program.width] if kind == "row" else \
+            return t.flatten(0, -2)[:, src[2]:src[2] + program.width] if kind == "row" else \
                 t.reshape(-1)[src[2]:src[2] + program.width] if kind == "col" else t.reshape(-1, 1)
         if src[0] == "temp":
             return temps[src[1]]

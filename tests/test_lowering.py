@@ -143,6 +143,10 @@ BEYOND = {
     "log1p_expm1": lambda x, w, b: torch.log1p(x.float().abs()) * torch.expm1(x.float().clamp(-20, 5)),
     "sign": lambda x, w, b: torch.sign(x) * w,
     "predicates": lambda x, w, b: (((x > 0) & (x < 1)) | ~(b > 0)).to(torch.bfloat16) * x,
+    # PyTorch's own RMSNorm: its decomposition adds the epsilon in place (``add_``)
+    "functional_rms_norm": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+    # activations of [B, S, N]: the tokens span two dims
+    "batch_and_sequence": lambda x, w, b: F.rms_norm(F.silu(x.view(1, *x.shape)), (x.shape[-1],), w) + b,
 }
 
 
@@ -269,6 +273,15 @@ def test_norms_per_head_compile_without_spills(kcache, name):
     ptx = compile_kernel(spec, cache=kcache).ptx
     assert ptx.count("shfl.sync.bfly") >= 4 * program.reductions
     assert "ld.local" not in ptx and "st.local" not in ptx and not divergent_warp_collectives(ptx)
+
+
+def test_an_in_place_op_on_an_argument_is_refused_by_name():
+    """``add_`` on a value the reference computed is an add; on its argument, the op's input would
+    change under it."""
+    x = torch.randn(4, 64)
+    assert lower(lambda x: F.rms_norm(x, (64,)), [x]).reductions == 1
+    with pytest.raises(LoweringError, match=re.escape("aten.mul_.Tensor (node mul_) writes into arg0_1")):
+        lower(lambda x: x.mul_(2), [x])
 
 
 def test_a_bool_argument_is_refused_by_name():

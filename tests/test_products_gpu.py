@@ -132,6 +132,13 @@ def _proj_head_norm(x: torch.Tensor, w: torch.Tensor, nw: torch.Tensor) -> torch
     return rms_norm(q.view(q.shape[0], -1, nw.shape[0]), nw, 1e-6).view(q.shape)
 
 
+@fused_op("products_probe_batched_proj_norm")
+def _batched_proj_norm(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, nw: torch.Tensor) -> torch.Tensor:
+    """Activations as [batch, sequence, features] (a model written for prefill): the tokens span
+    two dims; a projection, its residual and PyTorch's RMSNorm of the sum (a tail program)."""
+    return F.rms_norm(F.linear(x, w) + r, (w.shape[0],), nw, 1e-6)
+
+
 @fused_op("products_probe_proj_bias_gelu")
 def _proj_bias_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``F.linear`` with a bias (aten.addmm: the bias added to the fp32 sums), then GELU."""
@@ -182,6 +189,8 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
         return (t(tokens, 2048), t(1024, 2048), t(tokens, 1024), t(1024, positive=True))
     if name == "router":
         return (t(tokens, 1024), t(56, 1024), t(224, 1024))
+    if name == "batched_proj_norm":
+        return (t(1, tokens, 2048), t(1024, 2048), t(1, tokens, 1024), t(1024, positive=True))
     if name == "proj_head_norm":
         return (t(tokens, 1024), t(2048, 1024), t(128, positive=True))
     if name == "proj_bias_gelu":
@@ -201,8 +210,10 @@ def _args(name: str, tokens: int, device: str, gen: torch.Generator | None):
 
 PROBES = ["norm_proj_res", "mlp", "short_k_mlp", "situ_mlp", "scaled_two_outputs", "add_norm_proj", "mlp_all_reduced",
           "projections", "two_weights", "router", "fp8_per_channel", "fp8_per_tensor", "o_proj_residual_norm",
-          "mxfp4_mlp", "layer_norm_proj_gelu", "proj_residual_norm", "proj_bias_gelu", "proj_head_norm"]
-TAILED = {"o_proj_residual_norm", "proj_residual_norm", "proj_head_norm"}  # a row reduced after its product
+          "mxfp4_mlp", "layer_norm_proj_gelu", "proj_residual_norm", "proj_bias_gelu", "proj_head_norm",
+          "batched_proj_norm"]
+# a row reduced after its product: a tail program
+TAILED = {"o_proj_residual_norm", "proj_residual_norm", "proj_head_norm", "batched_proj_norm"}
 STAGES = {"mlp": 2, "short_k_mlp": 2, "situ_mlp": 2, "mlp_all_reduced": 2, "mxfp4_mlp": 2}
 PARTS = {"projections": 3, "two_weights": 2, "router": 2}  # stages of one activation: the parts of one kernel
 # a prologue that computes: staged in the GEMV at one token; from two, a rowwise kernel of its own
@@ -257,7 +268,7 @@ PROMISES = {"product_gemv": ("ld.global.L1::no_allocate.L2::256B.v", "shfl.sync.
                                          ("o_proj_residual_norm", 8), ("short_k_mlp", 1), ("mxfp4_mlp", 1),
                                          ("mxfp4_mlp", 64), ("layer_norm_proj_gelu", 1), ("layer_norm_proj_gelu", 8),
                                          ("proj_bias_gelu", 1), ("proj_bias_gelu", 8), ("proj_residual_norm", 8),
-                                         ("proj_head_norm", 1), ("proj_head_norm", 8)])
+                                         ("proj_head_norm", 1), ("proj_head_norm", 8), ("batched_proj_norm", 8)])
 def test_generated_product_kernels_compile_with_the_ptx_their_class_promises(kcache, arch, name, tokens):
     """The main loop's instructions, PDL, no local memory (a spill), no warp-wide instruction in a
     branch some of a warp's lanes skip."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -318,7 +319,7 @@ def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] |
     if group > 1:
         return t.reshape(-1, width) if kind == "row" else t.reshape(-1, 1) if kind == "stat" else t.reshape(-1)
     if kind == "row":
-        return t[:, src[2]:src[2] + width]
+        return t.flatten(0, -2)[:, src[2]:src[2] + width]  # [B, S, N]: B * S rows
     if kind == "col":
         return t.reshape(-1)[src[2]:src[2] + width]
     return t.reshape(-1, 1)
@@ -330,12 +331,12 @@ def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kin
         return 0
     if program is not None and program.group > 1:  # a token's groups are consecutive rows of a whole tensor
         return program.width
-    return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(0)
+    return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(-2)
 
 
 def _tokens(sources: Sequence[tuple], program: Program, tensors: list[torch.Tensor]) -> int:
-    """The call's tokens: the rows of a program's first row argument."""
-    return next(tensors[s[1]].shape[0] for s, (kind, _) in zip(sources, program.inputs, strict=True)
+    """The call's tokens: the rows of a program's first row argument (all its leading dims)."""
+    return next(math.prod(tensors[s[1]].shape[:-1]) for s, (kind, _) in zip(sources, program.inputs, strict=True)
                 if s[0] == "arg" and kind == "row")
 
 
@@ -385,6 +386,8 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             return f"tensor argument {i} of strides {tuple(t.stride())}: the kernels read 128-bit vectors of a row"
         if t.dim() == 2 and t.shape[1] == 1 < t.shape[0] and t.stride(0) != 1:
             return f"tensor argument {i}, a [T, 1] statistic, of strides {tuple(t.stride())}: it is read packed"
+        if t.dim() > 2 and any(t.stride(d) != t.stride(d + 1) * t.shape[d + 1] for d in range(t.dim() - 2)):
+            return f"tensor argument {i} of strides {tuple(t.stride())}: its leading dims are not one run of rows"
     for w in {w for st in products.stages for w in (*(w for w, _ in st.weights), *st.scales)}:
         if tensors[w].dim() != 2 or tensors[w].stride(0) != tensors[w].shape[1]:
             return f"weight argument {w} of strides {tuple(tensors[w].stride())}: a weight is contiguous [N, K] rows"

@@ -69,14 +69,16 @@ POINTWISE = (*UNARY, *BINARY, *COMPARE, *PREDICATES, *REDUCE, *VALUES_AND_INDICE
 def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0, group: int = 1) -> str | None:
     """What a tensor of ``shape`` is in a program over [tokens, width] rows, read from column
     ``c0``: a row [T, >= c0 + width], a statistic [T, 1] or [T], a column [>= c0 + width],
-    [1, ...] or [..., 1] (a 1-D tensor is a column, also where T = N), or None. With ``group``
-    rows a token, see ``_grouped_kind``."""
+    [1, ...] or [..., 1] (a 1-D tensor is a column, also where T = N), or None; the tokens may
+    span several leading dims ([B, S, N] rows where T = B * S). With ``group`` rows a token,
+    see ``_grouped_kind``."""
     shape = tuple(shape)
     if group > 1:
         return _grouped_kind(shape, tokens, width, c0, group)
-    if len(shape) == 2 and shape[0] == tokens and shape[1] == 1 and width > 1:
+    per_token = len(shape) >= 2 and math.prod(shape[:-1]) == tokens
+    if per_token and shape[-1] == 1 and width > 1:
         return "stat"
-    if len(shape) == 2 and shape[0] == tokens and shape[1] >= c0 + width:
+    if per_token and shape[-1] >= c0 + width:
         return "row"
     if len(shape) == 2 and shape[0] == 1 and shape[1] >= c0 + width:
         return "col"
@@ -97,7 +99,7 @@ def _grouped_kind(shape: tuple[int, ...], tokens: int, width: int, c0: int, grou
     if c0 or not shape:
         return None
     rows, n = tokens * group, math.prod(shape)
-    token_major = shape[0] in (tokens, rows)
+    token_major = any(math.prod(shape[:k]) in (tokens, rows) for k in range(1, len(shape) + 1))
     if n == rows * width and shape[-1] % width == 0 and token_major:
         return "row"
     col = n == width and all(s == 1 for s in shape[:-1])
@@ -288,7 +290,7 @@ class Builder:
         if val.dtype not in DTYPE_NAMES:
             raise LoweringError(f"{node.name} is a result of {val.dtype}: the programs write bf16, fp16 and fp32")
         shape = tuple(val.shape[1:])  # as the reference returns it, or the window a program writes of a wider row
-        if self.kind(ref) == "row" and math.prod(shape) > self.group * self.width:
+        if self.kind(ref) == "row" and self.group == 1 and shape[-1] != self.width:
             shape = (self.width,)
         self.outputs.append((ref, DTYPE_NAMES[val.dtype], shape))
         return len(self.outputs) - 1

@@ -101,7 +101,28 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[fx.GraphModule,
             gm = make_fx(traced, decomposition_table=_decompositions())(*meta)
     except Exception as e:  # noqa: BLE001 (what the trace met is the reason)
         raise LoweringError(f"the reference does not trace into ATen ops: {type(e).__name__}: {e}") from e
+    _out_of_place(gm)
     return gm, tensors
+
+
+def _out_of_place(gm: fx.GraphModule) -> None:
+    """In-place ops as their out-of-place forms, where what they write into is a value the
+    reference computed and nothing else reads (PyTorch's decomposition of ``F.rms_norm`` adds
+    the epsilon with ``add_``); an in-place op on an argument, or on a value read again, is
+    refused by name."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = node.target.overloadpacket.__name__
+        if not name.endswith("_") or name.startswith("_") or not node.target._schema.arguments[0].is_write:
+            continue
+        functional = getattr(getattr(aten, name[:-1], None), node.target._overloadname, None)
+        written = node.args[0]
+        if functional is None or written.op != "call_function" or set(written.users) != {node}:
+            raise LoweringError(f"{node.target} (node {node.name}) writes into {written.name}: the programs take "
+                                "in-place ops only on a value the reference computed and reads no more")
+        node.target = functional
+    gm.recompile()
 
 
 def lower(fn: Callable[..., Any], args: Sequence[Any]) -> Program | Products:
@@ -178,19 +199,23 @@ def _computed(gm: fx.GraphModule) -> set[fx.Node]:
 def _reduction_cut(gm: fx.GraphModule, results: list[fx.Node]) -> fx.Node | None:
     """Where to cut an op whose products' rows are reduced after them (a projection, its residual
     add, then a norm of the sum): a product's row is spread over the kernel's CTAs, so the stages
-    write the cut's value to an intermediate and a tail program reduces it. The cut is a row that
-    every such reduction follows, after which no product comes and nothing computed before it is
-    read; of those the narrowest dtype, then the latest (the most work in the epilogue). None
-    where no product's row is reduced, or no node can be cut (``lower_products`` then says why)."""
+    write the cut's value to an intermediate and a tail program reduces it. The cut is a token's
+    whole row that every such reduction follows, after which no product comes and nothing
+    computed before it is read; of those the narrowest dtype, then the latest (the most work in
+    the epilogue). None where no product's row is reduced, or no node can be cut
+    (``lower_products`` then says why)."""
     computed = _computed(gm)
     reductions = [n for n in computed if n.op == "call_function" and n.target in ROW_REDUCTIONS]
     if not reductions:
         return None
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    tokens = next(n.args[0].meta["val"].shape[0] for n in gm.graph.nodes
+                  if n.op == "call_function" and n.target is torch.ops.aten.mm.default)
     valid = []
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        if node not in computed or not isinstance(val, torch.Tensor) or val.dim() != 2:
+        if node not in computed or not isinstance(val, torch.Tensor) or val.dim() < 2 or \
+                math.prod(val.shape[:-1]) != tokens:  # a token's row ([B, S, N] rows too), not its heads
             continue
         after = _downstream(node) - {node}
         if not all(r in after for r in reductions) or any(n.target in PRODUCT_OPS for n in after):
@@ -228,7 +253,8 @@ def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx
         return ("temp", temp) if dest[1] == len(head) else ("result", head[dest[1]][0])
     stages = tuple(dataclasses.replace(st, prologue_to=tuple(map(placed, st.prologue_to)),
                                        epilogue_to=tuple(map(placed, st.epilogue_to))) for st in products.stages)
-    tokens, full = cut.meta["val"].shape
+    *lead, full = cut.meta["val"].shape
+    tokens = math.prod(lead)
     group, width = _row_geometry(after, tokens, full)
 
     def resolve(b: Builder, node: fx.Node, c0: int):
@@ -264,7 +290,7 @@ def _lower_rows(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[f
     rows = [t for t in tensors if t.dim() >= 2 and t.shape[-1] > 1]
     if not rows:
         raise LoweringError("no [tokens, columns] tensor among the arguments: nothing is computed per token")
-    tokens = rows[0].shape[0]
+    tokens = math.prod(rows[0].shape[:-1])  # [B, S, N]: B * S tokens
     group, width = _row_geometry(gm.graph.nodes, tokens, rows[0].shape[-1])
 
     def argument(b: Builder, node: fx.Node, c0: int):
