@@ -22,7 +22,9 @@ import torch
 from codegen.host import host
 
 KINDS = ("row", "stat", "col")  # [T, N], [T, 1], [N]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# what a program's rows may hold (fp8 E4M3: a quantized activation, saturated at +-448 as
+# PyTorch's conversion is; the rowwise kernel's alone)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "relu", "reciprocal", "erf")
 # comparisons give 1.0 where they hold and 0.0 where not: a program's predicates are such values
 BINARY = ("add", "sub", "mul", "div", "max", "min", "gt", "ge", "lt", "le", "eq", "ne")
@@ -151,8 +153,8 @@ def _kind(op: str, args: tuple, kinds: list[str], i: int) -> str:
         want = 1 if op in UNARY else 2
         if len(args) != want:
             raise LoweringError(f"op {i} ({op}) takes {want} argument(s), got {len(args)}")
-        if op == ROUND and args[1] not in ("bf16", "fp16"):
-            raise LoweringError(f"op {i} rounds to {args[1]!r}: bf16 or fp16")
+        if op == ROUND and (args[1] not in DTYPES or args[1] == "fp32"):
+            raise LoweringError(f"op {i} rounds to {args[1]!r}: {', '.join(d for d in DTYPES if d != 'fp32')}")
         k = kind_of(args[0])
         if k is None:
             raise LoweringError(f"op {i} ({op}) of a constant: fold it")

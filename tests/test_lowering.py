@@ -147,7 +147,17 @@ BEYOND = {
     "functional_rms_norm": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
     # activations of [B, S, N]: the tokens span two dims
     "batch_and_sequence": lambda x, w, b: F.rms_norm(F.silu(x.view(1, *x.shape)), (x.shape[-1],), w) + b,
+    # quantized activations: a norm with its per-token fp8 scale, and SiLU at a static scale
+    "fp8_dynamic_quant": lambda x, w, b: _fp8_dynamic_quant(F.rms_norm(x, (x.shape[-1],), w, 1e-6).float()),
+    "fp8_static_quant": lambda x, w, b: (F.silu(x.float()) / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn),
 }
+FP8 = torch.float8_e4m3fn
+TOLERANCE = {torch.bfloat16: 8e-3, FP8: 2e-2}  # fp8: an fp32 sum in another order may move a value one step
+
+
+def _fp8_dynamic_quant(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = y.abs().amax(-1, keepdim=True).clamp(min=1e-6) / 448.0
+    return (y / scale).to(FP8), scale
 
 
 def _beyond_args(tokens: int, width: int, device: str, seed: int) -> list[torch.Tensor]:
@@ -168,11 +178,21 @@ def test_norms_and_activations_beyond_the_models_lower_to_what_they_compute(name
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape and not torch.isnan(g).any()
-        assert rel_err(g, w) <= (8e-3 if w.dtype == torch.bfloat16 else 1e-5), (name, rel_err(g, w))
+        assert rel_err(g, w) <= TOLERANCE.get(w.dtype, 1e-5), (name, rel_err(g, w))
+
+
+def test_an_fp8_row_is_read_as_its_values():
+    """A quantized activation [T, N] in E4M3 with its per-token scale, dequantized to bf16."""
+    gen = torch.Generator().manual_seed(3)
+    q, scale = _fp8_dynamic_quant(_rand((5, 512), torch.float32, gen))
+    program = lower(lambda q, s: (q.float() * s).to(torch.bfloat16), [q, scale])
+    assert program.inputs == (("row", "fp8_e4m3"), ("stat", "fp32"))
+    assert torch.equal(interpret(program, [q, scale])[0], (q.float() * scale).to(torch.bfloat16))
 
 
 @needs_cutedsl
-@pytest.mark.parametrize("name", ["layer_norm", "std_and_var", "logsumexp", "elu", "where_row_stat_col", "predicates"])
+@pytest.mark.parametrize("name", ["layer_norm", "std_and_var", "logsumexp", "elu", "where_row_stat_col", "predicates",
+                                  "fp8_dynamic_quant"])
 def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, name):
     """Their kernels hold every reduction's butterfly and no local memory."""
     from codegen.compiler import compile_kernel
@@ -183,6 +203,7 @@ def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, 
     ptx = compile_kernel(spec, cache=kcache).ptx
     assert ptx.count("shfl.sync.bfly") >= 5 * Program.from_params(spec.param_dict["program"]).reductions
     assert "ld.local" not in ptx and "st.local" not in ptx and not divergent_warp_collectives(ptx)
+    assert not name.startswith("fp8") or "cvt.rn.satfinite.e4m3x2.f32" in ptx  # E4M3 in pairs, saturated
 
 
 def _as_fused_op(op: str, fn) -> str:
@@ -285,8 +306,8 @@ def test_an_in_place_op_on_an_argument_is_refused_by_name():
 
 
 def test_a_bool_argument_is_refused_by_name():
-    """A mask handed to the op: the kernels read bf16, fp16 and fp32 tensors."""
-    with pytest.raises(LoweringError, match="arg1_1 is torch.bool: the programs read bf16, fp16 and fp32"):
+    """A mask handed to the op: the kernels read bf16, fp16, fp32 and fp8 tensors."""
+    with pytest.raises(LoweringError, match="arg1_1 is torch.bool: the programs read bf16, fp16, fp32, fp8_e4m3"):
         lower(lambda x, m: x.masked_fill(m, 0.0), [torch.randn(4, 64), torch.rand(4, 64) > 0.5])
 
 
@@ -300,7 +321,7 @@ def test_a_bool_argument_is_refused_by_name():
     (lambda x: x.double(), "makes torch.float64"),
     (lambda x: x.max(-1).indices.float(), "(aten.max.dim): the programs compute values, not indices"),
     (lambda x: torch.sin(x), "aten.sin.default (node sin) has no lowering"),
-    (lambda x: x > 0, "is a result of torch.bool: the programs write bf16, fp16 and fp32"),
+    (lambda x: x > 0, "is a result of torch.bool: the programs write bf16, fp16, fp32, fp8_e4m3"),
 ])
 def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):
     x = torch.randn(4, 64)
@@ -465,3 +486,15 @@ def test_norms_per_head_run_on_the_gpu(name, tokens):
         assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape)
         for out in (g, c):
             assert not torch.isnan(out).any() and rel_err(out.cpu(), w) < 1e-2, (name, rel_err(out.cpu(), w))
+
+
+@on_gpu
+def test_an_fp8_row_is_read_on_the_gpu():
+    """The dequantization of an E4M3 row (8-byte vectors) against the reference."""
+    gen = torch.Generator().manual_seed(4)
+    q, scale = (t.cuda() for t in _fp8_dynamic_quant(_rand((5, 1000), torch.float32, gen)))
+    tpl, specs, fns = gpu_kernels(_as_fused_op("lowering_gpu_fp8_dequant", lambda q, s, _: (q.float() * s).to(
+        torch.bfloat16)), [q, scale, scale])
+    (got,) = tpl.launch(fns, specs, [q, scale, scale])
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), (q.float() * scale).to(torch.bfloat16).cpu())

@@ -54,9 +54,9 @@ def _check(products, fn, args, seed=None):
     assert len(got) == len(want) == products.results
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.dtype == w.dtype and g.shape == w.shape, (seed, i, g.dtype, w.dtype, g.shape, w.shape)
-        assert torch.isfinite(g).all(), (seed, i)
+        assert torch.isfinite(g.float()).all(), (seed, i)
         # a product's bf16 rounding may land one ulp apart where its sums are taken in another order
-        assert rel_err(g, w) <= (1e-2 if w.dtype == BF16 else 1e-4), (seed, i, rel_err(g, w))
+        assert rel_err(g, w) <= {BF16: 1e-2, torch.float8_e4m3fn: 2e-2}.get(w.dtype, 1e-4), (seed, i, rel_err(g, w))
 
 
 def _weights_are_bf16_rows(products, tensors):
@@ -763,6 +763,28 @@ def test_a_products_row_reduced_after_it_is_cut_and_a_tail_program_reduces_it():
     _check(products, _proj_residual_norm, args)
     specs = product_specs("k3f::probe", "sm_90a", products, args)
     assert [s.module for s in specs] == ["product_gemm", "rowwise"] and specs[1].param_dict["before"] == ()
+
+
+def test_an_fp8_result_is_the_tail_programs_and_refused_in_an_epilogue():
+    """A projection's row quantized to fp8 E4M3 with its per-token scale: the scale reduces the
+    row, so a tail program (the rowwise kernel, which writes fp8) computes both; a pointwise fp8
+    epilogue is refused by the product kernels by name."""
+    from codegen.launchers.generated import product_specs
+
+    gen = torch.Generator().manual_seed(8)
+    args = [_rand((5, 256), BF16, gen), _weight(512, 256, gen)]
+
+    def quantized(x, w):
+        y = F.linear(x, w).float()
+        scale = y.abs().amax(-1, keepdim=True) / 448.0
+        return (y / scale).to(torch.float8_e4m3fn), scale
+
+    products = lower(quantized, args)
+    assert products.tails[0].program.outputs[0][1] == "fp8_e4m3"
+    _check(products, quantized, args)
+    assert [s.module for s in product_specs("k3f::probe", "sm_90a", products, args)] == ["product_gemm", "rowwise"]
+    static = lower(lambda x, w: (F.linear(x, w).float() * 8.0).to(torch.float8_e4m3fn), args)
+    assert "stage 0 reads or writes an fp8 row" in product_specs("k3f::probe", "sm_90a", static, args)
 
 
 def test_an_all_reduce_inside_the_op_is_the_hosts_and_a_tail_program_follows_it():

@@ -161,9 +161,9 @@ def fake_input(kind: str, dtype: str, tokens, width: int, stride: int | None = N
                source: str = "arg"):
     """The fake tensor ``cute.compile`` takes for a program input: a row [T, width] (a view of a
     row ``stride`` wide), a statistic [T, 1], a column [width], a one-element argument [1];
-    ``vectors``: read in 128-bit vectors, so 16-byte aligned."""
+    ``vectors``: read in vectors of 8 values, so aligned to one (16 bytes; 8 for fp8)."""
     ct = CUTE_DTYPES[dtype]
-    align = 16 if vectors else ct.width // 8
+    align = min(16, VEC * ct.width // 8) if vectors else ct.width // 8
     if source == "scalar":
         return make_fake_tensor(ct, (1,), (1,), assumed_align=ct.width // 8)
     if kind == "row":

@@ -77,8 +77,14 @@ class RowKernel:
                 for j in cutlass.range_constexpr(self.vectors):
                     v = tidx + j * self.threads
                     rOut = cute.make_rmem_tensor((VEC,), CUTE_DTYPES[dtype])
-                    for e in cutlass.range_constexpr(VEC):
-                        rOut[e] = vals[value][j * VEC + e].to(CUTE_DTYPES[dtype])
+                    if const_expr(dtype == "fp8_e4m3"):  # converted in pairs (cvt.rn.satfinite.e4m3x2)
+                        rF = cute.make_rmem_tensor((VEC,), Float32)
+                        for e in cutlass.range_constexpr(VEC):
+                            rF[e] = vals[value][j * VEC + e]
+                        rOut.store(rF.load().to(CUTE_DTYPES[dtype]))
+                    else:
+                        for e in cutlass.range_constexpr(VEC):
+                            rOut[e] = vals[value][j * VEC + e].to(CUTE_DTYPES[dtype])
                     if const_expr(self.even) or v < self.num_vec:
                         store_vector(rOut, out[token, None], v, dtype)
             else:  # a statistic: one value a token
@@ -101,8 +107,9 @@ def load_row_value(split: RowSplit, t, kind, dtype, tidx, token):
             for h in range(2):
                 cute.copy(g2r_atom(Float32, invariant=False), cute.local_tile(row, (VEC // 2,), (2 * v + h,)),
                           cute.local_tile(r, (VEC // 2,), (h,)))
-        else:
-            cute.copy(g2r_atom(CUTE_DTYPES[dtype], invariant=False), cute.local_tile(row, (VEC,), (v,)), r)
+        else:  # one load of 8 values: 128 bits (64 for fp8)
+            cute.copy(g2r_atom(CUTE_DTYPES[dtype], invariant=False, bits=VEC * CUTE_DTYPES[dtype].width),
+                      cute.local_tile(row, (VEC,), (v,)), r)
         out += [r[e].to(Float32) for e in range(VEC)]
     return out
 
@@ -114,7 +121,8 @@ def store_vector(r, row, v, dtype):
             cute.copy(r2g_atom(Float32), cute.local_tile(r, (VEC // 2,), (h,)),
                       cute.local_tile(row, (VEC // 2,), (2 * v + h,)))
     else:
-        cute.copy(r2g_atom(CUTE_DTYPES[dtype]), r, cute.local_tile(row, (VEC,), (v,)))
+        cute.copy(r2g_atom(CUTE_DTYPES[dtype], bits=VEC * CUTE_DTYPES[dtype].width), r,
+                  cute.local_tile(row, (VEC,), (v,)))
 
 
 def build(spec) -> tuple[RowKernel, tuple]:

@@ -394,6 +394,9 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
     checked = []  # each stage's (prologue row strides, epilogue row strides)
     for i, stage in enumerate(products.stages):
         pro, epi = stage.prologue, stage.epilogue
+        if any(d == "fp8_e4m3" for p in (pro, epi) for d in (*(d for _, d in p.inputs), *(d for _, d, _ in p.outputs))):
+            return (f"stage {i} reads or writes an fp8 row: the product kernels' prologues and epilogues take bf16, "
+                    "fp16 and fp32 (fp8 rows: the rowwise kernel's)")
         epi_args = [(s, kind) for s, (kind, _) in zip(stage.epilogue_from, epi.inputs, strict=True)
                     if s[0] in READ]
         counts = {"prologue_inputs": len(pro.inputs), "weights": stage.weight_tensors, "epilogue_inputs": len(epi_args),

@@ -242,7 +242,7 @@ class Builder:
         name = DTYPE_NAMES.get(node.meta["val"].dtype)
         if name is None:
             raise LoweringError(f"{node.name} ({node.target}) makes {node.meta['val'].dtype}: the programs compute "
-                                "bf16, fp16 and fp32")
+                                f"{', '.join(DTYPES)}")
         return self.value(ROUND, ref, name) if name != "fp32" else ref
 
     def _window(self, node: fx.Node, c0: int) -> Ref:
@@ -288,7 +288,7 @@ class Builder:
             raise LoweringError(f"{node.name} is a constant, not a computed value")
         val = node.meta["val"]
         if val.dtype not in DTYPE_NAMES:
-            raise LoweringError(f"{node.name} is a result of {val.dtype}: the programs write bf16, fp16 and fp32")
+            raise LoweringError(f"{node.name} is a result of {val.dtype}: the programs write {', '.join(DTYPES)}")
         shape = tuple(val.shape[1:])  # as the reference returns it, or the window a program writes of a wider row
         if self.kind(ref) == "row" and self.group == 1 and shape[-1] != self.width:
             shape = (self.width,)

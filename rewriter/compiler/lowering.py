@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from codegen.lowered import LoweringError, Products, Program, Tail
+from codegen.lowered import DTYPES, LoweringError, Products, Program, Tail
 from rewriter.compiler.aten_ops import DTYPE_NAMES, POINTWISE, ROW_REDUCTIONS, Builder
 from rewriter.compiler.products import MXFP4_DEQUANT, PRODUCT_OPS, lower_products
 from rewriter.model import ops as _k3_ops  # noqa: F401  (defines the k3:: ops named below)
@@ -308,7 +308,7 @@ def _lower_rows(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[f
             raise LoweringError(f"argument {n.name} of shape {tuple(t.shape)}: the program takes rows {each}, "
                                 f"their statistics and columns [{width}]")
         if DTYPE_NAMES.get(t.dtype) is None:
-            raise LoweringError(f"argument {n.name} is {t.dtype}: the programs read bf16, fp16 and fp32")
+            raise LoweringError(f"argument {n.name} is {t.dtype}: the programs read {', '.join(DTYPES)}")
         b.refs[(n, 0)] = b.input(kind, DTYPE_NAMES[t.dtype], ("arg", i, 0))
     for r in results:
         b.output(r)
