@@ -25,7 +25,8 @@ KINDS = ("row", "stat", "col")  # [T, N], [T, 1], [N]
 # what a program's rows may hold (fp8 E4M3: a quantized activation, saturated at +-448 as
 # PyTorch's conversion is; the rowwise kernel's alone)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
-UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "relu", "reciprocal", "erf")
+UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "relu", "reciprocal", "erf", "floor", "ceil",
+         "rint", "trunc", "sin", "cos")  # rint: to the nearest whole number, half to even (torch.round)
 # comparisons give 1.0 where they hold and 0.0 where not: a program's predicates are such values
 BINARY = ("add", "sub", "mul", "div", "max", "min", "gt", "ge", "lt", "le", "eq", "ne")
 SELECT = "select"  # (predicate, a, b): a where the predicate is not 0, else b (torch.where)
@@ -177,7 +178,8 @@ def _kind(op: str, args: tuple, kinds: list[str], i: int) -> str:
 # ---- the interpreter: what a program computes, in torch ----------------------------------------
 _UNARY = {"neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
           "tanh": torch.tanh, "sigmoid": torch.sigmoid, "abs": torch.abs, "relu": torch.relu,
-          "reciprocal": torch.reciprocal, "erf": torch.erf}
+          "reciprocal": torch.reciprocal, "erf": torch.erf, "floor": torch.floor, "ceil": torch.ceil,
+          "rint": torch.round, "trunc": torch.trunc, "sin": torch.sin, "cos": torch.cos}
 _BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum,
            "min": torch.minimum, **{name: lambda a, b, f=f: f(a, b).float() for name, f in (
                ("gt", torch.gt), ("ge", torch.ge), ("lt", torch.lt), ("le", torch.le), ("eq", torch.eq),

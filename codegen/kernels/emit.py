@@ -124,6 +124,12 @@ _UNARY_OPS = {
     "relu": lambda x: _fmax(x, Float32(0.0)),
     "reciprocal": lambda x: Float32(1.0) / x,
     "erf": cute.math.erf,
+    "floor": cute.math.floor,
+    "ceil": cute.math.ceil,
+    "rint": cute.math.roundeven,  # half to even, as torch.round
+    "trunc": cute.math.trunc,
+    "sin": cute.math.sin,
+    "cos": cute.math.cos,
 }
 
 

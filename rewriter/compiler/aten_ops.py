@@ -31,7 +31,8 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 UNARY = {aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log", aten.sqrt.default: "sqrt",
          aten.rsqrt.default: "rsqrt", aten.tanh.default: "tanh", aten.sigmoid.default: "sigmoid",
          aten.abs.default: "abs", aten.relu.default: "relu", aten.reciprocal.default: "reciprocal",
-         aten.erf.default: "erf"}
+         aten.erf.default: "erf", aten.floor.default: "floor", aten.ceil.default: "ceil", aten.round.default: "rint",
+         aten.trunc.default: "trunc", aten.sin.default: "sin", aten.cos.default: "cos"}
 BINARY = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub",
           aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
           aten.maximum.default: "max", aten.minimum.default: "min", prims.div.default: "div"}
@@ -43,8 +44,9 @@ COMPARE = {getattr(getattr(aten, name), overload): name
 # reductions that return (values, indices): their values are a row reduction, their indices refused
 VALUES_AND_INDICES = {aten.max.dim: "rmax", aten.min.dim: "rmin"}
 # ATen ops translate writes as several program ops
-OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.clamp.default, aten.clamp_min.default,
-         aten.clamp_max.default, aten.gelu.default, aten._softmax.default, aten.leaky_relu.default, aten.elu.default,
+OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.clamp.default,
+         aten.clamp_min.default, aten.clamp_max.default, aten.gelu.default, aten._softmax.default,
+         aten.leaky_relu.default, aten.elu.default,
          aten.exp2.default, aten.log2.default, aten.logsumexp.default, prims.var.default, aten.log1p.default,
          aten.expm1.default, aten.sign.default)
 CASTS = (aten._to_copy.default, prims.convert_element_type.default)
@@ -312,18 +314,23 @@ def reduced_dims(node: fx.Node) -> None:
                             "(the last dim) only")
 
 
-def _pow(b: Builder, x: Ref, exponent: float, node: fx.Node) -> Ref:
-    if exponent == 2:
-        return b.value("mul", x, x)
-    if exponent == 3:
-        return b.value("mul", b.value("mul", x, x), x)
-    if exponent == 1:
-        return x
-    named = {0.5: "sqrt", -0.5: "rsqrt", -1: "reciprocal"}
+def _pow(b: Builder, x: Ref, exponent: float) -> Ref:
+    """x ** exponent: a whole exponent by squarings and a reciprocal, so a
+    negative x keeps its sign as in PyTorch; halves by sqrt and rsqrt; any other as
+    exp(exponent * log(x)) (NaN for a negative x, as PyTorch's)."""
+    named = {0.5: "sqrt", -0.5: "rsqrt"}
     if exponent in named:
         return b.value(named[exponent], x)
-    raise LoweringError(f"{node.name} ({node.target}) raises to {exponent}: the programs take 1, 2, 3, 0.5, -0.5 "
-                        "and -1")
+    if exponent != int(exponent):
+        return b.value("exp", b.value("mul", b.value("log", x), ("c", float(exponent))))
+    n, result, square = abs(int(exponent)), ("c", 1.0), x
+    while n:
+        if n & 1:
+            result = square if result == ("c", 1.0) else b.value("mul", result, square)
+        n >>= 1
+        if n:
+            square = b.value("mul", square, square)
+    return b.value("reciprocal", result) if exponent < 0 else result
 
 
 def _gelu(b: Builder, x: Ref, approximate: str) -> Ref:
@@ -417,7 +424,11 @@ def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
         r = b.value(REDUCE[t], _reduced(b, node))
         return b.value("div", r, ("c", float(b.width))) if t is aten.mean.dim else r
     if t is aten.pow.Tensor_Scalar:
-        return _pow(b, b.arg(args[0], node, c0), float(args[1]), node)
+        return _pow(b, b.arg(args[0], node, c0), float(args[1]))
+    if t is aten.pow.Scalar:  # base ** x, for a positive base
+        if not isinstance(args[0], (int, float)) or args[0] <= 0:
+            raise LoweringError(f"{node.name} ({t}) raises {args[0]!r} to a tensor: the programs take a positive base")
+        return b.value("exp", b.value("mul", b.arg(args[1], node, c0), ("c", math.log(args[0]))))
     if t is aten.clamp.default or t is aten.clamp_min.default or t is aten.clamp_max.default:
         x = b.arg(args[0], node, c0)
         lo = args[1] if t is not aten.clamp_max.default else None
