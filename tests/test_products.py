@@ -433,7 +433,7 @@ def test_a_statistic_of_the_prologue_reaches_the_epilogue():
 # ---- refusals ----------------------------------------------------------------------------------------
 def _refusal_args(gen):
     return {"x": _rand((4, 128), BF16, gen), "y": _rand((4, 128), BF16, gen), "w": _weight(64, 128, gen),
-            "w2": _weight(64, 128, gen), "b": _rand((64,), BF16, gen)}
+            "w2": _weight(64, 128, gen), "b": _rand((64,), BF16, gen), "kn": _weight(128, 64, gen)}
 
 
 @pytest.mark.parametrize("fn,named", [
@@ -456,6 +456,8 @@ def _refusal_args(gen):
     (lambda v: F.linear(v["x"].float() * 2, v["w"].float()), "multiplies mul, torch.float32: the generated products "
                                                              "multiply bf16 activations"),
     (lambda v: (F.linear(v["x"], v["w"]), v["w"]), "the reference returns its argument"),
+    (lambda v: v["x"] @ v["kn"], "product operand arg5_1 reads the argument arg5_1 as a [K, N] weight (x @ W): "
+                                 "the product kernels read weights as [N, K] rows"),
 ])
 def test_what_the_products_cannot_express_is_refused_by_name(fn, named):
     gen = torch.Generator().manual_seed(4)

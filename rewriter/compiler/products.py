@@ -82,8 +82,13 @@ def _weight(node: fx.Node, args: dict[fx.Node, int]) -> Weight:
             return _mxfp4_weight(node, seen, args, below, row0, rows, scale)
         if seen in args:
             val = seen.meta["val"]
-            if val.dim() != 2 or not below:
-                raise LoweringError(f"product operand {node.name} is not the transpose of an [N, K] argument")
+            if val.dim() != 2:
+                raise LoweringError(f"product operand {node.name} is a {val.dim()}-D argument: a product's weight is "
+                                    "one [N, K] matrix (a batched matmul by a weight per head is not a product)")
+            if not below:
+                raise LoweringError(f"product operand {node.name} reads the argument {seen.name} as a [K, N] weight "
+                                    "(x @ W): the product kernels read weights as [N, K] rows, F.linear's layout "
+                                    "(store W transposed and write F.linear(x, W))")
             dtype = next((name for name, dt in WEIGHT_DTYPES.items() if dt == val.dtype), None)
             if dtype is None:
                 raise LoweringError(f"weight {seen.name} is {val.dtype}: the generated products read "
