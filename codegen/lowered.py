@@ -3,9 +3,10 @@
 The compiler lowers a fused op's reference, traced into ATen ops at the call's shapes
 (``rewriter.compiler.lowering``), into a ``Program`` over one row of each token: its values are
 rows (``[T, N]``: one value per token and column), per-token statistics (``[T, 1]``: a row's sum,
-maximum, a norm's scale) and columns (``[N]``: the same for every token, a norm's weight). Every
-operation computes in fp32; where the reference rounds (an ATen op whose result is bf16, a cast
-to bf16) the program says ``round``, so it rounds at the same points. The program is a tuple of
+maximum, a norm's scale) and columns (``[N]``: the same for every token, a norm's weight); where
+the reference reduces each head of a row, a token's row is ``group`` rows of its own. Every
+operation computes in fp32; where the reference rounds (an ATen op whose result is bf16, fp16 or
+fp8, a cast to one) the program says ``round``, so it rounds at the same points. The program is a tuple of
 plain values: it is part of a ``KernelSpec``'s parameters, so the disk cache keys on it.
 
 ``interpret`` runs a program with torch on any device: the oracle a generated kernel is held to,

@@ -3,11 +3,12 @@
 The reference (the Python function a ``k3f::`` op is defined from) is traced into ATen ops at
 the call's shapes and dtypes (``make_fx`` with PyTorch's core decompositions, so SiLU, softmax
 and ``F.linear`` arrive as the few ops they are made of). A reference without matrix products
-becomes one ``Program`` over each token's row (``rewriter.compiler.aten_ops`` translates each
-ATen op); one with products becomes ``Products``: stages of a prologue, the products and an
-epilogue (``rewriter.compiler.products``). An op the tables do not know is refused with its
-name and the node that calls it, never approximated. ``lower_op`` caches by the call's
-signature: the server asks once per shape, not per step.
+becomes one ``Program`` over each token's row, or each of its heads where the reference reduces
+them (``rewriter.compiler.aten_ops`` translates each ATen op); one with products becomes
+``Products``: stages of a prologue, the products and an epilogue
+(``rewriter.compiler.products``). An op the tables do not know is refused with its name and the
+node that calls it, never approximated. ``lower_op`` caches by the call's signature: the server
+asks once per shape, not per step.
 """
 from __future__ import annotations
 
