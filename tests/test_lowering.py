@@ -157,6 +157,16 @@ BEYOND = {
     "sin_cos": lambda x, w, b: torch.sin(x.float()) * w.float() + torch.cos(x.float() * 2),
     "powers": lambda x, w, b: (x.float().abs().pow(1.7) + x.float().pow(5) * 0.1 + (x.float().abs() + 0.5).pow(-3)
                                + 2 ** x.float().clamp(-8, 8)),
+    # what PyTorch's functional API writes with the ops above (an expanded statistic, tensors of one number,
+    # NaN and infinity tests, tensor bounds)
+    "normalize_cosine": lambda x, w, b: (F.normalize(x.float(), dim=-1) * w.float(),
+                                         F.cosine_similarity(x.float(), x.float() * b.float(), dim=-1)),
+    "hard_activations": lambda x, w, b: F.hardtanh(x) + F.relu6(x) * F.hardswish(x) - F.hardsigmoid(x),
+    "lerp_logsigmoid": lambda x, w, b: torch.lerp(x.float(), w.float(), 0.3) + F.logsigmoid(x.float()),
+    "nan_to_num": lambda x, w, b: torch.nan_to_num(torch.log(x.float()), nan=0.5, neginf=-5.0),
+    "hyperbolic": lambda x, w, b: (torch.sinh(x.float()) + torch.cosh(x.float()) * torch.erfc(x.float())
+                                   + torch.log10(x.float().abs() + 1) + torch.hypot(x.float(), w.float())),
+    "clamp_tensor": lambda x, w, b: torch.clamp(x, min=-w.abs(), max=w.abs()),
 }
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.bfloat16: 8e-3, FP8: 2e-2}  # fp8: an fp32 sum in another order may move a value one step
@@ -204,7 +214,8 @@ def test_an_fp8_row_is_read_as_its_values():
 
 @needs_cutedsl
 @pytest.mark.parametrize("name", ["layer_norm", "std_and_var", "logsumexp", "elu", "where_row_stat_col", "predicates",
-                                  "fp8_dynamic_quant", "rounding", "sin_cos", "powers", "int8_fake_quant"])
+                                  "fp8_dynamic_quant", "rounding", "sin_cos", "powers", "int8_fake_quant",
+                                  "normalize_cosine", "nan_to_num", "hyperbolic"])
 def test_norms_and_activations_beyond_the_models_compile_without_spills(kcache, name):
     """Their kernels hold every reduction's butterfly and no local memory."""
     from codegen.compiler import compile_kernel
@@ -319,6 +330,13 @@ def test_an_in_place_op_on_an_argument_is_refused_by_name():
         lower(lambda x: x.mul_(2), [x])
 
 
+def test_a_reduction_of_a_weight_is_refused_by_name():
+    """The cosine similarity of each token's row with one vector reduces the vector too: a number
+    of the whole step, which the programs do not compute."""
+    with pytest.raises(LoweringError, match=re.escape("the same values for every token (a weight's)")):
+        lower(lambda x, w: F.cosine_similarity(x, w, dim=-1), [torch.randn(4, 64), torch.randn(64)])
+
+
 def test_a_bool_argument_is_refused_by_name():
     """A mask handed to the op: the kernels read bf16, fp16, fp32 and fp8 tensors."""
     with pytest.raises(LoweringError, match="arg1_1 is torch.bool: the programs read bf16, fp16, fp32, fp8_e4m3"):
@@ -336,6 +354,8 @@ def test_a_bool_argument_is_refused_by_name():
     (lambda x: x.double(), "makes torch.float64"),
     (lambda x: x.max(-1).indices.float(), "(aten.max.dim): the programs compute values, not indices"),
     (lambda x: torch.atan(x), "aten.atan.default (node atan) has no lowering"),
+    # x - trunc(x / y) y is one y off where the quotient rounds to a whole number: not taken
+    (lambda x: torch.fmod(x, 0.3), "aten.fmod.Scalar (node fmod) has no lowering"),
     (lambda x: x > 0, "is a result of torch.bool: the programs write bf16, fp16, fp32, fp8_e4m3"),
 ])
 def test_what_the_lowering_does_not_know_is_refused_by_name(fn, named):

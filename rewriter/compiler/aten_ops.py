@@ -45,7 +45,7 @@ COMPARE = {getattr(getattr(aten, name), overload): name
 VALUES_AND_INDICES = {aten.max.dim: "rmax", aten.min.dim: "rmin"}
 # ATen ops translate writes as several program ops
 OTHER = (aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, aten.clamp.default,
-         aten.clamp_min.default, aten.clamp_max.default, aten.gelu.default, aten._softmax.default,
+         aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default, aten.gelu.default, aten._softmax.default,
          aten.leaky_relu.default, aten.elu.default,
          aten.exp2.default, aten.log2.default, aten.logsumexp.default, prims.var.default, aten.log1p.default,
          aten.expm1.default, aten.sign.default)
@@ -58,14 +58,39 @@ WINDOWS = (aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor, 
 # what reduces a token's row: a product's row so reduced is cut off the kernel (``lowering``)
 ROW_REDUCTIONS = (*REDUCE, *VALUES_AND_INDICES, aten._softmax.default, aten.logsumexp.default, prims.var.default)
 # predicates and what reads them: where, the logical ops on predicates, a number as a tensor
+# tensors of one number (PyTorch's decompositions make them: log-sigmoid, lerp): a constant
+FILLED = {aten.full.default: lambda args: args[1], aten.full_like.default: lambda args: args[1],
+          aten.zeros.default: lambda args: 0.0, aten.zeros_like.default: lambda args: 0.0,
+          aten.ones.default: lambda args: 1.0, aten.ones_like.default: lambda args: 1.0}
 PREDICATES = (aten.where.self, aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
               aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.scalar_tensor.default)
 LOGICAL = {aten.bitwise_not.default: aten.logical_not.default, aten.bitwise_and.Tensor: aten.logical_and.default,
            aten.bitwise_or.Tensor: aten.logical_or.default}  # ~, & and | of bool tensors: logical ops
+
+
+def _half(b: Builder, x: Ref) -> Ref:
+    return b.value("mul", x, ("c", 0.5))
+
+
+# ATen ops the programs write from their operands' values alone (each a tensor or a number)
+COMPOSED = {
+    aten.isnan.default: lambda b, x: b.value("ne", x, x),  # the programs' ne is unordered: NaN != NaN
+    aten.isinf.default: lambda b, x: b.value("eq", b.value("abs", x), ("c", math.inf)),
+    aten.isfinite.default: lambda b, x: b.value("lt", b.value("abs", x), ("c", math.inf)),
+    aten.erfc.default: lambda b, x: b.value("sub", ("c", 1.0), b.value("erf", x)),
+    aten.log10.default: lambda b, x: b.value("mul", b.value("log", x), ("c", 1 / math.log(10))),
+    aten.tan.default: lambda b, x: b.value("div", b.value("sin", x), b.value("cos", x)),
+    aten.sinh.default: lambda b, x: _half(b, b.value("sub", _expm1(b, x), _expm1(b, b.value("neg", x)))),
+    aten.cosh.default: lambda b, x: _half(b, b.value("add", b.value("exp", x), b.value("exp", b.value("neg", x)))),
+    aten.hardtanh.default: lambda b, x, lo=("c", -1.0), hi=("c", 1.0): b.value("min", b.value("max", x, lo), hi),
+    aten.hypot.default: lambda b, x, y: b.value("sqrt", b.value("add", b.value("mul", x, x), b.value("mul", y, y))),
+    aten.clamp_min.Tensor: lambda b, x, lo: b.value("max", x, lo),
+    aten.clamp_max.Tensor: lambda b, x, hi: b.value("min", x, hi),
+}
 BROADCASTING = (*BINARY, *COMPARE, aten.where.self, aten.logical_and.default, aten.logical_or.default,
-                *LOGICAL)  # the ops whose tensor operands broadcast against each other
+                *LOGICAL, *COMPOSED, aten.clamp.Tensor)  # the ops whose tensor operands broadcast against each other
 POINTWISE = (*UNARY, *BINARY, *COMPARE, *PREDICATES, *REDUCE, *VALUES_AND_INDICES, *OTHER, *CASTS, *SHAPE_ONLY,
-             *WINDOWS)
+             *WINDOWS, *FILLED, *COMPOSED)
 
 
 def kind_of(shape: tuple[int, ...], tokens: int, width: int, c0: int = 0, group: int = 1) -> str | None:
@@ -216,7 +241,7 @@ class Builder:
         alone."""
         out = tuple(node.meta["val"].shape)
         for a in node.all_input_nodes:
-            shape = tuple(a.meta["val"].shape)
+            shape = varying(a)
             if not shape or math.prod(shape) == 1:
                 continue
             aligned = (1,) * (len(out) - len(shape)) + shape
@@ -298,6 +323,24 @@ class Builder:
         return len(self.outputs) - 1
 
 
+def varying(node: fx.Node) -> tuple[int, ...]:
+    """``node``'s shape as its values vary: an expanded tensor's dims of size 1 before the
+    expand (``expand``: right-aligned; ``prims.broadcast_in_dim``: along the dims it names), so a
+    statistic expanded to a row ([T, 1] -> [T, N], as ``F.normalize`` writes it) is still one."""
+    shape = tuple(node.meta["val"].shape)
+    if node.op != "call_function" or not isinstance(node.args[0], fx.Node):
+        return shape
+    if node.target is aten.expand.default:
+        src = varying(node.args[0])
+        return (1,) * (len(shape) - len(src)) + src
+    if node.target is prims.broadcast_in_dim.default:
+        src, out = varying(node.args[0]), [1] * len(shape)
+        for i, d in enumerate(node.args[2]):
+            out[d] = src[i]
+        return tuple(out)
+    return shape
+
+
 def last_dim(node: fx.Node, dim: int) -> None:
     rank = node.args[0].meta["val"].dim()
     if dim % rank != rank - 1:
@@ -365,7 +408,8 @@ def _log1p(b: Builder, x: Ref) -> Ref:
     about floating-point arithmetic", theorem 4)."""
     u = b.value("add", x, ("c", 1.0))
     d = b.value("sub", u, ("c", 1.0))
-    return b.value(SELECT, b.value("eq", d, ("c", 0.0)), x, b.value("div", b.value("mul", b.value("log", u), x), d))
+    small = b.value(SELECT, b.value("eq", d, ("c", 0.0)), x, b.value("div", b.value("mul", b.value("log", u), x), d))
+    return b.value(SELECT, b.value("eq", u, ("c", math.inf)), u, small)  # log1p(inf) = inf, not inf / inf
 
 
 def _expm1(b: Builder, x: Ref) -> Ref:
@@ -374,6 +418,7 @@ def _expm1(b: Builder, x: Ref) -> Ref:
     u = b.value("exp", x)
     d = b.value("sub", u, ("c", 1.0))
     scaled = b.value("div", b.value("mul", d, x), b.value("log", u))
+    scaled = b.value(SELECT, b.value("eq", u, ("c", math.inf)), u, scaled)  # expm1(x) = inf where exp(x) is
     return b.value(SELECT, b.value("eq", d, ("c", 0.0)), x,
                    b.value(SELECT, b.value("eq", d, ("c", -1.0)), ("c", -1.0), scaled))
 
@@ -388,6 +433,9 @@ def _reduced(b: Builder, node: fx.Node) -> Ref:
     x = b.get(src, 0)
     if not isinstance(x, int):
         raise LoweringError(f"{node.name} ({node.target}) reduces a constant")
+    if b.kind(x) != "row":
+        raise LoweringError(f"{node.name} ({node.target}) reduces {src.name}, the same values for every token (a "
+                            "weight's): the programs reduce a token's row")
     return x
 
 
@@ -418,6 +466,10 @@ def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
         return b.value("mul" if t is aten.logical_and.default else "max", x, y)
     if t is aten.scalar_tensor.default:
         return b.arg(args[0], node)
+    if t in COMPOSED:
+        return COMPOSED[t](b, *(b.arg(a, node, c0) for a in args))
+    if t in FILLED:
+        return b.arg(FILLED[t](args), node)
     if t is aten.rsub.Scalar or t is aten.rsub.Tensor:
         return b.value("sub", b.arg(args[1], node, c0), b.arg(args[0], node, c0))
     if t in REDUCE:
@@ -429,15 +481,16 @@ def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
         if not isinstance(args[0], (int, float)) or args[0] <= 0:
             raise LoweringError(f"{node.name} ({t}) raises {args[0]!r} to a tensor: the programs take a positive base")
         return b.value("exp", b.value("mul", b.arg(args[1], node, c0), ("c", math.log(args[0]))))
-    if t is aten.clamp.default or t is aten.clamp_min.default or t is aten.clamp_max.default:
+    if t in (aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default):
         x = b.arg(args[0], node, c0)
-        lo = args[1] if t is not aten.clamp_max.default else None
-        hi = (args[2] if len(args) > 2 else node.kwargs.get("max")) if t is aten.clamp.default else \
+        both = t in (aten.clamp.default, aten.clamp.Tensor)  # bounds: numbers, or tensors (clamp.Tensor)
+        lo = (args[1] if len(args) > 1 else node.kwargs.get("min")) if t is not aten.clamp_max.default else None
+        hi = (args[2] if len(args) > 2 else node.kwargs.get("max")) if both else \
             (args[1] if t is aten.clamp_max.default else None)
         if lo is not None:
-            x = b.value("max", x, b.arg(lo, node))
+            x = b.value("max", x, b.arg(lo, node, c0))
         if hi is not None:
-            x = b.value("min", x, b.arg(hi, node))
+            x = b.value("min", x, b.arg(hi, node, c0))
         return x
     if t is aten.gelu.default:
         return _gelu(b, b.arg(args[0], node, c0), node.kwargs.get("approximate", "none"))
