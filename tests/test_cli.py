@@ -70,7 +70,7 @@ def test_table_graph_and_dot(capsys, tmp_path):
 
 def test_the_readmes_inspect_sample_is_what_inspect_prints(capsys):
     """The README's table of the KDA+MoE layer at TP 16, batch 1 (its first lines, down to the
-    schedule's last prefetch point) is this program's output, not a stale copy."""
+    schedule's events) is this program's output, not a stale copy."""
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
