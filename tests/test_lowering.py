@@ -349,6 +349,7 @@ def test_a_bool_argument_is_refused_by_name():
     (lambda x: x @ x.t(), "weight arg0_1 is torch.float32: the generated products read bf16, fp8_e4m3 weights"),
     (lambda x: x.sum(0, keepdim=True) + x, "reduces dims [0]: the programs reduce a token's row"),
     (lambda x: x.pow(x), "aten.pow.Tensor_Tensor (node pow_1) has no lowering"),
+    (lambda x: x.pow(4096), "raises to 4096.0: the programs take whole exponents up to 1024"),
     (lambda x: (-2.0) ** x, "raises -2.0 to a tensor: the programs take a positive base"),
     (lambda x: torch.ops.k3.all_reduce(x, "tp", 2), "all_reduce of a result without matrix products"),
     (lambda x: x.double(), "makes torch.float64"),

@@ -57,20 +57,15 @@ SHAPE_ONLY = (aten.lift_fresh_copy.default, aten.view.default, aten._unsafe_view
 WINDOWS = (aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor, operator.getitem)
 # what reduces a token's row: a product's row so reduced is cut off the kernel (``lowering``)
 ROW_REDUCTIONS = (*REDUCE, *VALUES_AND_INDICES, aten._softmax.default, aten.logsumexp.default, prims.var.default)
-# predicates and what reads them: where, the logical ops on predicates, a number as a tensor
 # tensors of one number (PyTorch's decompositions make them: log-sigmoid, lerp): a constant
 FILLED = {aten.full.default: lambda args: args[1], aten.full_like.default: lambda args: args[1],
           aten.zeros.default: lambda args: 0.0, aten.zeros_like.default: lambda args: 0.0,
           aten.ones.default: lambda args: 1.0, aten.ones_like.default: lambda args: 1.0}
+# predicates and what reads them: where, the logical ops on predicates, a number as a tensor
 PREDICATES = (aten.where.self, aten.logical_not.default, aten.logical_and.default, aten.logical_or.default,
               aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.scalar_tensor.default)
 LOGICAL = {aten.bitwise_not.default: aten.logical_not.default, aten.bitwise_and.Tensor: aten.logical_and.default,
            aten.bitwise_or.Tensor: aten.logical_or.default}  # ~, & and | of bool tensors: logical ops
-
-
-def _half(b: Builder, x: Ref) -> Ref:
-    return b.value("mul", x, ("c", 0.5))
-
 
 # ATen ops the programs write from their operands' values alone (each a tensor or a number)
 COMPOSED = {
@@ -357,13 +352,16 @@ def reduced_dims(node: fx.Node) -> None:
                             "(the last dim) only")
 
 
-def _pow(b: Builder, x: Ref, exponent: float) -> Ref:
-    """x ** exponent: a whole exponent by squarings and a reciprocal, so a
+def _pow(b: Builder, x: Ref, exponent: float, node: fx.Node) -> Ref:
+    """x ** exponent: a whole exponent (up to 1024 in size) by squarings and a reciprocal, so a
     negative x keeps its sign as in PyTorch; halves by sqrt and rsqrt; any other as
     exp(exponent * log(x)) (NaN for a negative x, as PyTorch's)."""
     named = {0.5: "sqrt", -0.5: "rsqrt"}
     if exponent in named:
         return b.value(named[exponent], x)
+    if not math.isfinite(exponent) or (exponent == int(exponent) and abs(exponent) > 1024):
+        raise LoweringError(f"{node.name} ({node.target}) raises to {exponent}: the programs take whole exponents up "
+                            "to 1024 and any other finite one")
     if exponent != int(exponent):
         return b.value("exp", b.value("mul", b.value("log", x), ("c", float(exponent))))
     n, result, square = abs(int(exponent)), ("c", 1.0), x
@@ -423,6 +421,10 @@ def _expm1(b: Builder, x: Ref) -> Ref:
                    b.value(SELECT, b.value("eq", d, ("c", -1.0)), ("c", -1.0), scaled))
 
 
+def _half(b: Builder, x: Ref) -> Ref:
+    return b.value("mul", x, ("c", 0.5))
+
+
 def _reduced(b: Builder, node: fx.Node) -> Ref:
     """The row a reduction reduces: the whole of its operand, which must be as wide as the program."""
     reduced_dims(node)
@@ -476,7 +478,7 @@ def translate(b: Builder, node: fx.Node, c0: int) -> Ref:
         r = b.value(REDUCE[t], _reduced(b, node))
         return b.value("div", r, ("c", float(b.width))) if t is aten.mean.dim else r
     if t is aten.pow.Tensor_Scalar:
-        return _pow(b, b.arg(args[0], node, c0), float(args[1]))
+        return _pow(b, b.arg(args[0], node, c0), float(args[1]), node)
     if t is aten.pow.Scalar:  # base ** x, for a positive base
         if not isinstance(args[0], (int, float)) or args[0] <= 0:
             raise LoweringError(f"{node.name} ({t}) raises {args[0]!r} to a tensor: the programs take a positive base")
