@@ -568,8 +568,8 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
 
 @functools.cache
 def _result_shapes(specs: tuple[KernelSpec, ...]) -> dict[int, tuple[int, ...]]:
-    """Each result's shape past the token's dim, as the reference returns it (a statistic as [T]
-    or [T, 1]; a row of a token's groups as [T, G, N] or [T, G * N])."""
+    """Each result's shape past its first dim, as the reference returns it (a statistic as [T] or
+    [T, 1]; a row of a token's groups as [T, G, N] or [T, G * N]; [B, S, N] rows)."""
     shapes = {}
     for program, _, dests in (program for spec in specs for program in _programs_of(spec)):
         for (_, _, shape), dest in zip(program.outputs, dests, strict=True):
