@@ -140,6 +140,14 @@ def operands(op: str, args: tuple) -> tuple[int, ...]:
     return (args[0],) if op == ROUND else tuple(a for a in args if not is_const(a))
 
 
+def result_kind(op: str, kinds: set[str]) -> str:
+    """The kind of op ``op``'s result from its operands' kinds (constants left out): a reduction's
+    is a statistic; a row wherever a row, or a statistic and a column, meet; else the one kind."""
+    if op in REDUCE:
+        return "stat"
+    return "row" if "row" in kinds or kinds == {"stat", "col"} else next(iter(kinds))
+
+
 def _kind(op: str, args: tuple, kinds: list[str], i: int) -> str:
     """The kind of op ``i``'s result; refuses an op or operand the kernels do not take."""
     def kind_of(ref: Ref) -> str | None:
@@ -167,7 +175,7 @@ def _kind(op: str, args: tuple, kinds: list[str], i: int) -> str:
         ks = {kind_of(a) for a in args} - {None}
         if not ks:
             raise LoweringError(f"op {i} ({op}) of constants: fold it")
-        return "row" if "row" in ks or ks == {"stat", "col"} else ks.pop()
+        return result_kind(op, ks)
     if op in REDUCE:
         if len(args) != 1 or kind_of(args[0]) != "row":
             raise LoweringError(f"op {i} ({op}) reduces one row")

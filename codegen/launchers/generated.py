@@ -306,30 +306,27 @@ def _lane_groups(k_vectors: int, products: int, chunk: int) -> dict[str, int]:
     return {}
 
 
-def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor] | None, kind: str, width: int,
-            group: int = 1):
-    """The tensor a program input reads (a view from its column; a token's ``group`` rows as rows
-    of their own), or its shape's stand-in."""
-    if src[0] == "temp":
-        t = temps[src[1]] if temps is not None else None
-        return t.reshape(-1, width) if t is not None and group > 1 else t
-    t = tensors[src[1]]
+def _source(src: tuple, tensors: list[torch.Tensor], temps: list[torch.Tensor], kind: str, program: Program):
+    """The tensor an input of ``program`` reads: a view from its column, or with groups the whole
+    tensor as ``Program.as_rows`` views it."""
+    t = temps[src[1]] if src[0] == "temp" else tensors[src[1]]
     if src[0] == "scalar":
         return t.reshape(1)
-    if group > 1:
-        return t.reshape(-1, width) if kind == "row" else t.reshape(-1, 1) if kind == "stat" else t.reshape(-1)
+    if program.group > 1:
+        return program.as_rows(kind, t)
+    if src[0] == "temp":
+        return t
     if kind == "row":
-        return t.flatten(0, -2)[:, src[2]:src[2] + width]  # [B, S, N]: B * S rows
+        return t.flatten(0, -2)[:, src[2]:src[2] + program.width]  # [B, S, N]: B * S rows
     if kind == "col":
-        return t.reshape(-1)[src[2]:src[2] + width]
+        return t.reshape(-1)[src[2]:src[2] + program.width]
     return t.reshape(-1, 1)
 
 
-def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kind: str,
-                program: Program | None = None) -> int:
+def _row_stride(src: tuple, tensors: list[torch.Tensor], products: Products, kind: str, program: Program) -> int:
     if kind != "row" or src[0] == "scalar":
         return 0
-    if program is not None and program.group > 1:  # a token's groups are consecutive rows of a whole tensor
+    if program.group > 1:  # a token's groups are consecutive rows of a whole tensor
         return program.width
     return products.temps[src[1]][0] if src[0] == "temp" else tensors[src[1]].stride(-2)
 
@@ -409,11 +406,12 @@ def product_specs(op: str, arch: str, products: Products, tensors: list[torch.Te
             return f"stage {i}: a prologue input starts inside a 128-bit vector"
         if any(s[0] == "scalar" for s in stage.prologue_from):
             return f"stage {i}: a one-element argument in the prologue (the kernels read it in an epilogue)"
-        pro_strides = [_row_stride(s, tensors, products, kind) for s, (kind, _) in
+        pro_strides = [_row_stride(s, tensors, products, kind, pro) for s, (kind, _) in
                        zip(stage.prologue_from, pro.inputs, strict=True)]
         if any(s % VEC for s in pro_strides):
             return f"stage {i}: a prologue row's stride is not whole 128-bit vectors"
-        checked.append((tuple(pro_strides), tuple(_row_stride(s, tensors, products, kind) for s, kind in epi_args)))
+        epi_strides = [_row_stride(s, tensors, products, kind, epi) for s, kind in epi_args]
+        checked.append((tuple(pro_strides), tuple(epi_strides)))
     temps = list(products.temps)
     made = []  # (module, parts, run, shapes, params) of each kernel, made once the intermediates are known
     for run in _parts(products.stages):
@@ -531,7 +529,7 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
                     temps[k] = getattr(host(), collective)(temps[k], group, ranks)
             (program, sources, dests), = _programs_of(spec)
             kinds = program.kinds
-            ins = [_source(s, tensors, temps, kind, program.width, program.group) for s, (kind, _) in
+            ins = [_source(s, tensors, temps, kind, program) for s, (kind, _) in
                    zip(sources, program.inputs, strict=True)]
             outs = [made(d, kinds[v], program.width, dtype, program.group) for d, (v, dtype, _) in
                     zip(dests, program.outputs, strict=True)]
@@ -541,10 +539,10 @@ def _product_launch(fns, specs: tuple[KernelSpec, ...], args: Sequence[Any], out
         weights_at = iter(spec.param_dict["weights_at"])
         for stage in stages_of(spec):
             pro, epi = stage.prologue, stage.epilogue
-            pins = [_source(s, tensors, temps, kind, stage.k) for s, (kind, _) in
+            pins = [_source(s, tensors, temps, kind, pro) for s, (kind, _) in
                     zip(stage.prologue_from, pro.inputs, strict=True)]  # the same for every part
             ws += weight_tensors(stage, tensors, itertools.islice(weights_at, len(stage.weights)))
-            eins += [_source(s, tensors, temps, kind, stage.n) for s, (kind, _) in
+            eins += [_source(s, tensors, temps, kind, epi) for s, (kind, _) in
                      zip(stage.epilogue_from, epi.inputs, strict=True) if s[0] in READ]
             pkinds, ekinds = pro.kinds, epi.kinds
             qs += [made(d, pkinds[pro.outputs[j][0]], stage.k, pro.outputs[j][1])

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from codegen.lowered import DTYPES, ROUND, SELECT, LoweringError, Program, Ref, fold
-from codegen.lowered import REDUCE as REDUCED_TO_STAT
+from codegen.lowered import DTYPES, ROUND, SELECT, LoweringError, Program, Ref, fold, result_kind
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -174,9 +173,7 @@ class Builder:
         """A new value of the program: op's result, or a constant where its operands all are."""
         if all(isinstance(a, tuple) or isinstance(a, str) for a in args):
             return ("c", fold(op, tuple(args)))
-        kinds = {self.kind(a) for a in args if not isinstance(a, str)} - {None}
-        self.op_kinds.append("stat" if op in REDUCED_TO_STAT else
-                             "row" if "row" in kinds or kinds == {"stat", "col"} else kinds.pop())
+        self.op_kinds.append(result_kind(op, {self.kind(a) for a in args if not isinstance(a, str)} - {None}))
         self.ops.append((op, tuple(args)))
         return len(self.ops) - 1
 
@@ -240,7 +237,7 @@ class Builder:
             if not shape or math.prod(shape) == 1:
                 continue
             aligned = (1,) * (len(out) - len(shape)) + shape
-            k = self.kind(self.refs.get((a, c0 if columns(a) == columns(node) != 1 else 0), ("c", 0.0)))
+            k = self.kind(self.refs.get((a, _operand_window(a, node, c0)), ("c", 0.0)))
             if k == "stat" and aligned[-1] != 1 and out[-1] != 1 and self.kind(ref) == "row":
                 raise LoweringError(f"{node.name} ({node.target}) broadcasts {a.name}, a statistic of shape {shape}, "
                                     f"along the last dim of {out}: its values would meet the row's columns")
@@ -251,7 +248,7 @@ class Builder:
     def arg(self, a: Any, node: fx.Node, c0: int = 0) -> Ref:
         """Operand ``a`` of ``node`` (read at ``node``'s window ``c0`` where it has node's columns)."""
         if isinstance(a, fx.Node):
-            return self.get(a, c0 if columns(a) == columns(node) else 0)
+            return self.get(a, _operand_window(a, node, c0))
         if isinstance(a, bool) or not isinstance(a, (int, float)):
             raise LoweringError(f"{node.name} ({node.target}) takes {a!r}, which is not a number")
         return ("c", float(a))
@@ -316,6 +313,12 @@ class Builder:
             shape = (self.width,)
         self.outputs.append((ref, DTYPE_NAMES[val.dtype], shape))
         return len(self.outputs) - 1
+
+
+def _operand_window(a: fx.Node, node: fx.Node, c0: int) -> int:
+    """The column from which ``node``'s window ``c0`` reads operand ``a``: the same window where
+    ``a`` is as wide as ``node``, else its whole (a statistic, a number: column 0)."""
+    return c0 if columns(a) == columns(node) != 1 else 0
 
 
 def varying(node: fx.Node) -> tuple[int, ...]:

@@ -286,8 +286,8 @@ def _with_tail(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx
 
 def _lower_rows(gm: fx.GraphModule, tensors: list[torch.Tensor], args_of: dict[fx.Node, int],
                 results: list[fx.Node]) -> Program:
-    """A reference without products: one program over each token's row, its inputs the op's
-    tensor arguments in order."""
+    """A reference without products: one program over each token's row (or each of its groups,
+    ``_row_geometry``), its inputs the op's tensor arguments in order."""
     rows = [t for t in tensors if t.dim() >= 2 and t.shape[-1] > 1]
     if not rows:
         raise LoweringError("no [tokens, columns] tensor among the arguments: nothing is computed per token")
